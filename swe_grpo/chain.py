@@ -54,15 +54,9 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise MessageFormatError(
-                    f"{where}: unsupported content part {kind!r} (only text is supported)"
-                )
+                raise MessageFormatError(f"{where}: unsupported content part {kind!r} (only text is supported)")
             parts.append(part["text"])
         return "".join(parts)
     raise MessageFormatError(f"{where}: content must be a string, a list of text parts, or null")
@@ -136,9 +130,7 @@ def same_message(held: Message, incoming: Message) -> bool:
     """
     if held is incoming or held == incoming:
         return True
-    return held["role"] == incoming["role"] == "assistant" and _assistant_key(held) == _assistant_key(
-        incoming
-    )
+    return held["role"] == incoming["role"] == "assistant" and _assistant_key(held) == _assistant_key(incoming)
 
 
 # --------------------------------------------------------------------------- the training template
@@ -178,9 +170,7 @@ class TrainingTemplate:
                 f"the chat template does not end an assistant turn with the EOS token {self.eos_token!r}"
             )
 
-    def render(
-        self, messages: list[Message], tools: list | None = None, generation_prompt: bool = False
-    ) -> str:
+    def render(self, messages: list[Message], tools: list | None = None, generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
             messages,
             tools=tools or None,

@@ -97,9 +97,7 @@ class _Rollout:
 
 
 class _HTTPError(Exception):
-    def __init__(
-        self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None
-    ):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.code = status, message, kind, code
 
@@ -283,9 +281,7 @@ class InterceptionServer:
                 record, parsed = await self._turn(rollout, body, params)
             finally:
                 rollout.last_activity = time.monotonic()
-        reply = _Reply(
-            f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), rollout.endpoint.model, parsed, record
-        )
+        reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), rollout.endpoint.model, parsed, record)
         if not stream:
             return web.json_response(reply.completion())
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -336,9 +332,7 @@ class InterceptionServer:
         except Exception as e:
             self._record(rollout, "internal", f"{type(e).__name__}: {e}", turn_index)
             raise
-        parsed = self.parser.parse(
-            generation.token_ids, turn.prompt_ids, generation.finish_reason, turn.tools
-        )
+        parsed = self.parser.parse(generation.token_ids, turn.prompt_ids, generation.finish_reason, turn.tools)
         rollout.malformed_tool_calls += parsed.malformed_tool_calls
         record = chain.commit(
             turn, generation.token_ids, generation.log_probs, version, parsed.message, parsed.finish_reason
@@ -382,9 +376,7 @@ class _Reply:
         message = self.parsed.message
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-            return self._envelope(
-                "chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": finish}]
-            )
+            return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": finish}])
 
         out = [chunk({"role": "assistant", "content": ""})]
         if message.get("reasoning_content"):
@@ -399,13 +391,9 @@ class _Reply:
         return out
 
     async def stream(self, request: web.Request, include_usage: bool) -> web.StreamResponse:
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        payload = "".join(
-            f"data: {json.dumps(c, ensure_ascii=False)}\n\n" for c in self.chunks(include_usage)
-        )
+        payload = "".join(f"data: {json.dumps(c, ensure_ascii=False)}\n\n" for c in self.chunks(include_usage))
         await response.write((payload + "data: [DONE]\n\n").encode())
         await response.write_eof()
         return response

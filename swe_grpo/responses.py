@@ -73,9 +73,7 @@ class ResponseParser:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = copy.deepcopy(tokenizer)
-        self.has_schema = any(
-            getattr(self.tokenizer, a, None) for a in ("response_template", "response_schema")
-        )
+        self.has_schema = any(getattr(self.tokenizer, a, None) for a in ("response_template", "response_schema"))
         if not self.has_schema:
             try:
                 add_response_schema(self.tokenizer)
@@ -94,9 +92,7 @@ class ResponseParser:
         """`stop_reason` is vLLM's finish reason ("stop" or "length")."""
         text = self.tokenizer.decode(output_ids, skip_special_tokens=False)
         attempted = text.count(_CALL_OPENER)
-        message = (
-            self._schema_parse(output_ids, prompt_ids, tools) if self.has_schema and output_ids else None
-        )
+        message = self._schema_parse(output_ids, prompt_ids, tools) if self.has_schema and output_ids else None
         if message is None:
             message = {
                 "role": "assistant",
@@ -118,9 +114,7 @@ class ResponseParser:
     def _schema_parse(self, output_ids: list[int], prompt_ids: list[int], tools: list | None) -> dict | None:
         """TRL's schema parse as an OpenAI message, or None when it fails (then the caller decodes text)."""
         try:
-            parsed = parse_response(
-                self.tokenizer, output_ids, prefix=prompt_ids[-_PREFIX_TOKENS:], tools=tools
-            )
+            parsed = parse_response(self.tokenizer, output_ids, prefix=prompt_ids[-_PREFIX_TOKENS:], tools=tools)
             message: dict[str, Any] = {"role": "assistant", "content": parsed.get("content") or ""}
             reasoning = parsed.get("reasoning_content") or parsed.get("thinking")
             if reasoning:

@@ -111,9 +111,7 @@ def build_tiny_tokenizer(spec: TinyModelSpec = TinyModelSpec()):
     )
     backend.train_from_iterator(_corpus(template), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **roles)
-    tokenizer.add_special_tokens(
-        {"additional_special_tokens": [t for t in specials if t not in roles.values()]}
-    )
+    tokenizer.add_special_tokens({"additional_special_tokens": [t for t in specials if t not in roles.values()]})
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in markup])
     tokenizer.chat_template = template
     return tokenizer

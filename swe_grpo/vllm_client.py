@@ -68,9 +68,7 @@ class Generator(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
-    async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, model: str | None = None
-    ) -> Generation: ...
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, model: str | None = None) -> Generation: ...
 
 
 _CONTEXT_MARKERS = ("maximum context length", "context length", "max_model_len", "too long")
@@ -123,9 +121,7 @@ class VLLMClient:
             entry = next((m for m in models.get("data", []) if m.get("id") == self.model), None)
             if entry is None or "max_model_len" not in entry:
                 served = [m.get("id") for m in models.get("data", [])]
-                raise BadResponseError(
-                    f"model {self.model!r} not served by {self.base_url} (serving {served})"
-                )
+                raise BadResponseError(f"model {self.model!r} not served by {self.base_url} (serving {served})")
             self._max_model_len = int(entry["max_model_len"])
         return self
 
@@ -140,9 +136,7 @@ class VLLMClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, model: str | None = None
-    ) -> Generation:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, model: str | None = None) -> Generation:
         room = self.max_model_len - len(prompt_ids)
         if room <= 0:
             raise ContextOverflowError(
@@ -185,9 +179,7 @@ class VLLMClient:
             raise BadResponseError(f"{len(token_ids)} output tokens but {len(log_probs)} log-probs")
         if echoed is not None and list(echoed) != prompt_ids:
             raise BadResponseError("vLLM's echoed prompt token ids differ from the ids sent")
-        return Generation(
-            token_ids, log_probs, "length" if finish == "length" else "stop", reply.get("model", "")
-        )
+        return Generation(token_ids, log_probs, "length" if finish == "length" else "stop", reply.get("model", ""))
 
     async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         if self._session is None:

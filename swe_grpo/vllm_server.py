@@ -117,8 +117,7 @@ class VLLMServer:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise RuntimeError(
-                    f"vLLM exited with code {self._proc.returncode} during start-up; "
-                    f"last log lines:\n{self.log_tail()}"
+                    f"vLLM exited with code {self._proc.returncode} during start-up; last log lines:\n{self.log_tail()}"
                 )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:

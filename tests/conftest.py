@@ -48,9 +48,7 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 @pytest.fixture
-async def vllm_client(
-    vllm_server: VLLMServer, tokenizer: PreTrainedTokenizerBase
-) -> AsyncIterator[VLLMClient]:
+async def vllm_client(vllm_server: VLLMServer, tokenizer: PreTrainedTokenizerBase) -> AsyncIterator[VLLMClient]:
     async with VLLMClient(vllm_server.url, SERVED_NAME, stop_token_ids=[tokenizer.eos_token_id]) as client:
         yield client
 

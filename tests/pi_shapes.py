@@ -81,9 +81,7 @@ def echo_assistant(message: dict[str, Any]) -> dict[str, Any]:
 class PiConversation:
     """The growing history of one Pi session."""
 
-    def __init__(
-        self, task: str = "The test test_parse fails on empty input. Fix it.", max_tokens: int = 256
-    ):
+    def __init__(self, task: str = "The test test_parse fails on empty input. Fix it.", max_tokens: int = 256):
         self.messages: list[dict[str, Any]] = [
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": [{"type": "text", "text": task}]},

@@ -18,7 +18,12 @@ from swe_grpo.chain import (
 from swe_grpo.responses import ResponseParser
 
 REPLIES = [
-    {"role": "assistant", "content": "", "reasoning_content": "Look first.", "tool_calls": [tool_call("bash", command="ls -la")]},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "Look first.",
+        "tool_calls": [tool_call("bash", command="ls -la")],
+    },
     {
         "role": "assistant",
         "content": "Reading both files.",
@@ -30,7 +35,7 @@ REPLIES = [
         "tool_calls": [tool_call("edit", path="src/parse.py", oldText="if s:", newText="if s is not None:")],
     },
     {"role": "assistant", "content": "Fixed: empty input no longer raises."},
-]  # fmt: skip
+]
 
 
 def replies_for(template: str) -> list[dict]:
@@ -61,9 +66,7 @@ class Driver:
         if truncate_to is not None:
             output = output[:truncate_to]
         log_probs = [-0.001 * (i + 1) - len(self.sent) for i in range(len(output))]
-        parsed = self.parser.parse(
-            output, prepared.prompt_ids, "length" if truncate_to else "stop", request["tools"]
-        )
+        parsed = self.parser.parse(output, prepared.prompt_ids, "length" if truncate_to else "stop", request["tools"])
         record = self.chain.commit(prepared, output, log_probs, version, parsed.message, parsed.finish_reason)
         self.sent.append(prepared.prompt_ids)
         self.outputs.append((output, log_probs))
@@ -170,10 +173,7 @@ def test_reserialised_arguments_and_null_content_stay_clean() -> None:
     d = Driver("qwen3")
     d.turn(REPLIES[2])
     echoed = d.convo.messages[2]
-    assert (
-        echoed["content"] is None
-        and "," not in echoed["tool_calls"][0]["function"]["arguments"].split('"')[2]
-    )
+    assert echoed["content"] is None and "," not in echoed["tool_calls"][0]["function"]["arguments"].split('"')[2]
     # The agent's JSON differs from ours byte for byte but is the same JSON: still clean.
     _, record, _ = d.turn(REPLIES[3])
     assert record.kind == "clean"
@@ -226,7 +226,11 @@ def test_prepare_does_not_change_the_chain_until_commit() -> None:
         (
             [
                 {"role": "user", "content": "hi"},
-                {"role": "assistant", "content": None, "tool_calls": [tool_call("bash") | {"function": {"name": "bash", "arguments": "{oops"}}]},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "bash", "arguments": "{oops"}}],
+                },
             ],
             "not valid JSON",
         ),

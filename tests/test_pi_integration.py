@@ -70,9 +70,7 @@ def make_repo(root: Path) -> Path:
     (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     subprocess.run(["git", "add", "."], cwd=repo, check=True)
-    subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], cwd=repo, check=True
-    )
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], cwd=repo, check=True)
     return repo
 
 
@@ -117,9 +115,7 @@ def assert_rows_are_exactly_what_vllm_saw(record: RolloutRecord, exchanges: list
 
 
 async def test_real_pi_free_generation(vllm_server, tokenizer, pi_bundle, tmp_path) -> None:
-    async with RecordingClient(
-        vllm_server.url, SERVED_NAME, stop_token_ids=[tokenizer.eos_token_id]
-    ) as client:
+    async with RecordingClient(vllm_server.url, SERVED_NAME, stop_token_ids=[tokenizer.eos_token_id]) as client:
         result, record, _ = await run_session(client, tokenizer, pi_bundle, tmp_path)
     assert result.exit_code is not None and not result.timed_out, result.stderr_tail
     assert record.errors == []

