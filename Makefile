@@ -1,0 +1,20 @@
+# The two commands in the README. Both run setup first (idempotent; ~1 s when nothing changed).
+.PHONY: setup demo test lint bench
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/swe-grpo demo
+
+test: setup
+	.venv/bin/ruff check swe_grpo tests benchmarks
+	.venv/bin/python -m pytest -v -rs
+
+lint: setup
+	.venv/bin/ruff check swe_grpo tests benchmarks
+	.venv/bin/ruff format --check swe_grpo tests benchmarks
+
+bench: setup
+	.venv/bin/python benchmarks/p1_host_overhead.py
+	.venv/bin/python benchmarks/p2_concurrency.py
