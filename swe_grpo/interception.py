@@ -392,8 +392,11 @@ class _Reply:
 
     async def stream(self, request: web.Request, include_usage: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
         payload = "".join(f"data: {json.dumps(c, ensure_ascii=False)}\n\n" for c in self.chunks(include_usage))
-        await response.write((payload + "data: [DONE]\n\n").encode())
-        await response.write_eof()
+        try:
+            await response.prepare(request)
+            await response.write((payload + "data: [DONE]\n\n").encode())
+            await response.write_eof()
+        except ConnectionResetError:  # the agent went away (killed, timed out); the turn is recorded
+            log.info("agent disconnected before reply %s was sent", self.id)
         return response

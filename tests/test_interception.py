@@ -41,9 +41,9 @@ def auth(endpoint: RolloutEndpoint, token: str | None = None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token or endpoint.token}"}
 
 
-async def post_chat(http, endpoint: RolloutEndpoint, body: Any, headers=None) -> aiohttp.ClientResponse:
+async def post_chat(http, endpoint: RolloutEndpoint, body: Any, headers=None, **kwargs) -> aiohttp.ClientResponse:
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return await http.post(f"{endpoint.base_url}/{CHAT}", data=data, headers=headers or auth(endpoint))
+    return await http.post(f"{endpoint.base_url}/{CHAT}", data=data, headers=headers or auth(endpoint), **kwargs)
 
 
 def sse_events(raw: str) -> list[Any]:
@@ -275,3 +275,21 @@ def test_rollout_ids_are_validated_and_unique(server) -> None:
         server.open_rollout("../../etc")
     tokens = {server.open_rollout().token for _ in range(50)}
     assert len(tokens) == 50 and all(len(t) >= 40 for t in tokens)
+
+
+async def test_agent_disconnecting_mid_generation_is_harmless(vllm_client, tokenizer, caplog) -> None:
+    probe = ConcurrencyProbe(vllm_client)  # holds each generation for 0.2 s
+    async with InterceptionServer(probe, tokenizer, sampling=SamplingParams(max_tokens=8)) as srv:
+        endpoint = srv.open_rollout()
+        convo = PiConversation()
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(asyncio.TimeoutError):
+                await post_chat(session, endpoint, convo.request(), timeout=aiohttp.ClientTimeout(total=0.05))
+        await asyncio.sleep(0.5)  # the generation finishes with nobody listening
+        # The agent retries the same request: the chain forks instead of extending a reply never seen.
+        async with aiohttp.ClientSession() as session, await post_chat(session, endpoint, convo.request()) as r:
+            assert r.status == 200
+            await r.read()
+        record = srv.close_rollout(endpoint.rollout_id)
+    assert [t.kind for t in record.turns] == ["clean", "fork"]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
