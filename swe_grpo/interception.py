@@ -94,6 +94,7 @@ class _Rollout:
     requests: int = 0
     malformed_tool_calls: int = 0
     last_activity: float = field(default_factory=time.monotonic)
+    closed: bool = False
 
 
 class _HTTPError(Exception):
@@ -217,6 +218,7 @@ class InterceptionServer:
     def close_rollout(self, rollout_id: str) -> RolloutRecord:
         """End a rollout: later requests get 410. Returns its rows, turn records and errors."""
         rollout = self._rollouts.pop(rollout_id)
+        rollout.closed = True  # a generation still in flight is not committed to the rows handed back
         self._closed[rollout_id] = rollout.endpoint.token
         while len(self._closed) > _CLOSED_REMEMBERED:
             self._closed.popitem(last=False)
@@ -271,10 +273,13 @@ class InterceptionServer:
         rollout = self._authorize(request)
         body = await self._json_body(request)
         stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise _HTTPError(400, "'stream' must be a boolean")
+        stream_options = body.get("stream_options") or {}
+        if not isinstance(stream, bool) or not isinstance(stream_options, dict):
+            raise _HTTPError(400, "'stream' must be a boolean and 'stream_options' an object")
         params = self._sampling(body, rollout.sampling)
         async with rollout.lock:
+            if rollout.closed:
+                raise _HTTPError(410, "rollout is closed")
             rollout.requests += 1
             rollout.last_activity = time.monotonic()
             try:
@@ -284,8 +289,7 @@ class InterceptionServer:
         reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), rollout.endpoint.model, parsed, record)
         if not stream:
             return web.json_response(reply.completion())
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return await reply.stream(request, include_usage)
+        return await reply.stream(request, bool(stream_options.get("include_usage")))
 
     async def _json_body(self, request: web.Request) -> dict[str, Any]:
         try:
@@ -332,6 +336,8 @@ class InterceptionServer:
         except Exception as e:
             self._record(rollout, "internal", f"{type(e).__name__}: {e}", turn_index)
             raise
+        if rollout.closed:
+            raise _HTTPError(410, "rollout was closed during generation")
         parsed = self.parser.parse(generation.token_ids, turn.prompt_ids, generation.finish_reason, turn.tools)
         rollout.malformed_tool_calls += parsed.malformed_tool_calls
         record = chain.commit(

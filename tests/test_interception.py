@@ -114,6 +114,7 @@ async def test_models_route(server, http, vllm_client) -> None:
         ({"stream": True}, "non-empty list"),
         ({"messages": "hi"}, "non-empty list"),
         ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "'stream'"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stream_options": [1]}, "'stream_options'"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": {"a": 1}}, "tools must be a list"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "unsupported role"),
@@ -293,3 +294,16 @@ async def test_agent_disconnecting_mid_generation_is_harmless(vllm_client, token
         record = srv.close_rollout(endpoint.rollout_id)
     assert [t.kind for t in record.turns] == ["clean", "fork"]
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+async def test_closing_a_rollout_mid_generation_commits_nothing(vllm_client, tokenizer) -> None:
+    probe = ConcurrencyProbe(vllm_client)  # holds each generation for 0.2 s
+    async with InterceptionServer(probe, tokenizer, sampling=SamplingParams(max_tokens=8)) as srv:
+        endpoint = srv.open_rollout()
+        async with aiohttp.ClientSession() as session:
+            request = asyncio.create_task(post_chat(session, endpoint, PiConversation().request()))
+            await asyncio.sleep(0.1)
+            record = srv.close_rollout(endpoint.rollout_id)
+            async with await request as r:
+                assert r.status == 410
+    assert record.rows == [] and record.turns == []
