@@ -14,8 +14,9 @@ import aiohttp
 import psutil
 import pytest
 from conftest import SERVED_NAME
-from pi_shapes import PiConversation
+from pi_shapes import PiConversation, scripted_output, tool_call
 
+from swe_grpo.chain import TrainingTemplate, normalize_message
 from swe_grpo.interception import InterceptionServer, RolloutEndpoint
 from swe_grpo.vllm_client import Generation, SamplingParams, VLLMClient
 
@@ -307,3 +308,59 @@ async def test_closing_a_rollout_mid_generation_commits_nothing(vllm_client, tok
             async with await request as r:
                 assert r.status == 410
     assert record.rows == [] and record.turns == []
+
+
+class ScriptedGenerator:
+    """SCRIPTED outputs: each generation is the template's own rendering of the next recorded reply."""
+
+    max_model_len = 32768
+
+    def __init__(self, template: TrainingTemplate, replies: list[dict]):
+        self.outputs = [scripted_output(template, normalize_message(r)) for r in replies]
+
+    async def generate(self, prompt_ids, params, model=None) -> Generation:
+        ids = self.outputs.pop(0)
+        return Generation(ids, [-0.25] * len(ids), "stop", model or "")
+
+
+async def test_replaying_a_recorded_conversation_is_clean(tokenizer, http) -> None:
+    """A conversation recorded elsewhere (other tool-call ids, other whitespace, compact JSON) and
+    replayed request by request through the public API extends one chain cleanly."""
+    replies = [
+        {"role": "assistant", "content": "", "tool_calls": [tool_call("bash", command="ls")]},
+        {
+            "role": "assistant",
+            "content": "Two reads.",
+            "reasoning_content": "calc.py looks wrong",
+            "tool_calls": [tool_call("read", path="calc.py"), tool_call("read", path="test_calc.py")],
+        },
+        {"role": "assistant", "content": "Done."},
+    ]
+    generator = ScriptedGenerator(TrainingTemplate(tokenizer), replies)
+    recorded = PiConversation()
+    requests = []
+    for i, reply in enumerate(replies):
+        requests.append(recorded.request(stream=i % 2 == 0))
+        echoed = {**reply, "content": (reply["content"] + "\n") or None}
+        echoed["tool_calls"] = [
+            {
+                **c,
+                "id": f"toolu_{i}{j}",
+                "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])},
+            }
+            for j, c in enumerate(reply.get("tool_calls", []))
+        ]
+        recorded.add_reply(echoed if echoed["tool_calls"] else {k: v for k, v in echoed.items() if k != "tool_calls"})
+
+    async with InterceptionServer(generator, tokenizer) as srv:
+        endpoint = srv.open_rollout()
+        for body in requests:
+            async with await post_chat(http, endpoint, body) as r:
+                assert r.status == 200
+                await r.read()
+        record = srv.close_rollout(endpoint.rollout_id)
+    assert [t.kind for t in record.turns] == ["clean"] * 3
+    assert len(record.rows) == 1
+    assert sum(record.rows[0].completion_mask) == sum(
+        len(o) for o in ScriptedGenerator(TrainingTemplate(tokenizer), replies).outputs
+    )
