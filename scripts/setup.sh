@@ -19,13 +19,22 @@ mkdir -p "$DEPS"
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 stamp_ok() { [[ -f "$1" && "$(cat "$1")" == "$2" ]]; }
 
-# --- apt packages later stages need (sandboxing) ---------------------------------------------------
-if ! command -v bwrap >/dev/null; then
-    log "installing bubblewrap (apt)"
-    if [[ $(id -u) -eq 0 ]]; then SUDO=""; else SUDO="sudo"; fi
+# --- system packages and the sandbox user ----------------------------------------------------------
+# bubblewrap + fuse-overlayfs: the `local` sandbox; python3-pytest + git: what sandboxed task tests run
+# with; docker.io + debootstrap: the `docker` sandbox and its offline base image.
+APT_PACKAGES=(bubblewrap fuse-overlayfs git python3 python3-pytest docker.io debootstrap)
+if [[ $(id -u) -eq 0 ]]; then SUDO=""; else SUDO="sudo"; fi
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+    log "installing ${missing[*]} (apt)"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq bubblewrap >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+# Sandboxed agents and task tests run as this unprivileged user, never as root.
+id swe-sandbox >/dev/null 2>&1 || $SUDO useradd --system --no-create-home --shell /usr/sbin/nologin swe-sandbox
 
 # --- Python environment -----------------------------------------------------------------------------
 py_inputs="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
