@@ -37,7 +37,9 @@ fi
 id swe-sandbox >/dev/null 2>&1 || $SUDO useradd --system --no-create-home --shell /usr/sbin/nologin swe-sandbox
 
 # --- Python environment -----------------------------------------------------------------------------
-py_inputs="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+# Re-run pip only when the dependencies or the install recipe below change (bump PY_RECIPE for the latter).
+PY_RECIPE=1
+py_inputs="$(cat pyproject.toml | sha256sum | cut -d' ' -f1) torch=${TORCH_VERSION} recipe=${PY_RECIPE}"
 if ! stamp_ok "$VENV/.swe_grpo_stamp" "$py_inputs"; then
     [[ -x $VENV/bin/python ]] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
     PIPLOG=$VENV/pip.log
