@@ -162,6 +162,8 @@ class TrainingTemplate:
                 "(trl.chat_template_utils.get_training_chat_template) or fix the template."
             )
         self.template_kwargs = template_kwargs
+        # The Rust tokenizer directly: the same ids as `tokenizer.encode` without its Python overhead.
+        self._backend = self.tokenizer.backend_tokenizer
         self.eos_token: str = self.tokenizer.eos_token
         self.eos_token_id: int = self.tokenizer.convert_tokens_to_ids(self.eos_token)
         probe = self.render([_CONTEXT_USER, {"role": "assistant", "content": "probe"}])
@@ -180,7 +182,7 @@ class TrainingTemplate:
         )
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._backend.encode(text, add_special_tokens=False).ids
 
     def prompt_ids(self, messages: list[Message], tools: list | None = None) -> list[int]:
         """A full render of `messages` with the generation prompt (first turn, or a fork)."""

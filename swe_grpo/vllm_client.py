@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
+import orjson
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class Generator(Protocol):
     async def generate(self, prompt_ids: list[int], params: SamplingParams, model: str | None = None) -> Generation: ...
 
 
+_JSON = {"Content-Type": "application/json"}
 _CONTEXT_MARKERS = ("maximum context length", "context length", "max_model_len", "too long")
 
 
@@ -187,11 +189,13 @@ class VLLMClient:
         url = self.base_url + path
         for attempt in range(self.max_retries + 1):
             try:
-                async with self._session.request(method, url, json=body) as resp:
+                # orjson: the body carries every prompt id, and the reply echoes them back.
+                data = None if body is None else orjson.dumps(body)
+                async with self._session.request(method, url, data=data, headers=_JSON) as resp:
                     if resp.status < 400:
                         try:
-                            return await resp.json()
-                        except (aiohttp.ContentTypeError, ValueError) as e:
+                            return orjson.loads(await resp.read())
+                        except orjson.JSONDecodeError as e:
                             raise BadResponseError(f"{path}: reply is not JSON") from e
                     text = await resp.text()
                     if resp.status < 500:
