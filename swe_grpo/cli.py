@@ -100,7 +100,7 @@ async def _demo_session(vllm_url: str, model_dir: Path, out_dir: Path, max_token
             {
                 "task": DEMO_TASK,
                 "turns": [asdict(t) for t in record.turns],
-                "rows": [asdict(r) for r in record.rows],
+                "rows": [r.as_dict() for r in record.rows],
                 "errors": [asdict(e) for e in record.errors],
                 "pi": asdict(result),
             }

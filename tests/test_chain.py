@@ -99,7 +99,7 @@ def test_tool_call_conversation_is_clean_and_bridge_exact(template: str) -> None
 
     assert len(d.chain.rows) == 1
     row = d.chain.rows[0]
-    assert row.input_ids == d.sent[-1] + d.outputs[-1][0]
+    assert row.input_ids.tolist() == d.sent[-1] + d.outputs[-1][0]
     assert len(row.completion_mask) == len(row.old_log_probs) == len(row.input_ids)
     trained = [i for i, m in enumerate(row.completion_mask) if m]
     expected_positions, expected_log_probs = [], []
@@ -139,8 +139,8 @@ def test_truncated_history_forks_into_a_new_row() -> None:
     assert d.template.tokenizer.decode(prepared.prompt_ids) == expected_text
     assert len(d.chain.rows) == 2
     assert d.chain.rows[0] == first_row  # the closed row is untouched
-    assert d.chain.rows[1].input_ids == prepared.prompt_ids + d.outputs[-1][0]
-    assert d.chain.rows[1].completion_mask == [0] * len(prepared.prompt_ids) + [1] * len(d.outputs[-1][0])
+    assert d.chain.rows[1].input_ids.tolist() == prepared.prompt_ids + d.outputs[-1][0]
+    assert d.chain.rows[1].completion_mask.tolist() == [0] * len(prepared.prompt_ids) + [1] * len(d.outputs[-1][0])
     # The conversation goes on cleanly from the new row.
     d.convo.messages.append({"role": "user", "content": [{"type": "text", "text": "Thanks. Run the tests."}]})
     _, record, _ = d.turn(REPLIES[0])

@@ -103,7 +103,7 @@ def assert_rows_are_exactly_what_vllm_saw(record: RolloutRecord, exchanges: list
         assert ex.received_prompt == ex.sent_prompt, f"turn {turn.turn}: vLLM got other prompt ids"
         # The prompt sent at this turn is the row's prefix: for a clean turn the held chain plus the
         # interstitial, for a fork (or the first turn) the start of a new row.
-        assert row.input_ids[: turn.prompt_tokens] == ex.sent_prompt, f"turn {turn.turn}: prompt != chain"
+        assert row.input_ids[: turn.prompt_tokens].tolist() == ex.sent_prompt, f"turn {turn.turn}: prompt != chain"
         assert turn.kind == "clean" or (turn.kind == "fork" and turn.new_prompt_tokens == turn.prompt_tokens)
         span = range(turn.prompt_tokens, turn.prompt_tokens + turn.output_tokens)
         assert [row.input_ids[i] for i in span] == ex.token_ids
