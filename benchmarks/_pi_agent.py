@@ -1,0 +1,358 @@
+"""Shared by the benchmarks: a simulated Pi agent, a stub generator, and report helpers.
+
+`PiConversation` builds the requests Pi (`@mariozechner/pi-coding-agent`, `openai-completions` provider)
+sends: its system prompt, the task as text parts, the tools `read`/`bash`/`edit`/`write`, `stream: true`
+with usage, the whole history every turn. It reads the SSE answer as Pi does, echoes the assistant
+message back (arguments re-serialised like JS `JSON.stringify`, empty content as `null`) and appends one
+`tool` result per call, cut from Python standard-library sources so it tokenises like code.
+`StubGenerator` answers with the fixed token ids of a valid Qwen3 tool-call answer. `TOOL_OUTPUTS` says how
+much new content each turn brings: how many tool calls the stub's answer makes, and how long each result is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sysconfig
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from swe_grpo.tiny_model import build_tiny_model
+from swe_grpo.vllm_client import Generation, SamplingParams
+
+if TYPE_CHECKING:
+    from swe_grpo.interception import RolloutEndpoint
+
+# --------------------------------------------------------------------------- the request Pi sends
+
+SYSTEM_PROMPT = (
+    "You are an expert coding assistant operating inside pi, a coding agent harness. You help users by "
+    "reading files, executing commands, editing code, and writing new files.\n\n"
+    "Available tools:\n"
+    "- read: Read file contents\n"
+    "- bash: Execute bash commands (ls, grep, find, etc.)\n"
+    "- edit: Make surgical edits to files (find exact text and replace)\n"
+    "- write: Create or overwrite files\n\n"
+    "In addition to the tools above, you may have access to other custom tools depending on the "
+    "project.\n\n"
+    "Guidelines:\n"
+    "- Use bash for file operations like ls, rg, find\n"
+    "- Use read to examine files before editing. You must use this tool instead of cat or sed.\n"
+    "- Use edit for precise changes (old text must match exactly)\n"
+    "- Use write only for new files or complete rewrites\n"
+    "- When summarizing your actions, output plain text directly - do NOT use cat or bash to display "
+    "what you did\n"
+    "- Be concise in your responses\n"
+    "- Show file paths clearly when working with files\n\n"
+    "Pi documentation (read only when the user asks about pi itself, its SDK, extensions, themes, "
+    "skills, or TUI):\n"
+    "- Main documentation: /opt/pi/node_modules/@mariozechner/pi-coding-agent/README.md\n"
+    "- Additional docs: /opt/pi/node_modules/@mariozechner/pi-coding-agent/docs\n"
+    "- Examples: /opt/pi/node_modules/@mariozechner/pi-coding-agent/examples (extensions, custom "
+    "tools, SDK)\n"
+    "- When asked to create: custom models/providers (README.md), extensions (docs/extensions.md, "
+    "examples/extensions/), themes (docs/themes.md), skills (docs/skills.md), prompt templates "
+    "(docs/prompt-templates.md), TUI components (docs/tui.md), keybindings (docs/keybindings.md), SDK "
+    "integrations (docs/sdk.md), custom providers (docs/custom-provider.md), adding models "
+    "(docs/models.md), pi packages (docs/packages.md)\n"
+    "- When working on pi topics, read the docs and examples, and follow .md cross-references before "
+    "implementing\n"
+    "- Always read pi .md files completely and follow links to related docs (e.g., tui.md for TUI API "
+    "details)\n\n"
+    "Working in this repository:\n"
+    "- The repository is checked out at /testbed. Do not leave it.\n"
+    "- Run the test suite with `python -m pytest -x -q` before you finish, and fix what fails.\n"
+    "- Keep changes minimal and focused on the task; do not reformat unrelated code.\n"
+    "- Do not modify the tests unless the task asks you to.\n"
+    "- When you are done, reply with a short summary of the change and stop calling tools.\n"
+    "Current date and time: Tuesday, March 3, 2026 at 09:41:17 AM UTC\n"
+    "Current working directory: /testbed"
+)
+
+USER_TASK = (
+    "The function `parse_duration` in `src/timeutil/parse.py` rejects inputs such as `1h30m` and "
+    "`90s` that the documentation says are valid, and it silently accepts negative durations. Fix the "
+    "parser so that every format listed in `docs/durations.md` is accepted, negative durations raise "
+    "`ValueError`, and the existing behaviour for plain integers (seconds) is unchanged. Add tests for "
+    "the new cases in `tests/test_parse.py`. Run the test suite before you finish."
+)
+
+
+def _tool(name: str, description: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": required},
+            "strict": False,
+        },
+    }
+
+
+TOOLS: list[dict[str, Any]] = [
+    _tool(
+        "read",
+        "Read the contents of a file. Supports text files and images (jpg, png, gif, webp). For text "
+        "files, output is truncated to 2000 lines or 50KB (whichever is hit first). Use offset/limit "
+        "for large files.",
+        {
+            "path": {"type": "string", "description": "Path to the file to read (relative or absolute)"},
+            "offset": {"type": "number", "description": "Line number to start reading from (1-indexed)"},
+            "limit": {"type": "number", "description": "Maximum number of lines to read"},
+        },
+        ["path"],
+    ),
+    _tool(
+        "bash",
+        "Execute a bash command in the current working directory. Returns stdout and stderr. Output is "
+        "truncated to last 2000 lines or 50KB (whichever is hit first).",
+        {
+            "command": {"type": "string", "description": "Bash command to execute"},
+            "timeout": {"type": "number", "description": "Timeout in seconds (optional, no default timeout)"},
+        },
+        ["command"],
+    ),
+    _tool(
+        "edit",
+        "Edit a file by replacing exact text. The oldText must match exactly (including whitespace). "
+        "Use this for precise, surgical edits.",
+        {
+            "path": {"type": "string", "description": "Path to the file to edit (relative or absolute)"},
+            "oldText": {
+                "type": "string",
+                "description": "Exact text to find and replace (must match exactly)",
+            },
+            "newText": {"type": "string", "description": "New text to replace the old text with"},
+        },
+        ["path", "oldText", "newText"],
+    ),
+    _tool(
+        "write",
+        "Write content to a file. Creates the file if it doesn't exist, overwrites if it does. "
+        "Automatically creates parent directories.",
+        {
+            "path": {"type": "string", "description": "Path to the file to write (relative or absolute)"},
+            "content": {"type": "string", "description": "Content to write to the file"},
+        },
+        ["path", "content"],
+    ),
+]
+
+# --------------------------------------------------------------------------- how much each turn brings
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    """New content per turn: the stub's answer makes `calls` tool calls, each result `chars` characters."""
+
+    name: str
+    calls: int
+    chars: tuple[int, int]
+    note: str
+
+
+TOOL_OUTPUTS = {
+    "small": ToolOutput("small", 1, (200, 600), "1 tool result of 200-600 chars per turn (ls, grep, a short command)"),
+    "large": ToolOutput("large", 2, (300, 2000), "2 tool results of 300-2000 chars per turn (file reads, test runs)"),
+}
+
+# --------------------------------------------------------------------------- the stub model
+
+# Qwen3 in thinking mode: a one-call and a two-call answer.
+_STUB_ANSWERS = {
+    1: "<think>\nI should look at the repository layout before changing anything.\n</think>\n\n"
+    '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call><|im_end|>',
+    2: "<think>\nThe parser lives in src/timeutil/parse.py; read it and find its callers.\n</think>\n\n"
+    '<tool_call>\n{"name": "read", "arguments": {"path": "src/timeutil/parse.py"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "bash", "arguments": {"command": "grep -rn parse_duration src tests"}}\n'
+    "</tool_call><|im_end|>",
+}
+
+
+def load_tokenizer() -> PreTrainedTokenizerBase:
+    """The tiny Qwen3 tokenizer (built once, then cached under `$SWE_GRPO_CACHE`)."""
+    return AutoTokenizer.from_pretrained(build_tiny_model())
+
+
+class StubGenerator:
+    """A `Generator` that answers after `latency_s` (0: at once) with the fixed token ids of a Qwen3 answer
+    making `calls` tool calls (1 or 2)."""
+
+    max_model_len = 262144
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, calls: int, latency_s: float = 0.0):
+        self.ids = tokenizer.encode(_STUB_ANSWERS[calls], add_special_tokens=False)
+        self.latency_s = latency_s
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, model: str | None = None) -> Generation:
+        if self.latency_s > 0:
+            await asyncio.sleep(self.latency_s)
+        return Generation(list(self.ids), [-0.5] * len(self.ids), "stop", model or "stub")
+
+
+# --------------------------------------------------------------------------- tool results
+
+
+def _source_corpus() -> str:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    names = ["argparse.py", "difflib.py", "pathlib.py", "subprocess.py", "textwrap.py", "unittest/case.py"]
+    return "\n".join((stdlib / n).read_text(encoding="utf-8") for n in names if (stdlib / n).is_file())
+
+
+_CORPUS = _source_corpus()
+
+
+def tool_output(rng: random.Random, name: str, chars: tuple[int, int]) -> str:
+    """One tool result: a file excerpt (`read`), or grep hits, a failing pytest run or `ls -la` (`bash`)."""
+    size = rng.randint(*chars)
+    start = _CORPUS.find("\n", rng.randrange(0, len(_CORPUS) - 8000)) + 1
+    excerpt = _CORPUS[start : start + 2 * size]
+    kind = "read" if name == "read" else rng.choice(["grep", "pytest", "ls"])
+    if kind == "read":
+        text = excerpt
+    elif kind == "grep":
+        lines = excerpt.splitlines()
+        text = "\n".join(f"src/timeutil/parse.py:{start // 40 + i}:{line}" for i, line in enumerate(lines))
+    elif kind == "pytest":
+        text = (
+            "============================= test session starts ==============================\n"
+            "collected 42 items\n\ntests/test_parse.py ....F.....\n\n"
+            "=================================== FAILURES ===================================\n" + excerpt
+        )
+    else:
+        names = [w for w in excerpt.split() if w.isidentifier()]
+        text = "\n".join(
+            f"-rw-r--r-- 1 root root {rng.randint(100, 60000):6d} Mar  3 09:{i % 60:02d} {n}.py"
+            for i, n in enumerate(names)
+        )
+    cut = text.rfind("\n", 0, size)
+    return text[: cut if cut > size // 2 else size]
+
+
+# --------------------------------------------------------------------------- the agent
+
+
+@dataclass
+class Answer:
+    """What one SSE response carried, as Pi accumulates it."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+
+
+def parse_sse(payload: bytes) -> Answer:
+    """Accumulate an OpenAI chat-completion SSE stream the way Pi's openai-completions provider does."""
+    answer = Answer()
+    calls: dict[int, dict[str, Any]] = {}
+    for event in payload.decode("utf-8").split("\n\n"):
+        if not event.startswith("data: ") or event == "data: [DONE]":
+            continue
+        chunk = json.loads(event[len("data: ") :])
+        answer.usage = chunk.get("usage") or answer.usage
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            answer.content += delta.get("content") or ""
+            answer.reasoning += delta.get("reasoning_content") or delta.get("reasoning") or ""
+            for call in delta.get("tool_calls") or []:
+                slot = calls.setdefault(call["index"], {"id": "", "name": "", "arguments": ""})
+                fn = call.get("function") or {}
+                slot["id"] = call.get("id") or slot["id"]
+                slot["name"] += fn.get("name") or ""
+                slot["arguments"] += fn.get("arguments") or ""
+            answer.finish_reason = choice.get("finish_reason") or answer.finish_reason
+    answer.tool_calls = [calls[i] for i in sorted(calls)]
+    return answer
+
+
+class PiConversation:
+    """The message history of one simulated Pi session, and the request body it sends each turn."""
+
+    def __init__(self, model: str, rng: random.Random, chars: tuple[int, int]):
+        self.model, self.rng, self.chars = model, rng, chars
+        self.messages: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": [{"type": "text", "text": USER_TASK}]},
+        ]
+
+    def body(self) -> bytes:
+        """The JSON body of the next request: the whole history, as Pi re-sends it every turn."""
+        request = {
+            "model": self.model,
+            "messages": self.messages,
+            "tools": TOOLS,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": 4096,
+        }
+        return json.dumps(request, ensure_ascii=False).encode()
+
+    def absorb(self, answer: Answer) -> None:
+        """Echo the assistant message back and run its tool calls (one result per call)."""
+        if not answer.tool_calls:
+            raise ValueError(f"expected tool calls, got finish_reason={answer.finish_reason!r}")
+        message: dict[str, Any] = {"role": "assistant", "content": answer.content or None}
+        if answer.reasoning:
+            message["reasoning_content"] = answer.reasoning
+        message["tool_calls"] = [
+            {
+                "id": call["id"],
+                "type": "function",
+                "function": {
+                    "name": call["name"],
+                    "arguments": json.dumps(
+                        json.loads(call["arguments"] or "{}"), separators=(",", ":"), ensure_ascii=False
+                    ),
+                },
+            }
+            for call in answer.tool_calls
+        ]
+        self.messages.append(message)
+        for call in answer.tool_calls:
+            content = tool_output(self.rng, call["name"], self.chars)
+            self.messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+
+    def copy(self, rng: random.Random) -> PiConversation:
+        """Same history (messages are shared, never mutated), its own RNG."""
+        other = PiConversation(self.model, rng, self.chars)
+        other.messages = list(self.messages)
+        return other
+
+
+async def post(session: aiohttp.ClientSession, endpoint: RolloutEndpoint, body: bytes) -> tuple[int, bytes, float]:
+    """Send one chat completion; returns the status, the answer's bytes and the round-trip in seconds
+    (from sending the serialised body to the last byte of the answer)."""
+    headers = {"Authorization": f"Bearer {endpoint.token}", "Content-Type": "application/json"}
+    t0 = time.perf_counter()
+    async with session.post(f"{endpoint.base_url}/chat/completions", data=body, headers=headers) as resp:
+        payload = await resp.read()
+    return resp.status, payload, time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between order statistics; NaN if empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" for _ in headers) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])

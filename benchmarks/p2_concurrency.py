@@ -1,0 +1,418 @@
+"""P2: many concurrent rollouts on one InterceptionServer: errors, added latency, throughput, memory.
+
+What. 512 simulated Pi agents (default) each run one rollout of 20 turns against one `InterceptionServer`
+whose generator is a stub that sleeps 50 ms and returns a fixed, valid Qwen3 tool call. Each agent
+records every round-trip (sending the body to the last byte of the SSE answer); added latency =
+round-trip - 50 ms, what the host adds to a generation. Reported: errors (non-200, transport errors,
+answers without tool calls, turns the server recorded as errors or forks), added-latency percentiles,
+requests/s, CPU of both sides, the server's resident memory before the traffic (rollouts opened), after
+it (every rollout still holding its chain) and at its peak, and its full garbage collections.
+
+How. The server runs in its own process (a fresh one per scenario); the agents run in this process on
+uvloop (if installed), pinned to the last CPU when there are 2+, and talk to it over 127.0.0.1. Agents behave like Pi
+(`_pi_agent.py`): the whole history re-sent every turn, one request at a time per rollout, and between
+turns a think pause standing in for running the tools. One extra rollout warms the server up first.
+Two scenarios, each stopped after `--max-seconds` (what is unfinished is cancelled and counted):
+
+- realistic: think time uniform in 2-5 s (`--think 2,5`; `--think 1,2` for a faster agent). An agent's
+  turn on a real repository runs commands between generations (tests, greps, file reads), which take
+  seconds; rollouts start after a uniform delay of up to the longest think time, not in lock-step.
+- saturation: no think time, no start delay: the ceiling (requests/s) and the latency at that load.
+
+Real generations take seconds, so real rollouts send far fewer requests per second than these do.
+
+Run: `SWE_GRPO_CACHE=/tmp/swecache .venv/bin/python benchmarks/p2_concurrency.py` (3-4 minutes;
+options `--rollouts`, `--turns`, `--think`, `--tool-output`, `--no-saturation`, `--max-seconds`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import multiprocessing
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+
+try:
+    import uvloop
+except ImportError:  # not a declared dependency: the agents then use asyncio's own loop
+    uvloop = None  # type: ignore[assignment]
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _pi_agent import (
+    TOOL_OUTPUTS,
+    PiConversation,
+    StubGenerator,
+    load_tokenizer,
+    markdown_table,
+    parse_sse,
+    percentile,
+    post,
+)
+
+from swe_grpo.interception import InterceptionServer, RolloutEndpoint
+
+STUB_LATENCY_S = 0.05
+WARMUP_TURNS = 5
+MIB = 1024 * 1024
+
+
+# --------------------------------------------------------------------------- the server process
+
+
+@dataclass
+class ServerReport:
+    """What the server process says about a scenario, after closing every rollout."""
+
+    handler_s: list[float]  # time inside the chat-completions handler, per request
+    turns: int
+    forks: int
+    recorded_errors: int
+    gc_full: int  # full (generation 2) collections
+    gc_pause_max_s: float
+    gc_pause_total_s: float
+
+
+def serve(conn: Connection, rollouts: int, calls: int, cpus: set[int]) -> None:
+    """Entry point of the server process."""
+    os.sched_setaffinity(0, cpus)
+    logging.basicConfig(level=logging.WARNING)
+    asyncio.run(_serve(conn, rollouts, calls))
+
+
+async def _serve(conn: Connection, rollouts: int, calls: int) -> None:
+    tokenizer = load_tokenizer()
+    server = InterceptionServer(StubGenerator(tokenizer, calls, STUB_LATENCY_S), tokenizer)
+    handler_s: list[float] = []
+    handler = server._chat_completions
+
+    async def timed(request: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return await handler(request)
+        finally:
+            handler_s.append(time.perf_counter() - t0)
+
+    server._chat_completions = timed  # type: ignore[method-assign]  # app() routes to it at start()
+    gc_stats = {"full": 0, "max": 0.0, "total": 0.0, "started": 0.0}
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_stats["started"] = time.perf_counter()
+            return
+        pause = time.perf_counter() - gc_stats["started"]
+        gc_stats["total"] += pause
+        gc_stats["max"] = max(gc_stats["max"], pause)
+        gc_stats["full"] += info.get("generation") == 2
+
+    await server.start()
+    endpoints = [server.open_rollout() for _ in range(rollouts)]
+    gc.callbacks.append(on_gc)
+    conn.send(endpoints)
+    loop = asyncio.get_running_loop()
+    while await loop.run_in_executor(None, conn.recv) != "stop":  # "report"
+        records = [server.close_rollout(e.rollout_id) for e in endpoints]
+        conn.send(
+            ServerReport(
+                handler_s=handler_s,
+                turns=sum(len(r.turns) for r in records),
+                forks=sum(t.kind == "fork" for r in records for t in r.turns),
+                recorded_errors=sum(len(r.errors) for r in records),
+                gc_full=int(gc_stats["full"]),
+                gc_pause_max_s=gc_stats["max"],
+                gc_pause_total_s=gc_stats["total"],
+            )
+        )
+    await server.stop()
+    gc.unfreeze()  # let interpreter shutdown free what the server froze (else nanobind reports leaks)
+
+
+# --------------------------------------------------------------------------- the agents
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    think_s: tuple[float, float]  # uniform think time between turns; each rollout starts after [0, max]
+
+
+@dataclass
+class AgentStats:
+    round_trips: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    unfinished: int = 0
+    prompt_tokens_last: list[int] = field(default_factory=list)
+    first_send: float = float("inf")
+    last_answer: float = 0.0
+
+    def error(self, kind: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+
+async def agent(
+    session: aiohttp.ClientSession,
+    endpoint: RolloutEndpoint,
+    turns: int,
+    think_s: tuple[float, float],
+    chars: tuple[int, int],
+    rng: random.Random,
+    stats: AgentStats,
+) -> None:
+    conversation = PiConversation(endpoint.model, rng, chars)
+    done = 0
+    try:
+        await asyncio.sleep(rng.uniform(0, think_s[1]))
+        for _ in range(turns):
+            body = conversation.body()
+            stats.first_send = min(stats.first_send, time.perf_counter())
+            try:
+                status, payload, round_trip = await post(session, endpoint, body)
+            except (aiohttp.ClientError, TimeoutError) as e:
+                stats.error(type(e).__name__)
+                return
+            done += 1
+            if status != 200:
+                stats.error(f"HTTP {status}")
+                return
+            stats.round_trips.append(round_trip)
+            stats.last_answer = time.perf_counter()
+            try:
+                answer = parse_sse(payload)
+                conversation.absorb(answer)
+            except (ValueError, KeyError) as e:
+                stats.error(f"bad answer: {e}")
+                return
+            if done == turns:
+                stats.prompt_tokens_last.append((answer.usage or {}).get("prompt_tokens", 0))
+            await asyncio.sleep(rng.uniform(*think_s))
+    finally:
+        stats.unfinished += turns - done
+
+
+@dataclass
+class Result:
+    scenario: Scenario
+    stats: AgentStats
+    server: ServerReport
+    wall_s: float
+    rss_mib: tuple[float, float, float]  # before, after, peak
+    cpu: tuple[float, float]  # server, agents: CPU seconds / wall seconds
+
+
+def _vm_hwm(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _cpu(p: psutil.Process) -> float:
+    t = p.cpu_times()
+    return t.user + t.system
+
+
+async def run_scenario(args: argparse.Namespace, scenario: Scenario, server_cpus: set[int]) -> Result:
+    case = TOOL_OUTPUTS[args.tool_output]
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=serve, args=(child, args.rollouts + 1, case.calls, server_cpus), daemon=True)
+    process.start()
+    loop = asyncio.get_running_loop()
+    try:
+        started = time.monotonic()
+        while not await loop.run_in_executor(None, parent.poll, 1.0):
+            if not process.is_alive() or time.monotonic() - started > 120:
+                raise RuntimeError(f"the server process did not start (exit code {process.exitcode})")
+        *endpoints, warmup = parent.recv()
+        server, me = psutil.Process(process.pid), psutil.Process()
+        rss_before = rss_peak = server.memory_info().rss
+
+        stats = AgentStats()
+        rng = random.Random(0)
+        timeout = aiohttp.ClientTimeout(total=args.max_seconds)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+            warm = AgentStats()
+            await agent(session, warmup, WARMUP_TURNS, (0.0, 0.0), case.chars, rng, warm)
+            if warm.errors or warm.unfinished:
+                raise RuntimeError(f"warm-up rollout failed: {warm.errors}")
+            cpu0 = _cpu(server), _cpu(me)
+            t0 = time.perf_counter()
+            tasks = [
+                asyncio.create_task(
+                    agent(session, e, args.turns, scenario.think_s, case.chars, random.Random(rng.random()), stats)
+                )
+                for e in endpoints
+            ]
+            pending = set(tasks)
+            while pending and time.perf_counter() < t0 + args.max_seconds:
+                _, pending = await asyncio.wait(pending, timeout=0.25)
+                rss_peak = max(rss_peak, server.memory_info().rss)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        wall = time.perf_counter() - t0
+        cpu = ((_cpu(server) - cpu0[0]) / wall, (_cpu(me) - cpu0[1]) / wall)
+        rss_after = server.memory_info().rss
+        rss_peak = max(rss_peak, rss_after, _vm_hwm(process.pid))
+
+        parent.send("report")
+        report: ServerReport = parent.recv()
+        parent.send("stop")
+        report.handler_s = report.handler_s[WARMUP_TURNS:]
+        report.turns -= WARMUP_TURNS
+        return Result(scenario, stats, report, wall, (rss_before / MIB, rss_after / MIB, rss_peak / MIB), cpu)
+    finally:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def _rate(r: Result) -> float:
+    return len(r.stats.round_trips) / max(r.stats.last_answer - r.stats.first_send, 1e-9)
+
+
+def _errors(r: Result) -> int:
+    return sum(r.stats.errors.values()) + r.server.recorded_errors + r.server.forks
+
+
+def report(results: list[Result], args: argparse.Namespace, load_before: float) -> str:
+    out = [
+        f"### P2: {args.rollouts} concurrent rollouts x {args.turns} turns, stub generation "
+        f"{STUB_LATENCY_S * 1e3:.0f} ms, {TOOL_OUTPUTS[args.tool_output].note}",
+        "",
+    ]
+    rows = []
+    for r in results:
+        s, think = r.stats, r.scenario.think_s
+        added = [x - STUB_LATENCY_S for x in s.round_trips]
+        server_added = [x - STUB_LATENCY_S for x in r.server.handler_s]
+        rows.append(
+            [
+                r.scenario.name,
+                f"{think[0]:g}-{think[1]:g} s" if think[1] > 0 else "0",
+                f"{len(s.round_trips):,}" + (f" ({s.unfinished:,} unfinished)" if s.unfinished else ""),
+                str(_errors(r)),
+                _ms(percentile(added, 50)),
+                f"**{_ms(percentile(added, 99))}**",
+                _ms(percentile(server_added, 99)),
+                f"{_rate(r):,.0f}",
+                f"{r.cpu[0]:.0%} / {r.cpu[1]:.0%}",
+                f"{r.cpu[0] * r.wall_s / max(len(s.round_trips), 1) * 1e3:.1f}",
+                " / ".join(f"{x:,.0f}" for x in r.rss_mib),
+                f"{r.server.gc_full} ({_ms(r.server.gc_pause_max_s)} ms)",
+            ]
+        )
+    headers = [
+        "scenario",
+        "think time",
+        "requests answered",
+        "errors",
+        "added p50 ms",
+        "added p99",
+        "added p99 in the server",
+        "requests/s",
+        "CPU server / agents",
+        "server CPU ms / request",
+        "server RSS MiB before / after / peak",
+        "full GCs (longest pause)",
+    ]
+    out += [markdown_table(headers, rows), ""]
+    saturation = next((r for r in results if r.scenario.think_s[1] == 0), None)
+    for r in results:
+        s = r.stats
+        detail = ", ".join(f"{k}: {v}" for k, v in sorted(s.errors.items())) or "none"
+        tokens = s.prompt_tokens_last
+        out.append(
+            f"- {r.scenario.name}: wall {r.wall_s:.1f} s; agent-side errors: {detail}; server-recorded errors "
+            f"{r.server.recorded_errors}, forks {r.server.forks} of {r.server.turns} turns; prompt at the last "
+            f"turn {sum(tokens) / max(len(tokens), 1):,.0f} tokens on average; GC pauses in the server "
+            f"{r.server.gc_pause_total_s:.2f} s in total; RSS growth "
+            f"{(r.rss_mib[1] - r.rss_mib[0]) / args.rollouts:.2f} MiB per rollout."
+        )
+        if r.scenario.think_s[1] == 0:
+            continue
+        cycle = sum(r.scenario.think_s) / 2 + STUB_LATENCY_S
+        if saturation is not None:
+            out.append(
+                f"- Offered load of {r.scenario.name} at zero added latency: {args.rollouts} rollouts / {cycle:.2f} s "
+                f"per turn = {args.rollouts / cycle:,.0f} requests/s, against a ceiling of {_rate(saturation):,.0f} "
+                "requests/s measured under saturation."
+            )
+        errors = _errors(r) + s.unfinished
+        p99 = percentile([x - STUB_LATENCY_S for x in s.round_trips], 99)
+        out.append(
+            f"- Targets (0 errors, added p99 <= 50 ms) with think time {r.scenario.think_s[0]:g}-"
+            f"{r.scenario.think_s[1]:g} s: **{'met' if errors == 0 and p99 <= 0.050 else 'NOT met'}** ({errors} "
+            f"errors, added p99 {_ms(p99)} ms)."
+        )
+    out.append(
+        f'- Added latency = agent-side round-trip - {STUB_LATENCY_S * 1e3:.0f} ms; "in the server" = time in the '
+        "chat-completions handler - 50 ms (no transport, no agent-side scheduling). CPU: CPU seconds / wall "
+        "seconds of each process (100% = one core)."
+    )
+    out.append(
+        f"- Server: its own process, asyncio loop; agents: this process, {'uvloop' if uvloop else 'asyncio'} loop, "
+        f"{args.placement}; loopback HTTP. Machine: {os.cpu_count()} CPUs, 1-minute load average "
+        f"{load_before:.2f} before the run, {os.getloadavg()[0]:.2f} after it."
+    )
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=512)
+    parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument(
+        "--think",
+        type=lambda s: tuple(float(x) for x in s.split(",")),
+        default=(2.0, 5.0),
+        help="think time of the realistic scenario, 'low,high' seconds (default 2,5)",
+    )
+    parser.add_argument("--tool-output", choices=sorted(TOOL_OUTPUTS), default="large")
+    parser.add_argument("--no-saturation", action="store_true", help="skip the zero-think-time scenario")
+    parser.add_argument("--max-seconds", type=float, default=150.0, help="time limit of each scenario")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    load_before = os.getloadavg()[0]
+    cpus = sorted(os.sched_getaffinity(0))
+    args.placement = "no CPU pinning"
+    if len(cpus) >= 2:  # the load generator never takes more than one core from the server
+        os.sched_setaffinity(0, {cpus[-1]})
+        args.placement = f"agents pinned to CPU {cpus[-1]}"
+    scenarios = [Scenario("realistic", args.think)]
+    if not args.no_saturation:
+        scenarios.append(Scenario("saturation", (0.0, 0.0)))
+
+    t0 = time.perf_counter()
+    results = []
+    for scenario in scenarios:
+        print(f"running {scenario.name} ...", file=sys.stderr, flush=True)
+        with asyncio.Runner(loop_factory=uvloop and uvloop.new_event_loop) as runner:
+            results.append(runner.run(run_scenario(args, scenario, set(cpus))))
+    print(report(results, args, load_before))
+    print(f"\n(run time {time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
