@@ -1,18 +1,29 @@
 """Tasks: a repository at a commit, a problem statement, and the tests that decide success.
 
-`Task` is the SWE-Gym/SWE-bench row shape. Loaders (HF Hub via `datasets`, local JSONL) live here too.
+`Task` is the SWE-Gym/SWE-bench row shape. `load_tasks` reads a local JSONL file, a dataset saved with
+`datasets.Dataset.save_to_disk`, or a Hugging Face Hub dataset (`SWE-Gym/SWE-Gym`, ...); every row of
+every source goes through the same `task_from_row`, so they accept and reject exactly the same rows.
+`demo_tasks()` returns the small tasks bundled with the package (see `swe_grpo/demo_tasks/`).
 """
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Task:
-    """One SWE task. `repo` is a GitHub "owner/name" or an absolute path to a local git repository;
-    `image` is the container image holding the repository at `base_commit` (docker/hf backends);
-    `test_cmd` overrides the test runner (default: pytest); FAIL_TO_PASS / PASS_TO_PASS are test ids."""
+    """One SWE task. `repo` is a GitHub "owner/name", or an absolute path to a local git repository or
+    git bundle (local task files only); `image` is the container image holding the repository at
+    `base_commit` (docker/hf backends); `test_cmd` overrides the test runner: a shell command run in the
+    repository, to which the test ids are appended (a pytest command should pass `-rA` and
+    `--junitxml="$SWE_GRPO_JUNIT_XML"`, see `swe_grpo.grading`); FAIL_TO_PASS / PASS_TO_PASS are test
+    ids (pytest node ids)."""
 
     instance_id: str
     repo: str
@@ -24,4 +35,197 @@ class Task:
     image: str | None = None
     test_cmd: str | None = None
     patch: str = ""  # the reference ("gold") fix, when known
-    metadata: dict = field(default_factory=dict, compare=False, hash=False)
+    metadata: dict = field(default_factory=dict, compare=False, hash=False)  # the row's other fields
+
+
+class TaskFormatError(ValueError):
+    """A task row is malformed. The message names the source, the row (JSONL line or dataset index) and
+    the field; the same facts are attributes."""
+
+    def __init__(self, source: str, row: str, field: str | None, problem: str) -> None:
+        self.source, self.row, self.field = source, row, field
+        where = f"{source}: {row}" + (f": field {field!r}" if field else "")
+        super().__init__(f"{where}: {problem}")
+
+
+_COMMIT = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")  # a full SHA-1 or SHA-256 id: reproducible
+_KNOWN_FIELDS = frozenset(
+    ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "patch", "image", "test_cmd")
+) | {"FAIL_TO_PASS", "PASS_TO_PASS"}
+
+
+def swe_gym_image(instance_id: str) -> str:
+    """The prebuilt evaluation image of a SWE-Gym (or SWE-bench) instance, as OpenHands publishes them
+    (image names are lower-case)."""
+    return f"xingyaoww/sweb.eval.x86_64.{instance_id.replace('__', '_s_').lower()}"
+
+
+def task_from_row(
+    row: Mapping[str, Any],
+    *,
+    source: str,
+    where: str,
+    base_dir: Path | None = None,
+    default_image: Callable[[str], str] | None = None,
+) -> Task:
+    """Convert one SWE-Gym-shaped row (a JSONL object or a `datasets` row) into a `Task`.
+
+    Required: `instance_id`, `repo`, `base_commit` (a full commit id), `problem_statement`,
+    `FAIL_TO_PASS` (non-empty). Optional: `PASS_TO_PASS`, `test_patch`, `patch`, `image`, `test_cmd`
+    (missing or null = default). Test-id lists may be lists or JSON strings of lists (SWE-Gym has both).
+    With `base_dir` (local files), a `repo` that is a path (starts with "/", "./" or "../", ends with
+    ".git" or ".bundle", or exists relative to `base_dir`) is resolved against `base_dir` to an absolute
+    path that must exist. `default_image(instance_id)` fills a missing `image`. Other fields go to
+    `metadata`. Raises `TaskFormatError` naming `source`, `where` and the field."""
+
+    def fail(field: str | None, problem: str) -> TaskFormatError:
+        return TaskFormatError(source, where, field, problem)
+
+    def optional(name: str) -> str | None:
+        value = row.get(name)
+        if value is not None and not isinstance(value, str):
+            raise fail(name, f"expected a string, got {type(value).__name__}")
+        return value
+
+    def required(name: str) -> str:
+        value = optional(name)
+        if value is None:
+            raise fail(name, "missing")
+        if not value.strip():
+            raise fail(name, "empty")
+        return value
+
+    def test_ids(name: str, *, required: bool) -> tuple[str, ...]:
+        value = row.get(name)
+        if value is None and not required:
+            return ()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise fail(name, f"a string that is not a JSON list: {exc}") from None
+        if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+            raise fail(name, f"expected a list of test ids (or a JSON string of one), got {row.get(name)!r:.80}")
+        if required and not value:
+            raise fail(name, "must name at least one test")
+        return tuple(value)
+
+    instance_id = required("instance_id")
+    repo = required("repo")
+    base_commit = required("base_commit")
+    if not _COMMIT.fullmatch(base_commit):
+        raise fail("base_commit", f"expected a full commit id (40 or 64 hex digits), got {base_commit!r}")
+    if base_dir is not None:
+        repo = _resolve_local_repo(repo, base_dir, fail)
+    image = optional("image") or None
+    if image is None and default_image is not None:
+        image = default_image(instance_id)
+    return Task(
+        instance_id=instance_id,
+        repo=repo,
+        base_commit=base_commit,
+        problem_statement=required("problem_statement"),
+        test_patch=optional("test_patch") or "",
+        fail_to_pass=test_ids("FAIL_TO_PASS", required=True),
+        pass_to_pass=test_ids("PASS_TO_PASS", required=False),
+        image=image,
+        test_cmd=optional("test_cmd") or None,
+        patch=optional("patch") or "",
+        metadata={key: value for key, value in row.items() if key not in _KNOWN_FIELDS},
+    )
+
+
+def _resolve_local_repo(repo: str, base_dir: Path, fail: Callable[[str, str], TaskFormatError]) -> str:
+    candidate = base_dir / repo  # an absolute `repo` stays as it is
+    looks_local = repo.startswith(("/", "./", "../")) or repo.endswith((".git", ".bundle"))
+    if not (looks_local or candidate.exists()):
+        return repo  # a GitHub "owner/name"
+    if not candidate.exists():
+        raise fail("repo", f"no local repository or bundle at {candidate}")
+    return str(candidate.resolve())
+
+
+def tasks_from_rows(
+    rows: Iterable[tuple[str, Mapping[str, Any]]],
+    *,
+    source: str,
+    base_dir: Path | None = None,
+    default_image: Callable[[str], str] | None = None,
+) -> list[Task]:
+    """`task_from_row` over `(where, row)` pairs; a repeated `instance_id` is a `TaskFormatError`."""
+    tasks: dict[str, Task] = {}
+    for where, row in rows:
+        if not isinstance(row, Mapping):
+            raise TaskFormatError(source, where, None, f"expected an object, got {type(row).__name__}")
+        task = task_from_row(row, source=source, where=where, base_dir=base_dir, default_image=default_image)
+        if task.instance_id in tasks:
+            raise TaskFormatError(source, where, "instance_id", f"duplicate instance_id {task.instance_id!r}")
+        tasks[task.instance_id] = task
+    return list(tasks.values())
+
+
+def load_jsonl(path: str | Path) -> list[Task]:
+    """Tasks from a JSONL file, one row per non-blank line; local `repo` paths are relative to the file."""
+    path = Path(path)
+    source = str(path)
+
+    def rows() -> Iterable[tuple[str, Mapping[str, Any]]]:
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise TaskFormatError(source, f"line {number}", None, f"not valid JSON: {exc}") from None
+                yield f"line {number}", row
+
+    return tasks_from_rows(rows(), source=source, base_dir=path.parent.resolve())
+
+
+def tasks_from_dataset(dataset: Iterable[Mapping[str, Any]], *, source: str) -> list[Task]:
+    """Tasks from a `datasets.Dataset` (or any iterable of SWE-Gym-shaped rows). Rows without an `image`
+    get the SWE-Gym evaluation image; `repo` is never treated as a local path."""
+    rows = ((f"row {index}", row) for index, row in enumerate(dataset))
+    return tasks_from_rows(rows, source=source, default_image=swe_gym_image)
+
+
+def load_tasks(source: str | Path, split: str = "train", instance_ids: Sequence[str] | None = None) -> list[Task]:
+    """Tasks from `source`: an existing file is JSONL; an existing directory is a dataset saved with
+    `save_to_disk` (a `DatasetDict` is indexed by `split`); a `*.jsonl` path that does not exist is an
+    error; anything else is a Hugging Face Hub dataset name (`SWE-Gym/SWE-Gym`, `SWE-Gym/SWE-Gym-Lite`)
+    loaded with `datasets.load_dataset(source, split=split)`. With `instance_ids`, only those tasks, in
+    source order; an id that is not in the source raises `KeyError`."""
+    path = Path(source)
+    if path.is_file():
+        tasks = load_jsonl(path)
+    elif path.is_dir():
+        import datasets  # heavy; only the dataset sources need it
+
+        saved = datasets.load_from_disk(str(path))
+        tasks = tasks_from_dataset(saved[split] if isinstance(saved, datasets.DatasetDict) else saved, source=str(path))
+    elif str(source).endswith(".jsonl"):
+        raise FileNotFoundError(f"no task file {path}")
+    else:
+        import datasets
+
+        tasks = tasks_from_dataset(datasets.load_dataset(str(source), split=split), source=str(source))
+    if instance_ids is None:
+        return tasks
+    missing = set(instance_ids) - {task.instance_id for task in tasks}
+    if missing:
+        raise KeyError(f"{source}: no task with instance_id {', '.join(sorted(missing))}")
+    wanted = set(instance_ids)
+    return [task for task in tasks if task.instance_id in wanted]
+
+
+def demo_tasks_path() -> Path:
+    """The bundled demo task file (`swe_grpo/demo_tasks/tasks.jsonl`); its repositories are git bundles
+    next to it."""
+    return Path(__file__).resolve().parent / "demo_tasks" / "tasks.jsonl"
+
+
+def demo_tasks() -> list[Task]:
+    """The small tasks shipped with the package: tiny stdlib-only Python repositories, each with a real
+    bug, a test patch, FAIL_TO_PASS / PASS_TO_PASS tests and the gold patch."""
+    return load_jsonl(demo_tasks_path())

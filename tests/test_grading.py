@@ -1,0 +1,555 @@
+"""Grading on the real `local` sandbox backend (bubblewrap as `swe-sandbox`; needs root, as it does) with
+the bundled demo tasks: gold patches resolve, empty ones do not, and none of the ways a patch could cheat
+(edit or delete tests, conftest.py hooks, plugins through ini files or entry points, shadowing pytest,
+start-up hooks, reward files, a forged JUnit report) changes a grade. Each cheat is first shown to work
+when a patch is applied unfiltered, so the test proves the filter is what stops it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from swe_grpo.grading import (
+    GradeResult,
+    grade,
+    grade_predictions,
+    is_protected,
+    junit_key,
+    load_predictions,
+    report_statuses,
+)
+from swe_grpo.sandbox.base import Mount, Sandbox, SandboxBackend
+from swe_grpo.sandbox.local import LocalBackend
+from swe_grpo.tasks import Task, demo_tasks
+
+TASKS = demo_tasks()
+TASK_IDS = [task.instance_id.split("__")[1] for task in TASKS]
+STRUTIL = next(task for task in TASKS if "strutil" in task.instance_id)
+_GIT_ENV = {**os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+
+
+def git(cwd: Path, *args: str, input_text: str | None = None) -> str:
+    cmd = ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args]
+    done = subprocess.run(cmd, cwd=cwd, input=input_text, check=True, capture_output=True, text=True, env=_GIT_ENV)
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def run_dir() -> Iterator[Path]:
+    """Where this module's sandboxes live (traversable by the sandbox user); empty after every test."""
+    path = Path(tempfile.mkdtemp(prefix="swe_grpo_test_grading_"))
+    path.chmod(0o711)
+    yield path
+    path.rmdir()  # fails when a sandbox was left behind
+
+
+@pytest.fixture(scope="module")
+async def backend(tmp_path_factory: pytest.TempPathFactory, run_dir: Path) -> LocalBackend:
+    backend = LocalBackend(cache_dir=tmp_path_factory.mktemp("cache"), run_dir=run_dir)
+    await backend.start()
+    return backend
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind(run_dir: Path) -> Iterator[None]:
+    yield
+    assert list(run_dir.iterdir()) == [], "a sandbox was left behind"
+
+
+# --- patches, made the way a rollout makes them: edit a checkout, diff it ---------------------------
+
+
+def make_patch(task: Task, edit: Callable[[Path, Task], None]) -> str:
+    """The diff (as `Sandbox.diff` makes it, renames detected) of `edit` applied to the task's base."""
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = Path(tmp) / "repo"
+        git(Path(tmp), "clone", "-q", task.repo, str(repo))
+        git(repo, "checkout", "-q", task.base_commit)
+        edit(repo, task)
+        git(repo, "add", "-A", "-f")
+        return git(repo, "diff", "--cached", "--binary", "-M", "HEAD")
+
+
+def source_module(task: Task) -> str:
+    """The module the gold patch fixes (the tests import it)."""
+    match = re.search(r"^diff --git a/(\S+) ", task.patch, re.MULTILINE)
+    assert match
+    return match.group(1)
+
+
+def files_under_test(task: Task) -> set[str]:
+    return {test_id.split("::")[0] for test_id in (*task.fail_to_pass, *task.pass_to_pass)}
+
+
+def append(path: Path, text: str) -> None:
+    path.write_text(path.read_text() + text)
+
+
+FORCE_PASS_PLUGIN = """\
+import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    report.outcome = "passed"
+    report.longrepr = None
+"""
+
+
+def forged_junit(task: Task) -> str:
+    cases = "".join(
+        '<testcase classname="{}" name="{}" time="0.01"/>'.format(*junit_key(test_id))
+        for test_id in (*task.fail_to_pass, *task.pass_to_pass)
+    )
+    return f'<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="9">{cases}</testsuite></testsuites>'
+
+
+def edit_tests(repo: Path, task: Task) -> None:
+    """Knows every test id, and rewrites their files so that each of them trivially passes."""
+    for path in files_under_test(task):
+        names = [tid.split("::")[-1] for tid in (*task.fail_to_pass, *task.pass_to_pass) if tid.startswith(path)]
+        (repo / path).write_text("".join(f"def {name}():\n    pass\n\n\n" for name in names))
+
+
+def delete_tests(repo: Path, task: Task) -> None:
+    for path in files_under_test(task):
+        (repo / path).unlink()
+
+
+def rename_tests(repo: Path, task: Task) -> None:
+    for n, path in enumerate(sorted(files_under_test(task))):
+        (repo / path).rename(repo / f"moved_{n}.py")
+
+
+def conftest_hooks(repo: Path, task: Task) -> None:
+    (repo / "conftest.py").write_text(FORCE_PASS_PLUGIN)
+    (repo / "tests" / "conftest.py").write_text(FORCE_PASS_PLUGIN)
+
+
+def config_addopts(repo: Path, task: Task) -> None:
+    """Turns on a plugin through the repository's own pytest configuration file."""
+    (repo / "cheat_plugin.py").write_text(FORCE_PASS_PLUGIN)
+    for name, line in [("pytest.ini", "addopts = -p cheat_plugin"), ("setup.cfg", "addopts = -p cheat_plugin")]:
+        if (repo / name).exists():
+            append(repo / name, line + "\n")
+            return
+    append(repo / "pyproject.toml", 'addopts = "-p cheat_plugin"\n')  # its pytest table comes last
+
+
+def new_pytest_ini(repo: Path, task: Task) -> None:
+    (repo / "cheat_plugin.py").write_text(FORCE_PASS_PLUGIN)
+    (repo / "pytest.ini").write_text("[pytest]\naddopts = -p cheat_plugin\n")
+
+
+def entry_point_plugin(repo: Path, task: Task) -> None:
+    """A distribution in the repository root (on sys.path) whose pytest11 entry point pytest autoloads."""
+    (repo / "cheat_plugin.py").write_text(FORCE_PASS_PLUGIN)
+    info = repo / "cheat-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cheat\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[pytest11]\ncheat = cheat_plugin\n")
+
+
+def shadow_pytest(repo: Path, task: Task) -> None:
+    """A `pytest` package in the repository root: `python -m pytest` runs it instead of pytest."""
+    ids = [*task.fail_to_pass, *task.pass_to_pass]
+    (repo / "pytest").mkdir()
+    (repo / "pytest" / "__init__.py").write_text("")
+    (repo / "pytest" / "__main__.py").write_text(
+        "import sys\n"
+        f"xml = {forged_junit(task)!r}\n"
+        "for arg in sys.argv:\n"
+        "    if arg.startswith('--junitxml='):\n"
+        "        open(arg.split('=', 1)[1], 'w').write(xml)\n"
+        "print('=' * 10 + ' short test summary info ' + '=' * 10)\n"
+        f"for test_id in {ids!r}:\n"
+        "    print('PASSED', test_id)\n"
+    )
+
+
+def startup_hooks(repo: Path, task: Task) -> None:
+    (repo / "cheat_plugin.py").write_text(FORCE_PASS_PLUGIN)
+    hook = "import sys\nsys.argv += ['-p', 'cheat_plugin']\n"
+    (repo / "sitecustomize.py").write_text(hook)
+    (repo / "usercustomize.py").write_text(hook)
+    (repo / "cheat.pth").write_text("import cheat_plugin\n")
+    (repo / "__pycache__").mkdir(exist_ok=True)
+    (repo / "__pycache__" / "sitecustomize.cpython-311.pyc").write_bytes(b"\x00" * 16)
+
+
+def reward_files(repo: Path, task: Task) -> None:
+    (repo / "reward.txt").write_text("1.0\n")
+    (repo / "junit.xml").write_text(forged_junit(task))
+    (repo / ".swe_grpo").mkdir()
+    (repo / ".swe_grpo" / "result.json").write_text(json.dumps({"resolved": True, "reward": 1.0}))
+
+
+def forge_report_at_exit(repo: Path, task: Task) -> None:
+    """The code under test rewrites the JUnit report when the runner exits (after pytest wrote it)."""
+    append(
+        repo / source_module(task),
+        "\n\nimport atexit as _atexit\nimport os as _os\nimport sys as _sys\n\n\n"
+        "def _forge():\n"
+        "    if _os.environ.get('SWE_GRPO_JUNIT_XML'):\n"
+        f"        open(_os.environ['SWE_GRPO_JUNIT_XML'], 'w').write({forged_junit(task)!r})\n"
+        "        print('FORGED THE REPORT', file=_sys.stderr)\n\n\n"
+        "_atexit.register(_forge)\n",
+    )
+
+
+# name -> (edit, paths the filter must drop, works unfiltered with a junit-only grader)
+CHEATS: dict[str, tuple[Callable[[Path, Task], None], Callable[[Task], set[str]], bool]] = {
+    "edit_tests": (edit_tests, files_under_test, False),
+    "delete_tests": (delete_tests, files_under_test, False),
+    "rename_tests": (rename_tests, files_under_test, False),
+    "conftest_hooks": (conftest_hooks, lambda t: {"conftest.py", "tests/conftest.py"}, True),
+    "config_addopts": (config_addopts, lambda t: {"pytest.ini", "setup.cfg", "pyproject.toml"}, True),
+    "new_pytest_ini": (new_pytest_ini, lambda t: {"pytest.ini"}, True),
+    "entry_point_plugin": (entry_point_plugin, lambda t: {"cheat-1.0.dist-info/entry_points.txt"}, True),
+    "shadow_pytest": (shadow_pytest, lambda t: {"pytest/__init__.py"}, True),
+    "startup_hooks": (startup_hooks, lambda t: {"sitecustomize.py", "usercustomize.py", "cheat.pth"}, False),
+    "reward_files": (reward_files, lambda t: set(), False),
+    "forge_report_at_exit": (forge_report_at_exit, lambda t: set(), True),
+}
+
+
+def unfiltered_junit_statuses(task: Task, patch: str, tmp_path: Path) -> dict[str, str]:
+    """What a naive grader sees: the patch and the test patch applied as they are, pytest run with plugin
+    autoload on by the interpreter the local sandbox runs (the host's), and the JUnit report trusted."""
+    repo = tmp_path / "naive"
+    git(tmp_path, "clone", "-q", task.repo, str(repo))
+    git(repo, "checkout", "-q", task.base_commit)
+    git(repo, "apply", "-", input_text=patch)
+    git(repo, "apply", "-", input_text=task.test_patch)
+    junit = tmp_path / "junit.xml"
+    ids = [*task.fail_to_pass, *task.pass_to_pass]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_")}
+    env["SWE_GRPO_JUNIT_XML"] = str(junit)  # as the grader's runner has it
+    cmd = ["/usr/bin/python3", "-m", "pytest", "-rA", "-p", "no:cacheprovider", f"--junitxml={junit}", *ids]
+    subprocess.run(cmd, cwd=repo, env=env, capture_output=True, timeout=120)
+    statuses = report_statuses(ids, junit.read_text(), "")
+    assert statuses is not None
+    return statuses
+
+
+def assert_model_failure(result: GradeResult, outcome: str = "unresolved") -> None:
+    assert (result.outcome, result.reward) == (outcome, 0.0), (result.error, result.log_tail)
+
+
+# --- gold, empty, cheats ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", TASKS, ids=TASK_IDS)
+async def test_the_gold_patch_resolves(backend: LocalBackend, task: Task) -> None:
+    result = await grade(task, task.patch, backend, timeout_s=120)
+    assert (result.outcome, result.reward, result.error) == ("resolved", 1.0, None), result.log_tail
+    assert (result.f2p_passed, result.p2p_passed) == (result.f2p_total, result.p2p_total) != (0, 0)
+    assert set(result.tests) == {*task.fail_to_pass, *task.pass_to_pass}
+    assert result.dropped_paths == ()
+    assert {"sandbox_s", "apply_s", "tests_s", "total_s"} <= result.timings.keys()
+
+
+@pytest.mark.parametrize("task", TASKS, ids=TASK_IDS)
+async def test_an_empty_patch_does_not_resolve(backend: LocalBackend, task: Task) -> None:
+    result = await grade(task, "", backend, timeout_s=120)
+    assert_model_failure(result)
+    assert (result.f2p_passed, result.p2p_passed) == (0, result.p2p_total)
+    assert all(result.tests[test_id] == "failed" for test_id in task.fail_to_pass)
+
+
+@pytest.mark.parametrize("cheat", CHEATS)
+@pytest.mark.parametrize("task", TASKS, ids=TASK_IDS)
+async def test_a_cheating_patch_does_not_resolve(backend: LocalBackend, task: Task, cheat: str, tmp_path: Path) -> None:
+    edit, must_drop, works_unfiltered = CHEATS[cheat]
+    patch = make_patch(task, edit)
+    if works_unfiltered:
+        statuses = unfiltered_junit_statuses(task, patch, tmp_path)
+        assert all(status == "passed" for status in statuses.values()), f"the {cheat} cheat does not even work"
+    # With the plugins that are installed allowed to load, so that only the filter stands in the way.
+    result = await grade(task, patch, backend, timeout_s=120, plugin_autoload=True)
+    assert_model_failure(result)
+    assert result.f2p_passed == 0
+    present = {path for pair in re.findall(r"^diff --git a/(\S+) b/(\S+)$", patch, re.MULTILINE) for path in pair}
+    expected = must_drop(task) & present
+    assert expected <= set(result.dropped_paths)
+    assert expected or not must_drop(task), "the patch does not contain what the cheat is about"
+    assert all(is_protected(path) or path in files_under_test(task) for path in result.dropped_paths)
+    if cheat == "forge_report_at_exit":
+        assert "FORGED THE REPORT" in result.log_tail  # it did rewrite the report; the summary outvoted it
+
+
+@pytest.mark.parametrize("task", TASKS, ids=TASK_IDS)
+async def test_cheats_next_to_the_fix_do_not_hide_it(backend: LocalBackend, task: Task) -> None:
+    """The filter drops only the protected paths: the fix in the same patch still counts."""
+
+    def fix_and_cheat(repo: Path, task: Task) -> None:
+        git(repo, "apply", "-", input_text=task.patch)
+        conftest_hooks(repo, task)
+        delete_tests(repo, task)
+
+    result = await grade(task, make_patch(task, fix_and_cheat), backend, timeout_s=120)
+    assert result.outcome == "resolved", (result.error, result.log_tail)
+    assert "conftest.py" in result.dropped_paths
+
+
+# --- patches that do not apply, hangs, crashes, broken tasks, broken sandboxes ----------------------
+
+
+async def test_a_patch_that_does_not_apply(backend: LocalBackend) -> None:
+    stale = STRUTIL.patch.replace("-    return text[:width] + placeholder", "-    return text[:width] + suffix")
+    result = await grade(STRUTIL, stale, backend, timeout_s=120)
+    assert_model_failure(result, "patch_apply_failed")
+    assert "strutil.py" in (result.error or "")
+    garbage = await grade(STRUTIL, "I fixed it, trust me.", backend, timeout_s=120)
+    assert_model_failure(garbage, "patch_apply_failed")
+
+
+async def test_a_hanging_test_command_is_a_timeout_without_reward(backend: LocalBackend) -> None:
+    task = replace(STRUTIL, test_cmd="python3 -c 'import time; time.sleep(60)'")
+    result = await grade(task, task.patch, backend, timeout_s=2)
+    assert (result.outcome, result.reward) == ("timeout", None)
+    assert "without it either" in (result.error or "")
+
+
+async def test_a_patch_that_hangs_the_tests_is_a_timeout_with_reward_0(backend: LocalBackend) -> None:
+    def hang(repo: Path, task: Task) -> None:
+        append(repo / source_module(task), "\n\nimport time\n\ntime.sleep(3600)\n")
+
+    result = await grade(STRUTIL, make_patch(STRUTIL, hang), backend, timeout_s=3)
+    assert_model_failure(result, "timeout")
+    assert "they finish without it" in (result.error or "")
+
+
+async def test_a_patch_that_kills_the_runner_does_not_resolve(backend: LocalBackend) -> None:
+    def crash(repo: Path, task: Task) -> None:
+        append(repo / source_module(task), "\n\nimport os\n\nos._exit(0)\n")
+
+    result = await grade(STRUTIL, make_patch(STRUTIL, crash), backend, timeout_s=60)
+    assert_model_failure(result)
+    assert "broke the test runner" in (result.error or "")
+    assert "control_s" in result.timings
+
+
+async def test_a_test_command_without_a_report_is_an_infra_error(backend: LocalBackend) -> None:
+    result = await grade(replace(STRUTIL, test_cmd="true"), STRUTIL.patch, backend, timeout_s=60)
+    assert (result.outcome, result.reward) == ("infra_error", None)
+    assert "no report" in (result.error or "")
+
+
+async def test_a_test_patch_that_does_not_apply_is_an_infra_error(backend: LocalBackend) -> None:
+    broken = replace(STRUTIL, test_patch=STRUTIL.test_patch.replace('truncate("hello", 2)', 'truncate("hello", 3)'))
+    result = await grade(broken, STRUTIL.patch, backend, timeout_s=60)
+    assert (result.outcome, result.reward) == ("infra_error", None)
+    assert "test_patch does not apply" in (result.error or "")
+
+
+async def test_a_task_without_fail_to_pass_tests_is_never_resolved(backend: LocalBackend) -> None:
+    result = await grade(replace(STRUTIL, fail_to_pass=()), STRUTIL.patch, backend, timeout_s=60)
+    assert (result.outcome, result.reward) == ("infra_error", None)
+
+
+async def test_a_sandbox_that_cannot_be_created_is_an_infra_error(backend: LocalBackend) -> None:
+    result = await grade(replace(STRUTIL, base_commit="f" * 40), STRUTIL.patch, backend, timeout_s=60)
+    assert (result.outcome, result.reward) == ("infra_error", None)
+    assert (result.error or "").startswith("sandbox: ")
+
+
+class DestroyedOnArrival(SandboxBackend):
+    """Hands out real local sandboxes that are already destroyed, so their first use fails for real."""
+
+    name = "destroyed"
+
+    def __init__(self, inner: LocalBackend) -> None:
+        self.inner = inner
+
+    async def create(self, task: Task, mounts: Sequence[Mount] = ()) -> Sandbox:
+        sandbox = await self.inner.create(task, mounts)
+        await sandbox.destroy()
+        return sandbox
+
+
+async def test_a_sandbox_failing_mid_grade_is_an_infra_error(backend: LocalBackend) -> None:
+    result = await grade(STRUTIL, STRUTIL.patch, DestroyedOnArrival(backend), timeout_s=60)
+    assert (result.outcome, result.reward) == ("infra_error", None)
+    assert "destroyed" in (result.error or "")
+
+
+async def test_cancelling_a_grade_destroys_its_sandbox(backend: LocalBackend, run_dir: Path) -> None:
+    marker = "time.sleep(61.25)"
+    task = replace(STRUTIL, test_cmd=f"python3 -c '{marker}'")
+    grading = asyncio.create_task(grade(task, task.patch, backend, timeout_s=60))
+    for _ in range(500):
+        await asyncio.sleep(0.02)
+        if running(marker):
+            break
+    else:
+        raise AssertionError("the tests never started")
+    grading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await grading
+    assert not running(marker)
+    assert list(run_dir.iterdir()) == []
+
+
+def running(needle: str) -> bool:
+    """Whether a host process has `needle` in its command line."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle.encode() in (proc / "cmdline").read_bytes():
+                return True
+        except OSError:  # exited meanwhile
+            pass
+    return False
+
+
+# --- predictions --------------------------------------------------------------------------------------
+
+
+async def test_grade_predictions_keeps_their_order(backend: LocalBackend, tmp_path: Path) -> None:
+    predictions = [
+        *({"instance_id": task.instance_id, "model_patch": task.patch} for task in TASKS),
+        {"instance_id": TASKS[0].instance_id, "model_patch": None},
+        {"instance_id": TASKS[1].instance_id, "model_patch": ""},
+    ]
+    path = tmp_path / "preds.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in predictions))
+    assert load_predictions(path) == predictions
+    path.write_text(json.dumps(predictions))
+    assert load_predictions(path) == predictions
+
+    results = await grade_predictions(TASKS, predictions, backend, concurrency=3, timeout_s=120)
+    assert [r.instance_id for r in results] == [p["instance_id"] for p in predictions]
+    assert [r.outcome for r in results] == ["resolved"] * len(TASKS) + ["unresolved", "unresolved"]
+
+
+async def test_grade_predictions_checks_every_prediction_first(backend: LocalBackend) -> None:
+    good = {"instance_id": STRUTIL.instance_id, "model_patch": ""}
+    with pytest.raises(KeyError, match="nope"):
+        await grade_predictions(TASKS, [good, {"instance_id": "nope", "model_patch": ""}], backend)
+    with pytest.raises(ValueError, match="model_patch is not a string"):
+        await grade_predictions(TASKS, [good, {"instance_id": STRUTIL.instance_id, "model_patch": 3}], backend)
+
+
+# --- the rules, without sandboxes -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "protected"),
+    [
+        ("strutil.py", False),
+        ("src/pkg/core.py", False),
+        ("pkg/__init__.py", False),
+        ("docs/testing.md", False),  # a file named testing.md is not test code
+        ("attest.py", False),
+        ("pytest_helpers/x.md", False),  # a non-module file in a non-package directory
+        ("tests/test_a.py", True),
+        ("tests/helpers.py", True),
+        ("pkg/tests/data/x.json", True),
+        ("testing/util.py", True),
+        ("test-data/unit/check.test", True),
+        ("e2e/run.py", True),
+        ("pkg/test_core.py", True),
+        ("pkg/core_test.py", True),
+        ("pkg/conftest.py", True),
+        ("conftest.py", True),
+        ("pytest.ini", True),
+        ("sub/tox.ini", True),
+        ("setup.cfg", True),
+        ("pyproject.toml", True),
+        (".pytest.ini", True),
+        ("sitecustomize.py", True),
+        ("lib/usercustomize.py", True),
+        ("x.pth", True),
+        ("pkg/__pycache__/core.cpython-311.pyc", True),
+        ("pkg/core.pyc", True),
+        ("cheat-1.0.dist-info/entry_points.txt", True),
+        ("pkg.egg-info/entry_points.txt", True),
+        (".gitattributes", True),
+        ("pytest.py", True),
+        ("pytest/__init__.py", True),
+        ("_pytest/__init__.py", True),
+        ("pluggy.py", True),
+        ("json.py", True),
+        ("xml/__init__.py", True),
+        ("unittest.cpython-311-x86_64-linux-gnu.so", True),
+        ("pytest_mock.py", True),
+        ("json/data.txt", False),  # not a package without an __init__: cannot shadow the real json
+        ("pkg/json.py", False),  # not top-level: `pkg.json`
+    ],
+)
+def test_protected_paths(path: str, protected: bool) -> None:
+    assert is_protected(path) is protected
+
+
+def test_explicit_paths_their_parents_and_children_are_protected() -> None:
+    explicit = {"checks/regress.py"}
+    assert is_protected("checks/regress.py", explicit)
+    assert is_protected("checks", explicit)  # a file where the test patch needs a directory
+    assert is_protected("checks/regress.py/x", explicit)
+    assert not is_protected("checks/other.py", explicit)
+    assert not is_protected("checks/regress.pyx", explicit)
+
+
+def test_junit_keys_follow_pytest() -> None:
+    assert junit_key("tests/test_a.py::test_x") == ("tests.test_a", "test_x")
+    assert junit_key("tests/test_a.py::TestC::test_y[a::b-1.5]") == ("tests.test_a.TestC", "test_y[a::b-1.5]")
+    assert junit_key("test_top.py::test_z") == ("test_top", "test_z")
+
+
+IDS = ["t/test_a.py::test_ok", "t/test_a.py::test_bad", "t/test_a.py::test_xf", "t/test_a.py::test_skip"]
+JUNIT = """<?xml version="1.0"?><testsuites><testsuite>
+<testcase classname="t.test_a" name="test_ok"/>
+<testcase classname="t.test_a" name="test_bad"><failure message="no"/></testcase>
+<testcase classname="t.test_a" name="test_xf"><skipped type="pytest.xfail" message="known"/></testcase>
+<testcase classname="t.test_a" name="test_skip"><skipped type="pytest.skip" message="later"/></testcase>
+</testsuite></testsuites>"""
+SUMMARY = """\
+some test output
+PASSED t/test_a.py::test_bad
+==================== short test summary info ====================
+PASSED t/test_a.py::test_ok
+FAILED t/test_a.py::test_bad - AssertionError: no
+XFAIL t/test_a.py::test_xf - known
+SKIPPED [1] t/test_a.py:9: later
+=========== 1 failed, 1 passed, 1 skipped, 1 xfailed in 0.1s ===========
+"""
+EXPECTED = {IDS[0]: "passed", IDS[1]: "failed", IDS[2]: "xfail", IDS[3]: "skipped"}
+
+
+def test_statuses_from_junit_summary_or_both() -> None:
+    assert report_statuses(IDS, JUNIT, SUMMARY) == EXPECTED
+    assert report_statuses(IDS, JUNIT, "") == EXPECTED
+    # Missing or garbled XML: the summary decides (a skipped test has no id on its line: missing).
+    summary_only = {**EXPECTED, IDS[3]: "missing"}
+    assert report_statuses(IDS, None, SUMMARY) == summary_only
+    assert report_statuses(IDS, JUNIT[:40], SUMMARY) == summary_only
+    assert report_statuses(IDS, "<html>not a report</html>", SUMMARY) == summary_only
+    assert report_statuses(IDS, None, "1 passed") is None
+    assert report_statuses(IDS, "garbled", "") is None
+
+
+def test_a_report_cannot_vouch_for_what_the_other_denies() -> None:
+    forged = JUNIT.replace('<failure message="no"/>', "")
+    assert report_statuses(IDS, forged, SUMMARY)[IDS[1]] == "failed"  # the real summary still says FAILED
+    # A test the JUnit report does not name is missing, whatever a (possibly printed) summary claims.
+    extra = "t/test_a.py::test_never_ran"
+    claimed = SUMMARY + f"PASSED {extra}\n"
+    assert report_statuses([*IDS, extra], JUNIT, claimed)[extra] == "missing"
+    # Status lines printed by tests before the real summary header do not count on their own...
+    assert report_statuses(IDS, None, SUMMARY)[IDS[1]] == "failed"
+    # ...and a duplicated test keeps its worst status.
+    twice = JUNIT.replace(
+        "</testsuite>", '<testcase classname="t.test_a" name="test_ok"><error/></testcase></testsuite>'
+    )
+    assert report_statuses(IDS, twice, "")[IDS[0]] == "error"
