@@ -1,0 +1,153 @@
+"""Pieces the container backends (`docker`, `hf`) share: where a task's repository comes from, how /testbed
+is checked and set up, how much output an exec keeps, and how to kill everything one `exec` started.
+
+Killing a process tree inside a container: neither `docker exec` nor an HF sandbox's `run` kills
+children that left the process group (`setsid cmd &`). Every exec therefore carries a unique marker in
+its environment, which every descendant inherits, and the kill finds the processes by that marker in
+`/proc/*/environ`. It runs as the same user as the exec (a process may read the environ of its own
+user's processes; no capability is needed). What escapes it: a descendant that replaces its whole
+environment (`env -i ...`) or changes user; destroying the sandbox removes those too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from swe_grpo.sandbox.base import SandboxError
+from swe_grpo.tasks import Task
+
+#: The environment variable that tags every process an exec starts (see the module docstring).
+EXEC_MARKER_VAR = "SWE_GRPO_EXEC_ID"
+
+# Kills every process whose environment holds `$1=$2` (the marker), repeating until none is left, so a
+# process forked while the previous round was killing is caught by the next one. `grep -z` reads each
+# environ as NUL-separated entries; zombies have an empty environ, so they do not keep the loop going.
+# Bounded so a process stuck in the kernel cannot hang the caller; the caller checks the result.
+_KILL_SCRIPT = """
+m="$1=$2"
+i=0
+while [ $i -lt 50 ]; do
+  pids=$(grep -lzxF -- "$m" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3)
+  [ -z "$pids" ] && exit 0
+  kill -KILL $pids 2>/dev/null
+  i=$((i + 1))
+done
+exit 1
+"""
+
+
+# Runs as root once /testbed holds the repository: $1 = base commit, $2 = the uid that gets /testbed and
+# a home directory (empty: leave ownership alone).
+PREPARE_TESTBED = """
+set -eu
+command -v git >/dev/null 2>&1 || { echo "the image has no git" >&2; exit 1; }
+g() { git -c safe.directory='*' -C /testbed "$@"; }
+head=$(g rev-parse HEAD) || { echo "no git repository at /testbed" >&2; exit 1; }
+want=$(g rev-parse --verify -q "$1^{commit}") || { echo "base commit $1 is not in /testbed" >&2; exit 1; }
+[ "$head" = "$want" ] || { echo "/testbed is at $head, not at the base commit $want" >&2; exit 1; }
+# Any user may use the repository whoever owns it, and an agent that commits has an identity.
+git config --system safe.directory '*'
+git config --system user.name swe-sandbox
+git config --system user.email swe-sandbox@localhost
+if [ -n "$2" ]; then
+  mkdir -p /home/sandbox
+  chown -R "$2:$2" /testbed /home/sandbox
+fi
+"""
+
+
+def kill_tree_argv(marker: str) -> list[str]:
+    """The argv that kills every process of the exec tagged `marker` (exit 0 when none is left)."""
+    return ["sh", "-c", _KILL_SCRIPT, "sh", EXEC_MARKER_VAR, marker]
+
+
+class OutputTail:
+    """The last `cap` bytes of a stream, and how many bytes before them were dropped."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.data = bytearray()
+        self.dropped = 0
+
+    def add(self, chunk: bytes | None) -> None:
+        if chunk:
+            self.data += chunk
+            if len(self.data) > 2 * self.cap:  # trim in batches: trimming every chunk is quadratic
+                self._trim()
+
+    def _trim(self) -> None:
+        excess = len(self.data) - self.cap
+        if excess > 0:
+            del self.data[:excess]
+            self.dropped += excess
+
+    def text(self) -> str:
+        """The kept bytes as text, after a `[... N bytes dropped ...]` line when some were dropped."""
+        self._trim()
+        text = self.data.decode("utf-8", errors="replace")
+        return f"[... {self.dropped} bytes dropped ...]\n{text}" if self.dropped else text
+
+
+def swegym_image(instance_id: str) -> str:
+    """The SWE-Gym image name of a task: `xingyaoww/sweb.eval.x86_64.<id, "__" -> "_s_">`."""
+    return "xingyaoww/sweb.eval.x86_64." + instance_id.replace("__", "_s_").lower()
+
+
+def local_repo(task: Task) -> Path | None:
+    """The task's repository as a local path (a git repository or a bundle file), or None when `repo` is
+    a GitHub "owner/name" (its code must then come from an image)."""
+    path = Path(task.repo)
+    return path if path.is_absolute() and path.exists() else None
+
+
+# Host-side git must not depend on this user's git configuration nor ask for credentials, and the source
+# repository may belong to another user.
+_HOST_GIT_ENV = {
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_CONFIG_GLOBAL": os.devnull,
+    "GIT_TERMINAL_PROMPT": "0",
+    "GIT_CONFIG_COUNT": "1",
+    "GIT_CONFIG_KEY_0": "safe.directory",
+    "GIT_CONFIG_VALUE_0": "*",
+}
+
+
+def host_git(*args: str, cwd: Path | None = None, stdin: str | None = None) -> str:
+    """Run git on the host, independent of this user's git configuration; `SandboxError` on failure."""
+    try:
+        done = subprocess.run(
+            ["git", *args],
+            cwd=cwd,
+            env={**os.environ, **_HOST_GIT_ENV},
+            input=stdin,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=600,
+        )
+    except subprocess.CalledProcessError as e:
+        raise SandboxError(f"git {' '.join(args)} failed: {e.stderr.strip()[-500:]}") from e
+    except subprocess.TimeoutExpired as e:
+        raise SandboxError(f"git {' '.join(args)} took more than {e.timeout:.0f} s") from e
+    return done.stdout
+
+
+def export_repo(repo: Path, commit: str, dest: Path) -> None:
+    """Make `dest` a clone of `repo` (a repository or a bundle) with branch `main` checked out at `commit`
+    and NOTHING reachable but `commit` and its history: no remote, no other branches or tags, no objects
+    of later commits. So an agent cannot read the fix from the repository's future (`git log --all`)."""
+    host_git("clone", "--quiet", "--no-checkout", str(repo), str(dest))
+    try:
+        host_git("cat-file", "-e", f"{commit}^{{commit}}", cwd=dest)
+    except SandboxError as e:
+        raise SandboxError(f"base commit {commit} is not in {repo}") from e
+    host_git("remote", "remove", "origin", cwd=dest)
+    host_git("checkout", "--quiet", "-B", "main", commit, cwd=dest)
+    others = [
+        ref for ref in host_git("for-each-ref", "--format=%(refname)", cwd=dest).split() if ref != "refs/heads/main"
+    ]
+    host_git("update-ref", "--stdin", cwd=dest, stdin="".join(f"delete {ref}\n" for ref in others))
+    host_git("reflog", "expire", "--expire=now", "--all", cwd=dest)
+    host_git("gc", "--quiet", "--prune=now", cwd=dest)
