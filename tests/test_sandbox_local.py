@@ -330,11 +330,11 @@ async def test_mounts_read_only_and_writable(backend: LocalBackend, task: Task, 
 
 
 async def test_rlimits_and_output_cap(backend: LocalBackend, task: Task, run_dir: Path) -> None:
-    limits = LocalLimits(cpu_s=7, address_space_bytes=1 << 30, file_size_bytes=1 << 20, nproc=500, output_bytes=1000)
+    limits = LocalLimits(cpu_s=7, data_bytes=1 << 30, file_size_bytes=1 << 20, nproc=500, output_bytes=1000)
     limited = LocalBackend(limits=limits, cache_dir=backend.cache_dir, run_dir=run_dir, method=backend.method)
     sandbox = await limited.create(task)
     try:
-        assert await run_ok(sandbox, "ulimit -t; ulimit -v; ulimit -f; ulimit -u") == "7\n1048576\n1024\n500\n"
+        assert await run_ok(sandbox, "ulimit -t; ulimit -d; ulimit -f; ulimit -u") == "7\n1048576\n1024\n500\n"
         result = await sandbox.exec("head -c 2000000 /dev/zero > /tmp/big", timeout_s=30)
         assert result.exit_code == 128 + 25  # SIGXFSZ
         assert await run_ok(sandbox, "stat -c %s /tmp/big") == f"{1 << 20}\n"

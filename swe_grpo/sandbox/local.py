@@ -78,7 +78,9 @@ class LocalLimits:
     (the end is kept)."""
 
     cpu_s: int | None = 3600
-    address_space_bytes: int | None = 8 << 30
+    # RLIMIT_DATA, not RLIMIT_AS: Node (the agent) reserves tens of GB of address space for WebAssembly
+    # and dies under an address-space limit; the data limit counts memory actually made writable.
+    data_bytes: int | None = 8 << 30
     file_size_bytes: int | None = 1 << 30
     nproc: int | None = 4096
     output_bytes: int = 4 << 20
@@ -364,7 +366,7 @@ class LocalBackend(SandboxBackend):
         limits = self.limits
         rlimits = {
             "cpu": limits.cpu_s,
-            "as": limits.address_space_bytes,
+            "data": limits.data_bytes,
             "fsize": limits.file_size_bytes,
             "nproc": limits.nproc,
         }

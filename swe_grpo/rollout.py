@@ -1,0 +1,166 @@
+"""One rollout, start to finish: sandbox -> interception session -> Pi -> diff -> fresh-sandbox grade.
+
+Everything a rollout creates (its sandbox, its interception session, Pi's process tree) is released
+however it ends, cancellation included. The result is a `Trajectory`: the training rows and per-turn
+records from the TokenChain, the reward, and an outcome with its provenance:
+
+    resolved / unresolved / patch_apply_failed   graded; reward 1.0 / 0.0 / 0.0
+    context_overflow   the conversation outgrew the model's context      reward None
+    timeout            Pi hit its wall-clock limit or stalled, or grading timed out without a verdict
+    infra_error        vLLM unreachable or unusable, a sandbox failure, Pi crashing before any turn
+
+A reward of None means "do not train on this as 0": the worker keeps such rollouts out of group
+baselines.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from swe_grpo.agents.pi import PiBundle, PiConfig, PiResult, run_pi
+from swe_grpo.chain import TrainingRow, TurnRecord
+from swe_grpo.grading import DEFAULT_TIMEOUT_S, GradeResult, grade
+from swe_grpo.interception import InterceptionServer, RequestError
+from swe_grpo.sandbox.base import SandboxBackend, SandboxError
+from swe_grpo.tasks import Task
+
+_INFRA_REQUEST_ERRORS = ("server_unavailable", "bad_response", "internal")
+
+
+@dataclass
+class Trajectory:
+    """One finished rollout."""
+
+    instance_id: str
+    rollout_id: str
+    outcome: str
+    reward: float | None
+    rows: list[TrainingRow] = field(default_factory=list)
+    turns: list[TurnRecord] = field(default_factory=list)
+    request_errors: list[RequestError] = field(default_factory=list)
+    malformed_tool_calls: int = 0
+    patch: str = ""
+    grade: GradeResult | None = None
+    pi: PiResult | None = None
+    error: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """The one-line JSON record `swe-grpo rollout` writes."""
+        g = self.grade
+        completion = sum(sum(r.completion_mask) for r in self.rows)
+        return {
+            "instance_id": self.instance_id,
+            "rollout_id": self.rollout_id,
+            "reward": self.reward,
+            "outcome": self.outcome,
+            "f2p_passed": g.f2p_passed if g else 0,
+            "f2p_total": g.f2p_total if g else 0,
+            "p2p_passed": g.p2p_passed if g else 0,
+            "p2p_total": g.p2p_total if g else 0,
+            "num_turns": len(self.turns),
+            "clean_turns": sum(t.kind == "clean" for t in self.turns),
+            "forks": sum(t.kind == "fork" for t in self.turns),
+            "prompt_tokens": sum(len(r.input_ids) for r in self.rows) - completion,
+            "completion_tokens": completion,
+            "malformed_tool_calls": self.malformed_tool_calls,
+            "wall_s": round(self.timings.get("total", 0.0), 3),
+            "error": self.error,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """Everything, with rows as plain lists (for `--save-trajectories`)."""
+        return {
+            **self.summary(),
+            "rows": [r.as_dict() for r in self.rows],
+            "turns": [asdict(t) for t in self.turns],
+            "request_errors": [asdict(e) for e in self.request_errors],
+            "patch": self.patch,
+            "grade": asdict(self.grade) if self.grade else None,
+            "pi": asdict(self.pi) if self.pi else None,
+            "timings": self.timings,
+        }
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    pi: PiConfig
+    grade_timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+def _agent_outcome(pi: PiResult, errors: list[RequestError], turns: int) -> tuple[str, str] | None:
+    """The outcome decided before grading, if the agent's run already settles it."""
+    kinds = [e.kind for e in errors]
+    if "context_overflow" in kinds:
+        return "context_overflow", next(e.message for e in errors if e.kind == "context_overflow")
+    infra = [e for e in errors if e.kind in _INFRA_REQUEST_ERRORS]
+    if infra:
+        return "infra_error", f"generation failed: {infra[-1].kind}: {infra[-1].message}"
+    if pi.stalled:
+        return "timeout", "agent stalled: no model request within the stall limit"
+    if pi.timed_out:
+        return "timeout", "agent hit its wall-clock limit"
+    if turns == 0:
+        return "infra_error", f"agent made no model request (exit {pi.exit_code}): {pi.stderr_tail[-500:]}"
+    if pi.exit_code not in (0, 1):  # Pi exits 1 when its last turn failed; anything else is a crash or a kill
+        return "infra_error", f"agent died (exit {pi.exit_code}): {pi.stderr_tail[-500:]}"
+    return None
+
+
+async def run_rollout(
+    task: Task,
+    server: InterceptionServer,
+    backend: SandboxBackend,
+    bundle: PiBundle,
+    config: RolloutConfig,
+    rollout_id: str | None = None,
+) -> Trajectory:
+    """Run Pi on `task` in a sandbox, grade its diff in a fresh one, and return the Trajectory."""
+    rollout_id = rollout_id or f"{task.instance_id.replace('/', '_')[:64]}-{uuid.uuid4().hex[:12]}"
+    timings: dict[str, float] = {}
+    start = time.monotonic()
+    endpoint = server.open_rollout(rollout_id)
+    pi: PiResult | None = None
+    patch, error = "", None
+    try:
+        sandbox = await backend.create(task, mounts=[bundle.mount()])
+        timings["sandbox_create"] = time.monotonic() - start
+        try:
+            pi = await run_pi(
+                sandbox, endpoint, task.problem_statement, config.pi, lambda: server.last_activity(rollout_id)
+            )
+            timings["agent"] = pi.wall_s
+            patch = await sandbox.diff()
+        finally:
+            await sandbox.destroy()
+    except SandboxError as e:
+        error = f"sandbox: {e}"
+    finally:
+        record = server.close_rollout(rollout_id)
+
+    trajectory = Trajectory(
+        instance_id=task.instance_id,
+        rollout_id=rollout_id,
+        outcome="infra_error",
+        reward=None,
+        rows=record.rows,
+        turns=record.turns,
+        request_errors=record.errors,
+        malformed_tool_calls=record.malformed_tool_calls,
+        patch=patch,
+        pi=pi,
+        error=error,
+        timings=timings,
+    )
+    decided = _agent_outcome(pi, record.errors, len(record.turns)) if pi else None
+    if decided:
+        trajectory.outcome, trajectory.error = decided
+    elif pi:
+        result = await grade(task, patch, backend, timeout_s=config.grade_timeout_s)
+        trajectory.grade = result
+        trajectory.outcome, trajectory.reward, trajectory.error = result.outcome, result.reward, result.error
+    timings["total"] = time.monotonic() - start
+    return trajectory
