@@ -103,10 +103,10 @@ def _agent_outcome(pi: PiResult, errors: list[RequestError], turns: int) -> tupl
         return "timeout", "agent stalled: no model request within the stall limit"
     if pi.timed_out:
         return "timeout", "agent hit its wall-clock limit"
-    if turns == 0:
-        return "infra_error", f"agent made no model request (exit {pi.exit_code}): {pi.stderr_tail[-500:]}"
     if pi.exit_code not in (0, 1):  # Pi exits 1 when its last turn failed; anything else is a crash or a kill
         return "infra_error", f"agent died (exit {pi.exit_code}): {pi.stderr_tail[-500:]}"
+    if turns == 0:
+        return "infra_error", f"agent made no model request (exit {pi.exit_code}): {pi.stderr_tail[-500:]}"
     return None
 
 

@@ -5,6 +5,7 @@ fail (not skip) when setup did not install them."""
 from __future__ import annotations
 
 import functools
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -51,6 +52,17 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 async def vllm_client(vllm_server: VLLMServer, tokenizer: PreTrainedTokenizerBase) -> AsyncIterator[VLLMClient]:
     async with VLLMClient(vllm_server.url, SERVED_NAME, stop_token_ids=[tokenizer.eos_token_id]) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def run_dir() -> Iterator[Path]:
+    """Where a module's local sandboxes live: traversable by the sandbox user (pytest's tmp_path is not),
+    and empty again after the module (a sandbox left behind fails it)."""
+    path = Path(tempfile.mkdtemp(prefix="swe_grpo_test_run_"))
+    path.chmod(0o711)
+    yield path
+    assert list(path.iterdir()) == [], "a test left a sandbox behind"
+    path.rmdir()
 
 
 @pytest.fixture(scope="session")

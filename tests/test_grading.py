@@ -44,15 +44,6 @@ def git(cwd: Path, *args: str, input_text: str | None = None) -> str:
 
 
 @pytest.fixture(scope="module")
-def run_dir() -> Iterator[Path]:
-    """Where this module's sandboxes live (traversable by the sandbox user); empty after every test."""
-    path = Path(tempfile.mkdtemp(prefix="swe_grpo_test_grading_"))
-    path.chmod(0o711)
-    yield path
-    path.rmdir()  # fails when a sandbox was left behind
-
-
-@pytest.fixture(scope="module")
 async def backend(tmp_path_factory: pytest.TempPathFactory, run_dir: Path) -> LocalBackend:
     backend = LocalBackend(cache_dir=tmp_path_factory.mktemp("cache"), run_dir=run_dir)
     await backend.start()

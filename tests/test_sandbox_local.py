@@ -12,7 +12,7 @@ import os
 import random
 import subprocess
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -103,16 +103,6 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def task(repo: Path) -> Task:
     return Task(instance_id="calc", repo=str(repo), base_commit=git(repo, "rev-parse", "HEAD~1"), problem_statement="")
-
-
-@pytest.fixture(scope="module")
-def run_dir() -> Iterator[Path]:
-    """Where this module's sandboxes live; it must be traversable by the sandbox user (tmp_path is not)."""
-    path = Path(tempfile.mkdtemp(prefix="swe_grpo_test_run_"))
-    path.chmod(0o711)
-    yield path
-    assert list(path.iterdir()) == [], "a test left a sandbox behind"
-    path.rmdir()
 
 
 @pytest.fixture(scope="module")

