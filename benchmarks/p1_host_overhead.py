@@ -300,7 +300,7 @@ async def run_case(
             result.full_render_s.append(prime.round_trip)
             result.bridge.append(timed)
             result.floor_s.append(await floor.time(session, timed))
-        ids = record.rows[-1].input_ids[: record.turns[1].prompt_tokens]
+        ids = record.rows[-1].input_ids[: record.turns[1].prompt_tokens].tolist()
         measure_offline(result, server, result.bridge[-1].body, ids)
         results.append(result)
         log(f"{case.name} {size:,}: {turns} timed turns, {_s(t0)}")

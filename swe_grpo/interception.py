@@ -96,6 +96,14 @@ class _Rollout:
     malformed_tool_calls: int = 0
     last_activity: float = field(default_factory=time.monotonic)
     closed: bool = False
+    serving: asyncio.Task | None = None  # the request being served, cancelled when the rollout closes
+
+    def close(self) -> None:
+        """Refuse further requests and abandon the one in flight: cancelling its handler cancels the
+        generation, whose HTTP request vLLM then aborts, and nothing more is committed."""
+        self.closed = True
+        if self.serving is not None:
+            self.serving.cancel()
 
 
 class _HTTPError(Exception):
@@ -188,6 +196,8 @@ class InterceptionServer:
         return self
 
     async def stop(self) -> None:
+        for rollout in self._rollouts.values():  # a generation that never returns must not block shutdown
+            rollout.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -226,7 +236,7 @@ class InterceptionServer:
     def close_rollout(self, rollout_id: str) -> RolloutRecord:
         """End a rollout: later requests get 410. Returns its rows, turn records and errors."""
         rollout = self._rollouts.pop(rollout_id)
-        rollout.closed = True  # a generation still in flight is not committed to the rows handed back
+        rollout.close()
         self._closed[rollout_id] = rollout.endpoint.token
         while len(self._closed) > _CLOSED_REMEMBERED:
             self._closed.popitem(last=False)
@@ -290,9 +300,11 @@ class InterceptionServer:
                 raise _HTTPError(410, "rollout is closed")
             rollout.requests += 1
             rollout.last_activity = time.monotonic()
+            rollout.serving = asyncio.current_task()
             try:
                 record, parsed = await self._turn(rollout, body, params)
             finally:
+                rollout.serving = None
                 rollout.last_activity = time.monotonic()
         reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), rollout.endpoint.model, parsed, record)
         if not stream:

@@ -297,7 +297,7 @@ async def test_agent_disconnecting_mid_generation_is_harmless(vllm_client, token
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
-async def test_closing_a_rollout_mid_generation_commits_nothing(vllm_client, tokenizer) -> None:
+async def test_closing_a_rollout_mid_generation_abandons_it(vllm_client, tokenizer) -> None:
     probe = ConcurrencyProbe(vllm_client)  # holds each generation for 0.2 s
     async with InterceptionServer(probe, tokenizer, sampling=SamplingParams(max_tokens=8)) as srv:
         endpoint = srv.open_rollout()
@@ -305,9 +305,31 @@ async def test_closing_a_rollout_mid_generation_commits_nothing(vllm_client, tok
             request = asyncio.create_task(post_chat(session, endpoint, PiConversation().request()))
             await asyncio.sleep(0.1)
             record = srv.close_rollout(endpoint.rollout_id)
-            async with await request as r:
-                assert r.status == 410
+            with pytest.raises(aiohttp.ClientError):  # the agent is cut off, not answered
+                await request
+        assert sum(probe.in_flight.values()) == 0  # the generation was cancelled
     assert record.rows == [] and record.turns == []
+
+
+class NeverReturns:
+    """A generation backend that hangs forever (a stuck vLLM)."""
+
+    max_model_len = 8192
+
+    async def generate(self, *args, **kwargs) -> Generation:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def test_stop_does_not_wait_for_a_stuck_generation(tokenizer) -> None:
+    srv = await InterceptionServer(NeverReturns(), tokenizer).start()
+    endpoint = srv.open_rollout()
+    async with aiohttp.ClientSession() as session:
+        request = asyncio.create_task(post_chat(session, endpoint, PiConversation().request()))
+        await asyncio.sleep(0.3)
+        await asyncio.wait_for(srv.stop(), timeout=10)
+        with pytest.raises(aiohttp.ClientError):
+            await request
 
 
 class ScriptedGenerator:

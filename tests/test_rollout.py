@@ -5,7 +5,6 @@ wrong one. Faults end as named outcomes and leave nothing behind."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import SERVED_NAME
 from sandbox_helpers import host_pids
+from test_interception import NeverReturns
 from test_pi_integration import RecordingClient
 
 from swe_grpo.agents.pi import PiConfig
@@ -24,7 +24,7 @@ from swe_grpo.interception import InterceptionServer
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.tasks import Task, demo_tasks, demo_tasks_path
-from swe_grpo.vllm_client import SamplingParams, ServerUnavailableError, VLLMClient
+from swe_grpo.vllm_client import SamplingParams, VLLMClient
 
 pytestmark = pytest.mark.integration
 
@@ -101,25 +101,8 @@ async def test_sandbox_that_cannot_be_created(vllm_client, tokenizer, pi_bundle,
     assert_nothing_left(backend, server)
 
 
-class Stalling:
-    """The real client, but the first generation never returns (a server that hangs mid-request)."""
-
-    def __init__(self, inner: VLLMClient):
-        self.inner, self.release = inner, asyncio.Event()
-
-    @property
-    def max_model_len(self) -> int:
-        return self.inner.max_model_len
-
-    async def generate(self, *args, **kwargs):
-        await self.release.wait()
-        raise ServerUnavailableError("released at the end of the test")
-
-
-async def test_stalled_agent_is_killed_and_named(vllm_client, tokenizer, pi_bundle, backend, strutil) -> None:
-    stalling = Stalling(vllm_client)
-    trajectory, server = await rollout(stalling, tokenizer, backend, strutil, pi_bundle, stall_timeout_s=4)
-    stalling.release.set()
+async def test_stalled_agent_is_killed_and_named(tokenizer, pi_bundle, backend, strutil) -> None:
+    trajectory, server = await rollout(NeverReturns(), tokenizer, backend, strutil, pi_bundle, stall_timeout_s=4)
     assert trajectory.outcome == "timeout" and trajectory.reward is None
     assert "stalled" in trajectory.error and trajectory.pi.stalled
     assert_nothing_left(backend, server)
