@@ -1,5 +1,5 @@
-"""Helpers and fixtures shared by the container backends' tests (`docker`, `hf`): a small repository with
-a base commit and a later fix, and host-side process checks."""
+"""Helpers shared by the sandbox tests: a small repository with a base commit and a later fix, and
+host-side process checks."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ import pytest
 from docker_env import DockerUnavailable, docker_engine, ensure_base_image
 from sandbox_helpers import CALC, calc_task, git, host_pids, make_repo, marker, wait_for_pids
 
-from swe_grpo.sandbox._common import export_repo, swegym_image
+from swe_grpo.sandbox._common import export_repo
 from swe_grpo.sandbox.base import Mount, SandboxError
 from swe_grpo.sandbox.docker import (
     DEFAULT_IMAGE,
@@ -38,7 +38,7 @@ from swe_grpo.sandbox.docker import (
     DockerLimits,
     DockerSandbox,
 )
-from swe_grpo.tasks import Task
+from swe_grpo.tasks import Task, swe_gym_image
 
 UID = 1000
 
@@ -418,13 +418,13 @@ async def test_cancelled_create_leaves_nothing(backend: DockerBackend, task: Tas
         assert our_containers(engine) == before
 
 
-async def test_swegym_image_is_used_as_is(
+async def test_swe_gym_image_is_used_as_is(
     backend: DockerBackend, task: Task, repo: Path, engine: docker.DockerClient, tmp_path: Path
 ) -> None:
     """A SWE-bench-style image (root-owned /testbed with full history, named after the task) is found by
     the SWE-Gym naming rule and used instead of copying the repository."""
     gym_task = replace(task, instance_id="demo__gym-1", repo="demo/gym")
-    name = swegym_image(gym_task.instance_id)
+    name = swe_gym_image(gym_task.instance_id)
     assert name == "xingyaoww/sweb.eval.x86_64.demo_s_gym-1"
     if not engine.images.list(name=name):
         clone = tmp_path / "testbed"

@@ -26,10 +26,9 @@ from huggingface_hub.errors import SandboxError as HubSandboxError
 from sandbox_helpers import CALC, calc_task, git, host_pids, make_repo, marker, wait_for_pids
 
 from swe_grpo.sandbox import hf
-from swe_grpo.sandbox._common import swegym_image
 from swe_grpo.sandbox.base import Mount, SandboxError
 from swe_grpo.sandbox.hf import DEFAULT_IMAGE, LABEL, HFBackend, HFSandbox
-from swe_grpo.tasks import Task
+from swe_grpo.tasks import Task, swe_gym_image
 
 _FAKE_VAR = "FAKE_HF_SANDBOX"
 
@@ -363,7 +362,7 @@ async def test_failed_set_up_raises_and_kills_the_sandbox(
     for box in FakeHubSandbox.created[before:]:
         assert_gone(box)
     if change.get("repo"):
-        assert FakeHubSandbox.created[-1].image == swegym_image(task.instance_id)
+        assert FakeHubSandbox.created[-1].image == swe_gym_image(task.instance_id)
     assert backend.live == set()
 
 

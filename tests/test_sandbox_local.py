@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from sandbox_helpers import CALC, git, host_pids, marker, wait_for_pids
 
 from swe_grpo.sandbox.base import WORKDIR, Mount, SandboxError
 from swe_grpo.sandbox.local import CowMethod, LocalBackend, LocalLimits, LocalSandbox
@@ -25,40 +26,7 @@ from swe_grpo.tasks import Task
 
 SANDBOX_UID = 999
 
-CALC = "def add(a, b):\n    return a + b\n"
 TEST_CALC = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
-
-
-def git(repo: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
-    cmd = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args]
-    return subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip()
-
-
-def marker() -> str:
-    """A unique `sleep` duration: the process that sleeps it is findable on the host by its argv."""
-    return f"{random.randint(1000, 9999)}.{random.randint(10**8, 10**9)}"
-
-
-def host_pids(needle: str) -> list[int]:
-    """Host processes (other than this one) whose command line contains `needle`."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if needle.encode() in Path(entry.path, "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:  # exited meanwhile
-                pass
-    return pids
-
-
-async def wait_for_pids(needle: str) -> list[int]:
-    for _ in range(500):
-        if pids := host_pids(needle):
-            return pids
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"no process with {needle!r} appeared")
 
 
 def mounted(path: Path) -> bool:

@@ -90,11 +90,6 @@ class OutputTail:
         return f"[... {self.dropped} bytes dropped ...]\n{text}" if self.dropped else text
 
 
-def swegym_image(instance_id: str) -> str:
-    """The SWE-Gym image name of a task: `xingyaoww/sweb.eval.x86_64.<id, "__" -> "_s_">`."""
-    return "xingyaoww/sweb.eval.x86_64." + instance_id.replace("__", "_s_").lower()
-
-
 def local_repo(task: Task) -> Path | None:
     """The task's repository as a local path (a git repository or a bundle file), or None when `repo` is
     a GitHub "owner/name" (its code must then come from an image)."""
@@ -104,7 +99,7 @@ def local_repo(task: Task) -> Path | None:
 
 # Host-side git must not depend on this user's git configuration nor ask for credentials, and the source
 # repository may belong to another user.
-_HOST_GIT_ENV = {
+HOST_GIT_ENV = {
     "GIT_CONFIG_NOSYSTEM": "1",
     "GIT_CONFIG_GLOBAL": os.devnull,
     "GIT_TERMINAL_PROMPT": "0",
@@ -120,7 +115,7 @@ def host_git(*args: str, cwd: Path | None = None, stdin: str | None = None) -> s
         done = subprocess.run(
             ["git", *args],
             cwd=cwd,
-            env={**os.environ, **_HOST_GIT_ENV},
+            env={**os.environ, **HOST_GIT_ENV},
             input=stdin,
             capture_output=True,
             text=True,

@@ -71,10 +71,9 @@ from swe_grpo.sandbox._common import (
     export_repo,
     kill_tree_argv,
     local_repo,
-    swegym_image,
 )
 from swe_grpo.sandbox.base import WORKDIR, ExecResult, Mount, Sandbox, SandboxBackend, SandboxError
-from swe_grpo.tasks import Task
+from swe_grpo.tasks import Task, swe_gym_image
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -401,7 +400,7 @@ class DockerBackend(SandboxBackend):
 
     async def _prepared_image(self, task: Task) -> str:
         """The prepared image for `task` (see the module docstring), built on first use."""
-        source = task.image or swegym_image(task.instance_id)
+        source = task.image or swe_gym_image(task.instance_id)
         repo = None
         if not task.image and not await self._image_exists(source):
             repo = local_repo(task)

@@ -58,10 +58,9 @@ from swe_grpo.sandbox._common import (
     host_git,
     kill_tree_argv,
     local_repo,
-    swegym_image,
 )
 from swe_grpo.sandbox.base import WORKDIR, ExecResult, Mount, Sandbox, SandboxBackend, SandboxError
-from swe_grpo.tasks import Task
+from swe_grpo.tasks import Task, swe_gym_image
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -228,7 +227,7 @@ class HFBackend(SandboxBackend):
         if writable := [m.sandbox_path for m in mounts if m.writable]:
             raise SandboxError(f"the hf backend cannot mount host directories writable: {writable}")
         repo = None if task.image else local_repo(task)
-        image = task.image or (self.default_image if repo else swegym_image(task.instance_id))
+        image = task.image or (self.default_image if repo else swe_gym_image(task.instance_id))
         made = self.call(
             self._create_sandbox,
             image,

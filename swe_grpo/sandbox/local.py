@@ -30,6 +30,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from swe_grpo.paths import cache_root
+from swe_grpo.sandbox._common import HOST_GIT_ENV, OutputTail
 from swe_grpo.sandbox.base import WORKDIR, ExecResult, Mount, Sandbox, SandboxBackend, SandboxError
 
 if TYPE_CHECKING:
@@ -53,16 +55,6 @@ _HOME = "/tmp/home"
 # The user's git config inside: a repository mounted from elsewhere may belong to another uid, and an
 # agent that commits needs an identity.
 _GITCONFIG = "[safe]\n\tdirectory = *\n[user]\n\tname = swe-sandbox\n\temail = swe-sandbox@localhost\n"
-# Host-side git must not depend on root's own configuration nor ask for credentials; the source
-# repository may belong to another user.
-_HOST_GIT_ENV = {
-    "GIT_CONFIG_NOSYSTEM": "1",
-    "GIT_CONFIG_GLOBAL": os.devnull,
-    "GIT_TERMINAL_PROMPT": "0",
-    "GIT_CONFIG_COUNT": "1",
-    "GIT_CONFIG_KEY_0": "safe.directory",
-    "GIT_CONFIG_VALUE_0": "*",
-}
 # Pid 1 of every exec: runs the command and reaps what gets orphaned meanwhile; its exit ends the
 # namespace. (When a command dies of a signal, this shell adds e.g. "Killed" to its stderr.)
 _REAPER = ["sh", "-c", '"$@"; exit $?', "sh"]
@@ -127,16 +119,6 @@ class _Run:
         await _wait_or_kill(self.proc)
 
 
-@dataclass
-class _Output:
-    data: bytes
-    dropped: int = 0
-
-    def text(self) -> str:
-        text = self.data.decode(errors="replace")
-        return f"[... {self.dropped} bytes dropped ...]\n{text}" if self.dropped else text
-
-
 class LocalSandbox(Sandbox):
     """A sandbox made by `LocalBackend`. `host_dir` is where it lives on the host (for diagnostics);
     it is gone after `destroy()`."""
@@ -180,7 +162,7 @@ class LocalSandbox(Sandbox):
         code, out, err, _, _ = await self._run(["cat", "--", _absolute(path)], timeout_s=60, cwd="/")
         if code != 0:
             raise SandboxError(f"cannot read {path} in the sandbox: {err.text()[-500:]}")
-        return out.data
+        return bytes(out.data)
 
     async def destroy(self) -> None:
         """Kills every running exec, unmounts, removes `host_dir`. Concurrent and repeated calls share
@@ -216,7 +198,7 @@ class LocalSandbox(Sandbox):
         env: Mapping[str, str] | None = None,
         stdin: bytes | None = None,
         cap: int | None = None,
-    ) -> tuple[int | None, _Output, _Output, bool, float]:
+    ) -> tuple[int | None, OutputTail, OutputTail, bool, float]:
         """Run argv in a fresh bwrap; (exit code, stdout, stderr, timed out, wall seconds)."""
         if self._teardown is not None:
             raise SandboxError("the sandbox has been destroyed")
@@ -463,7 +445,7 @@ def _git_source(repo: str) -> tuple[str, bool]:
 
 
 def _check(argv: list[str], *, what: str) -> None:
-    result = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **_HOST_GIT_ENV})
+    result = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **HOST_GIT_ENV})
     if result.returncode != 0:
         raise SandboxError(f"{what}: `{' '.join(argv)}` failed: {result.stderr.strip()[-1000:]}")
 
@@ -582,19 +564,11 @@ async def _wait_or_kill(proc: asyncio.subprocess.Process, timeout_s: float = _KI
         raise SandboxError(f"process {proc.pid}, or one holding its pipes, survived SIGKILL") from None
 
 
-async def _read_tail(stream: asyncio.StreamReader, cap: int | None) -> _Output:
+async def _read_tail(stream: asyncio.StreamReader, cap: int | None) -> OutputTail:
     """All of `stream` until EOF, or its last `cap` bytes and how many were dropped."""
-    out = _Output(b"")
-    buf = bytearray()
+    out = OutputTail(sys.maxsize if cap is None else cap)
     while chunk := await stream.read(1 << 16):
-        buf += chunk
-        if cap is not None and len(buf) > 2 * cap:  # trim in batches, not per chunk
-            out.dropped += len(buf) - cap
-            del buf[:-cap]
-    if cap is not None and len(buf) > cap:
-        out.dropped += len(buf) - cap
-        del buf[:-cap]
-    out.data = bytes(buf)
+        out.add(chunk)
     return out
 
 
