@@ -185,7 +185,8 @@ class InterceptionServer:
     async def start(self) -> InterceptionServer:
         # A long-lived server: what exists now (tokenizer, torch, transformers: ~400k objects) lives for
         # the whole run. Freezing it keeps each full garbage collection from walking all of it, which
-        # otherwise shows as latency spikes of hundreds of ms under many concurrent rollouts.
+        # otherwise shows as latency spikes of hundreds of ms under many concurrent rollouts. (Undone by
+        # stop(), so that what was frozen can be freed at exit.)
         gc.freeze()
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
@@ -201,6 +202,7 @@ class InterceptionServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+            gc.unfreeze()
 
     async def __aenter__(self) -> InterceptionServer:
         return await self.start()

@@ -155,10 +155,10 @@ async def run_rollout(
         error=error,
         timings=timings,
     )
-    decided = _agent_outcome(pi, record.errors, len(record.turns)) if pi else None
+    decided = _agent_outcome(pi, record.errors, len(record.turns)) if pi and not error else None
     if decided:
         trajectory.outcome, trajectory.error = decided
-    elif pi:
+    elif not error:  # a sandbox failure at any point (even after Pi ran) is infra_error, never a graded 0
         result = await grade(task, patch, backend, timeout_s=config.grade_timeout_s)
         trajectory.grade = result
         trajectory.outcome, trajectory.reward, trajectory.error = result.outcome, result.reward, result.error

@@ -22,7 +22,8 @@ from swe_grpo.cli import main as cli_main
 from swe_grpo.grading import GradeResult
 from swe_grpo.interception import InterceptionServer
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
-from swe_grpo.sandbox.local import LocalBackend
+from swe_grpo.sandbox.base import SandboxError
+from swe_grpo.sandbox.local import LocalBackend, LocalSandbox
 from swe_grpo.tasks import Task, demo_tasks, demo_tasks_path
 from swe_grpo.vllm_client import SamplingParams, VLLMClient
 
@@ -199,3 +200,16 @@ def test_cli_grade(tmp_path) -> None:
     results = [GradeResult(**json.loads(line)) for line in output.read_text().splitlines()]
     assert [r.outcome for r in results] == ["resolved"] * len(tasks) + ["unresolved"]
     assert [r.reward for r in results] == [1.0] * len(tasks) + [0.0]
+
+
+async def test_sandbox_failing_after_the_agent_ran_is_not_graded(
+    vllm_client, tokenizer, pi_bundle, backend, strutil, monkeypatch
+) -> None:
+    async def broken_diff(self, timeout_s: float = 60.0) -> str:
+        raise SandboxError("git diff failed: disk full")
+
+    monkeypatch.setattr(LocalSandbox, "diff", broken_diff)
+    trajectory, server = await rollout(vllm_client, tokenizer, backend, strutil, pi_bundle)
+    assert trajectory.outcome == "infra_error" and trajectory.reward is None and trajectory.grade is None
+    assert "disk full" in trajectory.error and trajectory.turns
+    assert_nothing_left(backend, server)
