@@ -116,7 +116,7 @@ def _print_summary(trajectories: list) -> None:
         by_task[t.instance_id].append(t)
     table = Table(title="Rollouts")
     for column in ("task", "resolved", "mean turns", "tokens", "mean wall s", "outcomes"):
-        table.add_column(column, justify="right" if column != "task" else "left")
+        table.add_column(column, justify="left" if column == "task" else "right", overflow="fold")
     for instance_id, group in by_task.items():
         summaries = [t.summary() for t in group]
         tokens = sum(s["prompt_tokens"] + s["completion_tokens"] for s in summaries)
