@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from docker_env import DockerUnavailable, docker_engine, ensure_base_image
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from swe_grpo.agents.pi import PiBundle
@@ -63,6 +64,18 @@ def run_dir() -> Iterator[Path]:
     yield path
     assert list(path.iterdir()) == [], "a test left a sandbox behind"
     path.rmdir()
+
+
+@pytest.fixture(scope="session")
+def docker_url() -> Iterator[str]:
+    """A Docker engine for the run (an existing one, else a private dockerd) with the offline base image.
+    Skips, printing the reason, only where no engine can be had at all."""
+    try:
+        with docker_engine() as url:
+            ensure_base_image(url)
+            yield url
+    except DockerUnavailable as e:
+        pytest.skip(f"no Docker engine: {e}")
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ from swe_grpo.grading import GradeResult
 from swe_grpo.interception import InterceptionServer
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
 from swe_grpo.sandbox.base import SandboxError
+from swe_grpo.sandbox.docker import DockerBackend
 from swe_grpo.sandbox.local import LocalBackend, LocalSandbox
 from swe_grpo.tasks import Task, demo_tasks, demo_tasks_path
 from swe_grpo.vllm_client import SamplingParams, VLLMClient
@@ -92,6 +93,23 @@ async def test_guided_rollout_gets_the_tests_reward(
         len(e.token_ids) for e in client.exchanges
     )
     assert_nothing_left(backend, server)
+
+
+async def test_guided_rollout_in_docker_sandboxes(vllm_server, tokenizer, pi_bundle, strutil, docker_url) -> None:
+    """Pi inside a container (uid 1000, bundle mounted read-only, host network), graded in a fresh one."""
+    backend = DockerBackend(base_url=docker_url)
+    await backend.start()
+    gold = edit_call("    return text[: width - len(placeholder)] + placeholder")
+    client = RecordingClient(vllm_server.url, SERVED_NAME, stop_token_ids=[tokenizer.eos_token_id], guided=[gold])
+    try:
+        async with client:
+            trajectory, server = await rollout(client, tokenizer, backend, strutil, pi_bundle)
+    finally:
+        await backend.close()
+    assert trajectory.outcome == "resolved", trajectory.error
+    assert trajectory.reward == 1.0 and all(t.kind == "clean" for t in trajectory.turns)
+    assert backend.live == set() and server.open_rollouts == 0
+    assert host_pids(PI_PROCESS) == []
 
 
 async def test_sandbox_that_cannot_be_created(vllm_client, tokenizer, pi_bundle, backend, strutil) -> None:

@@ -25,7 +25,6 @@ from threading import Thread
 import docker
 import docker.errors
 import pytest
-from docker_env import DockerUnavailable, docker_engine, ensure_base_image
 from sandbox_helpers import CALC, calc_task, git, host_pids, make_repo, marker, wait_for_pids
 
 from swe_grpo.sandbox._common import export_repo
@@ -41,16 +40,6 @@ from swe_grpo.sandbox.docker import (
 from swe_grpo.tasks import Task, swe_gym_image
 
 UID = 1000
-
-
-@pytest.fixture(scope="session")
-def docker_url() -> Iterator[str]:
-    try:
-        with docker_engine() as url:
-            ensure_base_image(url)
-            yield url
-    except DockerUnavailable as e:
-        pytest.skip(f"no Docker engine: {e}")
 
 
 @pytest.fixture(scope="session")
