@@ -6,8 +6,12 @@ repository's tests give the reward.
 """
 
 from swe_grpo.chain import TokenChain, TrainingRow, TrainingTemplate, TurnRecord
+from swe_grpo.grading import GradeResult, grade
 from swe_grpo.interception import InterceptionServer, RolloutEndpoint, RolloutRecord
 from swe_grpo.responses import ParsedResponse, ResponseParser
+from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
+from swe_grpo.sandbox import make_backend
+from swe_grpo.tasks import Task, demo_tasks, load_tasks
 from swe_grpo.vllm_client import (
     BadResponseError,
     ContextOverflowError,
@@ -22,17 +26,26 @@ __all__ = [
     "BadResponseError",
     "ContextOverflowError",
     "Generation",
+    "GradeResult",
     "InterceptionServer",
     "ParsedResponse",
     "ResponseParser",
+    "RolloutConfig",
     "RolloutEndpoint",
     "RolloutRecord",
     "SamplingParams",
     "ServerUnavailableError",
+    "Task",
     "TokenChain",
     "TrainingRow",
     "TrainingTemplate",
+    "Trajectory",
     "TurnRecord",
     "VLLMClient",
     "VLLMError",
+    "demo_tasks",
+    "grade",
+    "load_tasks",
+    "make_backend",
+    "run_rollout",
 ]
