@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,63 +30,13 @@ import docker
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from _bench_repo import git, make_repo, tree_mb
 from _pi_agent import markdown_table, percentile
 from docker_env import docker_engine, ensure_base_image
 
 from swe_grpo.paths import cache_root
 from swe_grpo.sandbox.docker import DockerBackend
 from swe_grpo.tasks import Task
-
-GIT_ENV = {
-    "GIT_CONFIG_GLOBAL": "/dev/null",
-    "GIT_CONFIG_NOSYSTEM": "1",
-    "GIT_AUTHOR_NAME": "bench",
-    "GIT_AUTHOR_EMAIL": "bench@localhost",
-    "GIT_COMMITTER_NAME": "bench",
-    "GIT_COMMITTER_EMAIL": "bench@localhost",
-    "GIT_AUTHOR_DATE": "2025-01-01T00:00:00Z",
-    "GIT_COMMITTER_DATE": "2025-01-01T00:00:00Z",
-    "PATH": "/usr/local/bin:/usr/bin:/bin",
-}
-
-
-def git(repo: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, env=GIT_ENV
-    ).stdout
-
-
-def make_repo(root: Path) -> Path:
-    """The benchmark repository (see the module docstring), made once."""
-    if (root / ".git" / "swe_grpo_bench_v3").exists():
-        return root
-    subprocess.run(["rm", "-rf", str(root)], check=True)
-    rng = random.Random(0)
-    words = ["def", "return", "self", "value", "import", "class", "for", "in", "if", "else", "None", "data"]
-    words += [f"name_{i}" for i in range(500)]
-    for i in range(3000):
-        path = root / f"pkg_{i % 60:02d}" / f"module_{i:04d}.py"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lines = (" ".join(rng.choices(words, k=12)) for _ in range(180))
-        path.write_text("\n".join(lines) + "\n")
-    for i in range(8):
-        (root / "assets").mkdir(exist_ok=True)
-        (root / "assets" / f"blob_{i}.bin").write_bytes(rng.randbytes(5 << 20))
-    git(root, "init", "-q", "-b", "main")
-    git(root, "add", "-A")
-    git(root, "commit", "-qm", "base")
-    (root / "pkg_00" / "module_0000.py").write_text("fixed\n")
-    git(root, "commit", "-qam", "the fix")
-    git(root, "gc", "-q")  # packed, as a cloned repository is (an unpacked one exports ~20 s slower)
-    (root / ".git" / "swe_grpo_bench_v3").touch()
-    return root
-
-
-def tree_mb(root: Path) -> tuple[float, float]:
-    """Megabytes of the working tree and of .git."""
-    work = sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and ".git" not in p.parts)
-    dot_git = sum(p.stat().st_size for p in (root / ".git").rglob("*") if p.is_file())
-    return work / 1e6, dot_git / 1e6
 
 
 async def measure(url: str, repo: Path, iterations: int, one_time: dict[str, float]) -> list[str]:
