@@ -82,7 +82,6 @@ class RolloutRecord:
     errors: list[RequestError]
     requests: int
     malformed_tool_calls: int
-    last_activity: float
 
 
 @dataclass
@@ -249,7 +248,6 @@ class InterceptionServer:
             errors=rollout.errors,
             requests=rollout.requests,
             malformed_tool_calls=rollout.malformed_tool_calls,
-            last_activity=rollout.last_activity,
         )
 
     def last_activity(self, rollout_id: str) -> float:
