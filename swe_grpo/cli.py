@@ -247,7 +247,7 @@ def cmd_serve_vllm(args: argparse.Namespace) -> int:
         log_path=Path(args.log) if args.log else None,
     )
     server.start()
-    console.print(f"vLLM serving {args.model} at {server.url} (log: {server.log_path}); Ctrl-C stops it")
+    console.print(f"vLLM serving {args.model} at {server.url} (log: {server.log_file}); Ctrl-C stops it")
     try:
         while server.running:
             time.sleep(1)

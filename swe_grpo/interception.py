@@ -62,6 +62,16 @@ class RolloutEndpoint:
 
 
 @dataclass(frozen=True)
+class Policy:
+    """The policy that serves generations now: its version (recorded with every token it produces)
+    and the model name vLLM serves it under (a LoRA adapter such as `trl-policy-v3`; None = the
+    generator's default model)."""
+
+    version: int = 0
+    model: str | None = None
+
+
+@dataclass(frozen=True)
 class RequestError:
     """A request the server could not complete. `kind` is one of "context_overflow",
     "server_unavailable", "bad_response", "bad_request", "internal"."""
@@ -82,6 +92,7 @@ class RolloutRecord:
     errors: list[RequestError]
     requests: int
     malformed_tool_calls: int
+    generation_s: float  # time spent waiting for vLLM, all turns
 
 
 @dataclass
@@ -89,10 +100,12 @@ class _Rollout:
     endpoint: RolloutEndpoint
     chain: TokenChain
     sampling: SamplingParams
+    model: str | None  # pinned at open_rollout; None = the live policy's
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     errors: list[RequestError] = field(default_factory=list)
     requests: int = 0
     malformed_tool_calls: int = 0
+    generation_s: float = 0.0
     last_activity: float = field(default_factory=time.monotonic)
     closed: bool = False
     serving: asyncio.Task | None = None  # the request being served, cancelled when the rollout closes
@@ -140,7 +153,9 @@ class InterceptionServer:
     """Serves the agents of many concurrent rollouts. Bind is 127.0.0.1 unless `host` says otherwise;
     `public_base_url` is the address sandboxes reach this server at (default: the bound address).
 
-    `model_version` is read when each generation starts and recorded with its tokens.
+    `policy` is read when each generation starts: the request names its model, and its version is
+    recorded with the tokens it produces (so a weight sync mid-rollout is honest about which policy
+    produced what). `last_request_at` is the `time.monotonic()` of the latest request of any rollout.
     """
 
     def __init__(
@@ -153,7 +168,7 @@ class InterceptionServer:
         host: str = "127.0.0.1",
         port: int = 0,
         public_base_url: str | None = None,
-        model_version: Callable[[], int] = lambda: 0,
+        policy: Callable[[], Policy] = Policy,
         chat_template_kwargs: dict[str, Any] | None = None,
     ):
         self.generator = generator
@@ -163,7 +178,8 @@ class InterceptionServer:
         self.sampling = sampling
         self.host, self.port = host, port
         self._public_base_url = public_base_url
-        self.model_version = model_version
+        self.policy = policy
+        self.last_request_at = time.monotonic()
         self._rollouts: dict[str, _Rollout] = {}
         self._closed: OrderedDict[str, str] = OrderedDict()  # rollout_id -> token
         self._runner: web.AppRunner | None = None
@@ -218,8 +234,9 @@ class InterceptionServer:
         sampling: SamplingParams | None = None,
         model: str | None = None,
     ) -> RolloutEndpoint:
-        """Start a rollout session with a fresh secret. `model` is the name sent to vLLM (a LoRA adapter
-        name, say); the agent sees the same name."""
+        """Start a rollout session with a fresh secret. `model` pins the name sent to vLLM for this
+        rollout (otherwise each generation uses the live policy's); the agent sees `model` or the
+        server's `model_name`."""
         rollout_id = rollout_id or uuid.uuid4().hex
         if not _ROLLOUT_ID.match(rollout_id):
             raise ValueError(f"invalid rollout id {rollout_id!r}")
@@ -231,7 +248,7 @@ class InterceptionServer:
             token=secrets.token_urlsafe(32),
             model=model or self.model_name,
         )
-        self._rollouts[rollout_id] = _Rollout(endpoint, TokenChain(self.template), sampling or self.sampling)
+        self._rollouts[rollout_id] = _Rollout(endpoint, TokenChain(self.template), sampling or self.sampling, model)
         return endpoint
 
     def close_rollout(self, rollout_id: str) -> RolloutRecord:
@@ -248,11 +265,19 @@ class InterceptionServer:
             errors=rollout.errors,
             requests=rollout.requests,
             malformed_tool_calls=rollout.malformed_tool_calls,
+            generation_s=rollout.generation_s,
         )
 
     def last_activity(self, rollout_id: str) -> float:
         """`time.monotonic()` of the rollout's latest request (for stall watchdogs)."""
         return self._rollouts[rollout_id].last_activity
+
+    def oldest_version(self, rollout_id: str) -> int | None:
+        """The oldest policy version that produced any of the rollout's tokens; None before its first
+        token or when the rollout is not open."""
+        rollout = self._rollouts.get(rollout_id)
+        versions = [row.model_version for row in rollout.chain.rows] if rollout else []
+        return min((v for v in versions if v is not None), default=None)
 
     @property
     def open_rollouts(self) -> int:
@@ -299,13 +324,13 @@ class InterceptionServer:
             if rollout.closed:
                 raise _HTTPError(410, "rollout is closed")
             rollout.requests += 1
-            rollout.last_activity = time.monotonic()
+            rollout.last_activity = self.last_request_at = time.monotonic()
             rollout.serving = asyncio.current_task()
             try:
                 record, parsed = await self._turn(rollout, body, params)
             finally:
                 rollout.serving = None
-                rollout.last_activity = time.monotonic()
+                rollout.last_activity = self.last_request_at = time.monotonic()
         reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), rollout.endpoint.model, parsed, record)
         if not stream:
             return _json_response(reply.completion())
@@ -341,9 +366,10 @@ class InterceptionServer:
         except MessageFormatError as e:
             self._record(rollout, "bad_request", str(e), turn_index)
             raise _HTTPError(400, str(e)) from None
-        version = self.model_version()
+        policy = self.policy()
+        started = time.monotonic()
         try:
-            generation = await self.generator.generate(turn.prompt_ids, params, rollout.endpoint.model)
+            generation = await self.generator.generate(turn.prompt_ids, params, rollout.model or policy.model)
         except ContextOverflowError as e:
             self._record(rollout, "context_overflow", str(e), turn_index)
             raise _HTTPError(400, str(e), "invalid_request_error", "context_length_exceeded") from None
@@ -356,12 +382,14 @@ class InterceptionServer:
         except Exception as e:
             self._record(rollout, "internal", f"{type(e).__name__}: {e}", turn_index)
             raise
+        finally:
+            rollout.generation_s += time.monotonic() - started
         if rollout.closed:
             raise _HTTPError(410, "rollout was closed during generation")
         parsed = self.parser.parse(generation.token_ids, turn.prompt_ids, generation.finish_reason, turn.tools)
         rollout.malformed_tool_calls += parsed.malformed_tool_calls
         record = chain.commit(
-            turn, generation.token_ids, generation.log_probs, version, parsed.message, parsed.finish_reason
+            turn, generation.token_ids, generation.log_probs, policy.version, parsed.message, parsed.finish_reason
         )
         return record, parsed
 

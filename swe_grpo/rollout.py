@@ -48,6 +48,11 @@ class Trajectory:
     error: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def sandbox_failed_to_start(self) -> bool:
+        """The task's sandbox could not be created: the task, or the backend, cannot run at all."""
+        return self.outcome == "infra_error" and "sandbox_create" not in self.timings
+
     def summary(self) -> dict[str, Any]:
         """The one-line JSON record `swe-grpo rollout` writes."""
         g = self.grade
@@ -140,6 +145,7 @@ async def run_rollout(
         error = f"sandbox: {e}"
     finally:
         record = server.close_rollout(rollout_id)
+        timings["generation"] = record.generation_s
 
     trajectory = Trajectory(
         instance_id=task.instance_id,

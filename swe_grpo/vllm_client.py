@@ -140,6 +140,16 @@ class VLLMClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    async def healthy(self) -> bool:
+        """Whether the server answers `/health` right now (one try, no retries)."""
+        if self._session is None:
+            raise RuntimeError("VLLMClient not started")
+        try:
+            async with self._session.get(self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                return r.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams, model: str | None = None) -> Generation:
         room = self.max_model_len - len(prompt_ids)
         if room <= 0:

@@ -39,8 +39,12 @@ def is_cpu_build() -> bool:
 class VLLMServer:
     """A vLLM server for `model`, bound to loopback. Use as a context manager or call start()/stop().
 
-    `extra_args` are appended to the command line (`--enable-lora`, `--max-lora-rank 8`, ...);
-    `extra_env` to the environment. The server's output goes to `log_path`.
+    `for_trainer` turns on what `AsyncGRPOTrainer` needs from its server: the dev routes it syncs
+    weights through (`/pause`, `/resume`, `/server_info`) and, when `max_lora_rank` is set, runtime
+    LoRA loading so a PEFT policy syncs as a versioned adapter (`max_loras` adapters resident: at least
+    the trainer's `max_staleness + 2`). The dev routes are admin routes: keep such a server on loopback.
+    `extra_args` are appended to the command line; `extra_env` to the environment. The server's output
+    goes to `log_path`.
     """
 
     model: str | Path
@@ -50,6 +54,9 @@ class VLLMServer:
     max_model_len: int = 8192
     dtype: str = "float32"
     seed: int = 0
+    for_trainer: bool = False
+    max_lora_rank: int | None = None
+    max_loras: int = 4
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
@@ -57,10 +64,16 @@ class VLLMServer:
 
     _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
     _private_dir: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)
+    _log: Path | None = field(default=None, init=False, repr=False)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def log_file(self) -> Path | None:
+        """Where the server's output goes (`log_path`, or a file in its private directory)."""
+        return self._log
 
     @property
     def running(self) -> bool:
@@ -77,6 +90,8 @@ class VLLMServer:
         ]  # fmt: skip
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
+        if self.for_trainer and self.max_lora_rank:
+            cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
         return cmd + list(self.extra_args)
 
     def environment(self, private_dir: Path) -> dict[str, str]:
@@ -87,6 +102,9 @@ class VLLMServer:
         env.setdefault("VLLM_RPC_BASE_PATH", str(private_dir / "rpc"))
         if is_cpu_build():
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        if self.for_trainer:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         env.update(self.extra_env)
         return env
 
@@ -98,8 +116,8 @@ class VLLMServer:
         self._private_dir = tempfile.TemporaryDirectory(prefix="swe_grpo-vllm-")
         private = Path(self._private_dir.name)
         (private / "rpc").mkdir()
-        log_path = self.log_path or private / "server.log"
-        with open(log_path, "ab") as log:
+        self._log = self.log_path or private / "server.log"
+        with open(self._log, "ab") as log:
             self._proc = subprocess.Popen(
                 self.command(),
                 env=self.environment(private),
@@ -108,7 +126,6 @@ class VLLMServer:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # so stop() can signal the engine's child processes too
             )
-        self.log_path = log_path
         try:
             self._wait_healthy()
         except BaseException:
@@ -133,9 +150,9 @@ class VLLMServer:
         raise TimeoutError(f"vLLM not healthy after {self.startup_timeout_s}s; log:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
-        if not self.log_path or not Path(self.log_path).exists():
+        if self._log is None or not self._log.exists():
             return ""
-        return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
+        return "\n".join(self._log.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """Terminate the server and its process group; idempotent."""
