@@ -5,9 +5,12 @@ call it makes is intercepted and answered by vLLM with exact token ids and log-p
 repository's tests give the reward.
 """
 
+import importlib
+from typing import Any
+
 from swe_grpo.chain import TokenChain, TrainingRow, TrainingTemplate, TurnRecord
 from swe_grpo.grading import GradeResult, grade
-from swe_grpo.interception import InterceptionServer, RolloutEndpoint, RolloutRecord
+from swe_grpo.interception import InterceptionServer, Policy, RolloutEndpoint, RolloutRecord
 from swe_grpo.responses import ParsedResponse, ResponseParser
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
 from swe_grpo.sandbox import make_backend
@@ -22,6 +25,22 @@ from swe_grpo.vllm_client import (
     VLLMError,
 )
 
+# The trainer-side pieces import TRL's trainer (~10 s): loaded on first use, so the CLI and the
+# rollout-only API stay quick to import.
+_LAZY = {
+    "RolloutWorkerError": "swe_grpo.worker",
+    "SWERolloutWorker": "swe_grpo.worker",
+    "WorkerConfig": "swe_grpo.worker",
+    "use_cpu_fallbacks": "swe_grpo.cpu",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'swe_grpo' has no attribute {name!r}")
+
+
 __all__ = [
     "BadResponseError",
     "ContextOverflowError",
@@ -29,10 +48,13 @@ __all__ = [
     "GradeResult",
     "InterceptionServer",
     "ParsedResponse",
+    "Policy",
     "ResponseParser",
     "RolloutConfig",
     "RolloutEndpoint",
     "RolloutRecord",
+    "RolloutWorkerError",
+    "SWERolloutWorker",
     "SamplingParams",
     "ServerUnavailableError",
     "Task",
@@ -43,9 +65,11 @@ __all__ = [
     "TurnRecord",
     "VLLMClient",
     "VLLMError",
+    "WorkerConfig",
     "demo_tasks",
     "grade",
     "load_tasks",
     "make_backend",
     "run_rollout",
+    "use_cpu_fallbacks",
 ]

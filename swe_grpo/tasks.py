@@ -191,12 +191,13 @@ def tasks_from_dataset(dataset: Iterable[Mapping[str, Any]], *, source: str) -> 
 
 
 def load_tasks(source: str | Path, split: str = "train", instance_ids: Sequence[str] | None = None) -> list[Task]:
-    """Tasks from `source`: an existing file is JSONL; an existing directory is a dataset saved with
-    `save_to_disk` (a `DatasetDict` is indexed by `split`); a `*.jsonl` path that does not exist is an
-    error; anything else is a Hugging Face Hub dataset name (`SWE-Gym/SWE-Gym`, `SWE-Gym/SWE-Gym-Lite`)
-    loaded with `datasets.load_dataset(source, split=split)`. With `instance_ids`, only those tasks, in
-    source order; an id that is not in the source raises `KeyError`."""
-    path = Path(source)
+    """Tasks from `source`: `demo` is the bundled demo tasks; an existing file is JSONL; an existing
+    directory is a dataset saved with `save_to_disk` (a `DatasetDict` is indexed by `split`); a `*.jsonl`
+    path that does not exist is an error; anything else is a Hugging Face Hub dataset name
+    (`SWE-Gym/SWE-Gym`, `SWE-Gym/SWE-Gym-Lite`) loaded with `datasets.load_dataset(source, split=split)`.
+    With `instance_ids`, only those tasks, in source order; an id that is not in the source raises
+    `KeyError`."""
+    path = demo_tasks_path() if str(source) == "demo" else Path(source)
     if path.is_file():
         tasks = load_jsonl(path)
     elif path.is_dir():

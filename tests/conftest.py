@@ -19,6 +19,7 @@ from swe_grpo.vllm_client import VLLMClient
 from swe_grpo.vllm_server import VLLMServer
 
 SERVED_NAME = "tiny"
+LORA_RANK = 8
 # Chat templates shipped with TRL that the chain and parser are tested against.
 TEMPLATES = ["qwen3", "qwen3_6", "llama3_2"]
 
@@ -41,7 +42,16 @@ def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     log_path = tmp_path_factory.mktemp("vllm") / "server.log"
-    server = VLLMServer(tiny_model_dir, served_model_name=SERVED_NAME, max_model_len=8192, log_path=log_path)
+    # Set up as AsyncGRPOTrainer needs it (dev routes, runtime LoRA), so the training tests share it.
+    server = VLLMServer(
+        tiny_model_dir,
+        served_model_name=SERVED_NAME,
+        max_model_len=8192,
+        log_path=log_path,
+        for_trainer=True,
+        max_lora_rank=LORA_RANK,
+        max_loras=4,
+    )
     server.start()
     try:
         yield server

