@@ -243,6 +243,9 @@ def cmd_serve_vllm(args: argparse.Namespace) -> int:
         port=args.port,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
+        for_trainer=args.for_trainer,
+        max_lora_rank=args.max_lora_rank,
+        max_loras=args.max_loras,
         extra_args=args.vllm_args,
         log_path=Path(args.log) if args.log else None,
     )
@@ -320,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int, default=8192)
     serve.add_argument("--dtype", default="float32")
     serve.add_argument("--log")
+    serve.add_argument(
+        "--for-trainer", action="store_true", help="enable the routes AsyncGRPOTrainer syncs weights through"
+    )
+    serve.add_argument("--max-lora-rank", type=int, help="with --for-trainer: runtime LoRA adapters up to this rank")
+    serve.add_argument("--max-loras", type=int, default=4, help="adapters resident at once (>= max_staleness + 2)")
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="extra vLLM flags after --")
     serve.set_defaults(func=cmd_serve_vllm)
 
