@@ -316,9 +316,14 @@ class SWERolloutWorker:
             async with asyncio.TaskGroup() as groups:
                 for task in self._task_stream():
                     await self._wait_for_generator()
+                    await slots.acquire()
+                    if task.instance_id in self._skipped:  # found unrunnable while we waited
+                        slots.release()
+                        continue
                     group = _Group(next(group_ids), task, [])
                     for index in range(self.config.num_generations):
-                        await slots.acquire()
+                        if index:
+                            await slots.acquire()
                         rollout_id = f"{task.instance_id.replace('/', '_')[:48]}-g{group.group_id}-{index}"
                         rollout_id += f"-{uuid.uuid4().hex[:6]}"
                         group.rollouts.append(
@@ -391,7 +396,8 @@ class SWERolloutWorker:
             if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
                 raise result
         trajectories = [r for r in results if isinstance(r, Trajectory)]
-        if trajectories and all(t.sandbox_failed_to_start for t in trajectories):
+        unrunnable = trajectories and all(t.sandbox_failed_to_start for t in trajectories)
+        if unrunnable and group.task.instance_id not in self._skipped:
             self._skipped.add(group.task.instance_id)
             log.warning("skipping %s from now on: %s", group.task.instance_id, trajectories[-1].error)
             self._push_metrics({"tasks/skipped_total": 1.0})

