@@ -43,6 +43,21 @@ class SWEArguments:
     public_base_url: str | None = field(
         default=None, metadata={"help": "Where sandboxes reach the InterceptionServer (remote sandboxes)."}
     )
+    drop_zero_variance_groups: bool = field(
+        default=True,
+        metadata={
+            "help": "Drop groups whose rewards are all equal (advantage 0: no signal). Turn off only for a policy "
+            "that never succeeds (a plumbing check), or the trainer waits forever for samples."
+        },
+    )
+
+
+@dataclass
+class ModelArguments(ModelConfig):
+    """TRL's `ModelConfig` (the model, LoRA) without its `dtype`: `AsyncGRPOConfig.dtype` is the one the trainer
+    loads the model in, and one parser cannot hold two `--dtype` options."""
+
+    dtype: str | None = field(default=None, init=False)
 
 
 def build_trainer(swe: SWEArguments, args: AsyncGRPOConfig, model_args: ModelConfig) -> AsyncGRPOTrainer:
@@ -65,6 +80,7 @@ def build_trainer(swe: SWEArguments, args: AsyncGRPOConfig, model_args: ModelCon
             host=swe.interception_host,
             port=swe.interception_port,
             public_base_url=swe.public_base_url,
+            drop_zero_variance_groups=swe.drop_zero_variance_groups,
         ),
     )
     return AsyncGRPOTrainer(
@@ -79,7 +95,7 @@ def build_trainer(swe: SWEArguments, args: AsyncGRPOConfig, model_args: ModelCon
 
 
 def main() -> None:
-    parser = TrlParser((SWEArguments, AsyncGRPOConfig, ModelConfig))
+    parser = TrlParser((SWEArguments, AsyncGRPOConfig, ModelArguments))
     swe, args, model_args = parser.parse_args_and_config()
     trainer = build_trainer(swe, args, model_args)
     trainer.train()
