@@ -98,7 +98,7 @@ def main() -> None:
     parser = TrlParser((SWEArguments, AsyncGRPOConfig, ModelArguments))
     swe, args, model_args = parser.parse_args_and_config()
     trainer = build_trainer(swe, args, model_args)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(args.output_dir)
 
 
