@@ -8,12 +8,12 @@ demo: setup
 	.venv/bin/swe-grpo demo
 
 test: setup
-	.venv/bin/ruff check swe_grpo tests benchmarks
+	.venv/bin/ruff check swe_grpo tests benchmarks examples space_app
 	.venv/bin/python -m pytest -v -rs
 
 lint: setup
-	.venv/bin/ruff check swe_grpo tests benchmarks
-	.venv/bin/ruff format --check swe_grpo tests benchmarks
+	.venv/bin/ruff check swe_grpo tests benchmarks examples space_app
+	.venv/bin/ruff format --check swe_grpo tests benchmarks examples space_app
 
 bench: setup
 	.venv/bin/python benchmarks/p1_host_overhead.py

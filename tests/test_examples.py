@@ -32,7 +32,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from swe_grpo.cli import build_parser
+from swe_grpo.cli import parse_args, vllm_server_from_args
 from swe_grpo.sandbox.docker import DockerBackend
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.tasks import load_tasks, swe_gym_image, tasks_from_dataset
@@ -173,19 +173,7 @@ def serve_command(config: str, tmp_path: Path) -> ServeCommand:
     env = dict(word.split("=", 1) for word in assignments)
     words = words[len(assignments) :]
     if words[:2] == ["swe-grpo", "serve-vllm"]:
-        cli = build_parser().parse_args(words[1:])
-        server = VLLMServer(
-            cli.model,
-            served_model_name=cli.served_model_name,
-            host=cli.host,
-            port=cli.port,
-            max_model_len=cli.max_model_len,
-            dtype=cli.dtype,
-            for_trainer=cli.for_trainer,
-            max_lora_rank=cli.max_lora_rank,
-            max_loras=cli.max_loras,
-            extra_args=cli.vllm_args,  # what the CLI passes through to vLLM untouched
-        )
+        server = vllm_server_from_args(parse_args(words[1:]))
         env |= {key: value for key, value in server.environment(tmp_path).items() if key.startswith("VLLM_")}
         vllm_words = server.command()[3:]  # after `python -m vllm.entrypoints.openai.api_server`
     else:
