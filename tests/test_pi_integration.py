@@ -140,8 +140,10 @@ async def test_real_pi_multi_turn_tool_calls(vllm_server, tokenizer, pi_bundle, 
         result, record, calc = await run_session(client, tokenizer, pi_bundle, tmp_path, max_tokens=160)
 
     assert result.exit_code is not None and not result.timed_out, result.stderr_tail
-    assert record.errors == [] and record.malformed_tool_calls == 0
+    assert record.errors == []
     assert len(record.turns) >= 4  # three guided tool-call turns, then at least one free turn
+    # The guided calls all parsed; only the random model's free turns may write a malformed one.
+    assert record.malformed_tool_calls <= len(record.turns) - 3
     assert [t.finish_reason for t in record.turns[:3]] == ["tool_calls"] * 3
     # Pi really ran the tools: its edit reached the file.
     assert "return a + b" in calc
