@@ -203,6 +203,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     table.add_row("resolved rate, last 2 steps", f"{result.last:.2f}")
     table.add_row("wall time", f"{result.wall_s / 60:.1f} min")
     table.add_row("reward curve", str(curve))
+    table.add_row("trained adapter", str(result.output_dir / "adapter"))
     table.add_row("vLLM log", str(result.output_dir / "vllm.log"))
     if config.report_to:
         table.add_row("dashboard", f"trackio show --project {config.project}")

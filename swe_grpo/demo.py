@@ -39,19 +39,22 @@ class DemoConfig:
     max_concurrent_rollouts: int = 6
     seed: int = 0
     output_dir: Path = Path("runs/demo")
+    sandbox_dir: Path | None = None  # where the local sandboxes live (default: the system's temp dir)
     report_to: tuple[str, ...] = ("trackio",)
     project: str = "swe_grpo-demo"
 
 
 @dataclass
 class DemoResult:
-    """What the run did. `history` holds (step, resolved rate of the rollouts graded during that step)."""
+    """What the run did. `history` holds (step, resolved rate of the rollouts graded during that step);
+    the trained LoRA adapter is in `output_dir / "adapter"`, over the base model `policy_dir`."""
 
     steps: int = 0
     rollouts: int = 0
     history: list[tuple[int, float]] = field(default_factory=list)
     wall_s: float = 0.0
     output_dir: Path = Path()
+    policy_dir: Path = Path()
 
     @property
     def first(self) -> float:
@@ -76,6 +79,7 @@ def run_demo(config: DemoConfig, on_log: Callable[[int, dict[str, Any]], None] |
     from transformers import AutoTokenizer, TrainerCallback
 
     from swe_grpo.cpu import use_cpu_fallbacks
+    from swe_grpo.sandbox import make_backend
     from swe_grpo.vllm_server import VLLMServer
     from swe_grpo.warm_start import build_warm_policy
     from swe_grpo.worker import SWERolloutWorker, WorkerConfig
@@ -98,6 +102,7 @@ def run_demo(config: DemoConfig, on_log: Callable[[int, dict[str, Any]], None] |
                 on_log(state.global_step, logs)
 
     policy = build_warm_policy()
+    result.policy_dir = policy
     tokenizer = AutoTokenizer.from_pretrained(policy)
     tasks = demo_tasks()
     server = VLLMServer(
@@ -137,7 +142,7 @@ def run_demo(config: DemoConfig, on_log: Callable[[int, dict[str, Any]], None] |
             tokenizer,
             vllm_url=server.url,
             model=SERVED_NAME,
-            sandbox="local",
+            sandbox=make_backend("local", run_dir=config.sandbox_dir),
             config=WorkerConfig.from_trainer_args(
                 args, max_concurrent_rollouts=config.max_concurrent_rollouts, agent_timeout_s=300, stall_timeout_s=120
             ),
@@ -159,6 +164,7 @@ def run_demo(config: DemoConfig, on_log: Callable[[int, dict[str, Any]], None] |
         )
         trainer.train()  # its own `finally` stops the worker (sandboxes, agents) on any exit
         result.steps = trainer.state.global_step
+        trainer.save_model(str(out / "adapter"))
     result.wall_s = time.monotonic() - start
     return result
 
