@@ -1,0 +1,204 @@
+"""The warm-started tiny policy: its training tokens are what a rollout's TokenChain holds for Pi's real
+requests, the shared-prefix loss and the sampler are exact, the built policy acts as the CPU learning
+demo needs at temperature 1 (on any date), the build is cached, and, with the real Pi in real `local`
+sandboxes, the capture is still what Pi sends and the policy drives Pi to a graded end."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import re
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from swe_grpo.agents.pi import PiConfig
+from swe_grpo.interception import InterceptionServer
+from swe_grpo.rollout import RolloutConfig, run_rollout
+from swe_grpo.sandbox.local import LocalBackend
+from swe_grpo.tasks import demo_tasks
+from swe_grpo.vllm_client import Generation, SamplingParams
+from swe_grpo.warm_start import (
+    METADATA_FILE,
+    EpisodeBuilder,
+    WarmStartSpec,
+    build_warm_policy,
+    capture_pi_requests,
+    completion_loss,
+    evaluate_policy,
+    load_candidates,
+    load_capture,
+    sample,
+    with_date,
+)
+
+# A cold build of the policy takes minutes on a busy 2-core box (then it is cached).
+pytestmark = pytest.mark.timeout(1800)
+
+TODAY = dt.date.today()
+FAR = dt.date(2038, 3, 1)
+
+
+@pytest.fixture(scope="module")
+def builder(tokenizer: PreTrainedTokenizerBase) -> EpisodeBuilder:
+    return EpisodeBuilder(tokenizer, load_capture())
+
+
+@pytest.fixture(scope="module")
+def warm_policy_dir() -> Path:
+    return build_warm_policy()
+
+
+@pytest.fixture(scope="module")
+def warm_policy(warm_policy_dir: Path):
+    return AutoModelForCausalLM.from_pretrained(warm_policy_dir, dtype=torch.float32).eval()
+
+
+def test_capture_covers_every_demo_task_and_candidate() -> None:
+    capture, candidates = load_capture(), load_candidates()
+    assert [t["instance_id"] for t in capture["tasks"]] == [t.instance_id for t in demo_tasks()]
+    for task in capture["tasks"]:
+        mine = candidates[task["instance_id"]]
+        assert len(mine) == 4 and sum(c.resolves for c in mine) == 1
+        assert [(c["command"], c["resolves"]) for c in task["candidates"]] == [(c.command, c.resolves) for c in mine]
+        assert [c["outcome"] for c in task["candidates"]] == ["resolved" if c.resolves else "unresolved" for c in mine]
+
+
+def test_replay_is_the_token_chain_and_only_the_date_varies(builder: EpisodeBuilder, tokenizer) -> None:
+    early, late = dt.date(2024, 1, 1), dt.date(2033, 6, 15)
+    first, second = builder.episodes(early), builder.episodes(late)
+    assert first == builder.replay(early) and second == builder.replay(late)
+    assert len(first) == 12
+    for a, b in zip(first, second, strict=True):
+        assert a.action_ids == b.action_ids and a.tool_ids == b.tool_ids and a.closing_ids == b.closing_ids
+        assert tokenizer.decode(a.prompt_ids).replace("2024-01-01", "2033-06-15") == tokenizer.decode(b.prompt_ids)
+        assert a.action_ids[-1] == a.closing_ids[-1] == tokenizer.eos_token_id
+        assert len(a.action_ids) < 100 and len(a.closing_ids) < 20
+        assert tokenizer.decode(a.closing_ids).endswith("Done.<|im_end|>")
+
+
+def test_shared_prefix_loss_equals_plain_forwards(tiny_model_dir: Path, builder: EpisodeBuilder, tokenizer) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    episodes = builder.episodes(TODAY)[::3]  # every task, some sharing a prompt and some not
+    total, count = 0.0, 0
+    with torch.no_grad():
+        shared = completion_loss(model, episodes, tokenizer.pad_token_id).item()
+        for e in episodes:
+            ids = torch.tensor([e.input_ids])
+            trained = torch.tensor(e.completion_mask[1:], dtype=torch.bool)
+            logits = model(ids).logits[0, :-1][trained]
+            total += torch.nn.functional.cross_entropy(logits, ids[0, 1:][trained], reduction="sum").item()
+            count += int(trained.sum())
+    assert shared == pytest.approx(total / count, rel=1e-4)
+
+
+def test_sampler_follows_the_model(tiny_model_dir: Path, builder: EpisodeBuilder, tokenizer) -> None:
+    """At a temperature near 0 the cached sampler picks what plain forwards of the whole sequence rank
+    first, so its positions and cache are right."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompt = builder.episodes(TODAY)[0].prompt_ids
+    generator = torch.Generator().manual_seed(0)
+    [sampled] = sample(model, prompt, 1, max_new_tokens=6, eos_token_id=-1, generator=generator, temperature=1e-4)
+    greedy: list[int] = []
+    with torch.no_grad():
+        for _ in range(6):
+            greedy.append(int(model(torch.tensor([prompt + greedy])).logits[0, -1].argmax()))
+    assert sampled == greedy
+
+
+@pytest.mark.parametrize(("date", "samples"), [(TODAY, 64), (FAR, 32)], ids=["today", "another-day"])
+def test_warm_policy_acts_as_the_demo_needs(warm_policy, warm_policy_dir, tiny_model_dir, date, samples) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(warm_policy_dir)
+    tiny = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tokenizer.get_vocab() == tiny.get_vocab() and tokenizer.chat_template == tiny.chat_template
+    stats = evaluate_policy(warm_policy, EpisodeBuilder(tokenizer, load_capture()), samples_per_task=samples, date=date)
+    summaries = [s.summary() for s in stats]
+    for s in stats:
+        assert s.valid_rate >= 0.95, summaries
+        assert 0.05 <= s.correct_rate <= 0.6, summaries
+        assert s.closed_rate >= 0.95, summaries
+
+
+def test_build_is_cached(warm_policy_dir: Path) -> None:
+    started = time.monotonic()
+    assert build_warm_policy() == warm_policy_dir
+    assert time.monotonic() - started < 5
+    metadata = json.loads((warm_policy_dir / METADATA_FILE).read_text())
+    spec = WarmStartSpec()
+    assert metadata["spec"] == asdict(spec)
+    assert (
+        metadata["eval"]["valid_rate"] >= spec.min_valid_rate
+        and metadata["eval"]["closed_rate"] >= spec.min_closed_rate
+    )
+
+
+# --------------------------------------------------------------------------- with the real Pi
+
+
+@pytest.fixture
+def backend(tmp_path: Path, run_dir: Path) -> LocalBackend:
+    return LocalBackend(cache_dir=tmp_path / "checkouts", run_dir=run_dir)
+
+
+def _dateless(capture: dict) -> dict:
+    tasks = [{**t, "messages": with_date(t["messages"], dt.date(2000, 1, 1))} for t in capture["tasks"]]
+    return {**capture, "tasks": tasks}
+
+
+@pytest.mark.integration
+async def test_pi_still_sends_what_was_captured(tokenizer, pi_bundle, backend) -> None:
+    """Re-captures every request with the real Pi (and re-grades every candidate): only the date may
+    differ from the shipped capture. If this fails after a Pi upgrade, run
+    `python -m swe_grpo.warm_start capture` and commit the file (the policy rebuilds on its own)."""
+    fresh = await capture_pi_requests(tokenizer, backend, pi_bundle)
+    assert _dateless(fresh) == _dateless(load_capture())
+
+
+class PolicyGenerator:
+    """The warm policy sampled with transformers, as a generation backend for the InterceptionServer.
+    Log-probs are not computed (reported as 0.0): nothing here trains on them."""
+
+    max_model_len = 8192
+
+    def __init__(self, model, eos_token_id: int, seed: int):
+        self.model, self.eos_token_id = model, eos_token_id
+        self.generator = torch.Generator().manual_seed(seed)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, model: str | None = None) -> Generation:
+        [ids] = await asyncio.to_thread(
+            sample,
+            self.model,
+            prompt_ids,
+            1,
+            max_new_tokens=params.max_tokens or 128,
+            eos_token_id=self.eos_token_id,
+            generator=self.generator,
+        )
+        return Generation(ids, [0.0] * len(ids), "stop" if ids[-1] == self.eos_token_id else "length", model or "")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("task", demo_tasks(), ids=lambda t: t.instance_id)
+async def test_warm_policy_drives_pi_to_a_graded_end(warm_policy, warm_policy_dir, pi_bundle, backend, task) -> None:
+    """A whole rollout with the policy behind the InterceptionServer: Pi gets a candidate call, runs it,
+    gets `Done.` and exits; the training row is token for token the captured episode it chose (so SFT
+    and RL see the same tokens), and the grade is that candidate's."""
+    tokenizer = AutoTokenizer.from_pretrained(warm_policy_dir)
+    generator = PolicyGenerator(warm_policy, tokenizer.eos_token_id, seed=0)
+    config = RolloutConfig(pi=PiConfig(context_window=generator.max_model_len, max_tokens=128, timeout_s=120))
+    async with InterceptionServer(generator, tokenizer, sampling=SamplingParams(max_tokens=128)) as server:
+        trajectory = await run_rollout(task, server, backend, pi_bundle, config)
+    assert trajectory.outcome in ("resolved", "unresolved"), trajectory.error
+    assert trajectory.pi.exit_code == 0 and [t.kind for t in trajectory.turns] == ["clean", "clean"]
+    [row] = trajectory.rows
+    date = re.search(r"Current date: (\d{4}-\d{2}-\d{2})", tokenizer.decode(row.input_ids)).group(1)
+    episodes = EpisodeBuilder(tokenizer, load_capture()).episodes(dt.date.fromisoformat(date))
+    [episode] = [e for e in episodes if e.input_ids == row.input_ids.tolist()]
+    assert episode.instance_id == task.instance_id
+    assert row.completion_mask.tolist() == episode.completion_mask
+    assert trajectory.reward == (1.0 if episode.resolves else 0.0)
