@@ -137,7 +137,8 @@ def with_date(messages: list[Message], date: dt.date) -> list[Message]:
 
 
 class _ScriptedGenerator:
-    """A generation backend that is no model: it answers request k with `outputs[k]`."""
+    """A generation backend that is no model: it answers request k with `outputs[k]` (and any request
+    past the script with the last one; the caller rejects a run with more requests than scripted)."""
 
     max_model_len = 32768
 
@@ -294,6 +295,7 @@ async def capture_pi_requests(
 
 
 def load_capture(path: Path = CAPTURE_PATH) -> dict[str, Any]:
+    """A capture as `capture_pi_requests` returns it (default: the shipped one)."""
     return json.loads(path.read_text(encoding="utf-8"))
 
 
