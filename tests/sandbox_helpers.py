@@ -1,5 +1,5 @@
 """Helpers shared by the sandbox tests: a small repository with a base commit and a later fix, and
-host-side process checks."""
+host-side checks for processes and leftovers."""
 
 from __future__ import annotations
 
@@ -42,6 +42,16 @@ def host_pids(needle: str) -> list[int]:
             except OSError:  # exited meanwhile
                 pass
     return pids
+
+
+PI_PROCESS = "pi-coding-agent/dist/cli.js"  # in the command line of every running Pi
+
+
+def assert_no_agent_or_sandbox_left(run_dir: Path) -> None:
+    """No Pi process on the host, and nothing (no directory, no mount) left in the sandboxes' run dir."""
+    assert host_pids(PI_PROCESS) == []
+    assert list(run_dir.iterdir()) == []
+    assert str(run_dir) not in Path("/proc/self/mountinfo").read_text()
 
 
 async def wait_for_pids(needle: str) -> list[int]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SERVED_NAME
-from sandbox_helpers import host_pids
+from sandbox_helpers import PI_PROCESS, assert_no_agent_or_sandbox_left, host_pids
 from test_interception import NeverReturns
 from test_pi_integration import RecordingClient
 
@@ -30,7 +30,6 @@ from swe_grpo.vllm_client import SamplingParams, VLLMClient
 
 pytestmark = pytest.mark.integration
 
-PI_PROCESS = "pi-coding-agent/dist/cli.js"
 STRUTIL = "swe-grpo-demo__strutil-1"
 
 
@@ -50,9 +49,7 @@ def backend(tmp_path: Path, run_dir: Path) -> LocalBackend:
 
 
 def assert_nothing_left(backend: LocalBackend, server: InterceptionServer) -> None:
-    assert host_pids(PI_PROCESS) == []
-    assert list(backend.run_dir.iterdir()) == []
-    assert str(backend.run_dir) not in Path("/proc/self/mountinfo").read_text()
+    assert_no_agent_or_sandbox_left(backend.run_dir)
     assert server.open_rollouts == 0
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 from conftest import LORA_RANK, SERVED_NAME
-from sandbox_helpers import host_pids
+from sandbox_helpers import assert_no_agent_or_sandbox_left
 
 from swe_grpo.chain import TrainingRow
 from swe_grpo.rollout import Trajectory
@@ -24,7 +24,6 @@ from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.tasks import Task, demo_tasks
 from swe_grpo.worker import RolloutWorkerError, SWERolloutWorker, WorkerConfig, _Group
 
-PI_PROCESS = "pi-coding-agent/dist/cli.js"
 FAST = WorkerConfig(
     num_generations=2,
     max_concurrent_rollouts=2,
@@ -175,9 +174,7 @@ def make_worker(vllm_server, tokenizer, backend) -> Iterator[Callable[..., SWERo
     yield make
     for worker in workers:
         worker.stop()
-    assert host_pids(PI_PROCESS) == []
-    assert list(backend.run_dir.iterdir()) == []
-    assert str(backend.run_dir) not in Path("/proc/self/mountinfo").read_text()
+    assert_no_agent_or_sandbox_left(backend.run_dir)
 
 
 class Drain:
