@@ -298,6 +298,11 @@ class TokenChain:
         self._raw: list[Any] = []  # the previous request's messages as received, for a cheap equality test
         self._tools: list | None = None
 
+    @property
+    def messages(self) -> list[Message]:
+        """The conversation through the latest reply, normalised (what the rows' tokens render)."""
+        return list(self._held)
+
     def _normalize(self, messages: list[Any]) -> list[Message]:
         # Messages the agent re-sends unchanged are not normalised again: equal raw dicts reuse the
         # held normalised form, so each turn normalises only what is new.

@@ -127,6 +127,7 @@ def run_demo(config: DemoConfig, on_log: Callable[[int, dict[str, Any]], None] |
             max_completion_length=config.max_tokens,
             token_budget=0,  # fixed-count micro-batches: one group each
             max_staleness=config.max_staleness,
+            queue_maxsize=config.num_generations * config.groups_per_step,  # a step ahead, no more: CPU is shared
             weight_sync_steps=1,
             logging_steps=1,
             save_strategy="no",

@@ -35,7 +35,7 @@ import orjson
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
-from swe_grpo.chain import MessageFormatError, TokenChain, TrainingRow, TrainingTemplate, TurnRecord
+from swe_grpo.chain import Message, MessageFormatError, TokenChain, TrainingRow, TrainingTemplate, TurnRecord
 from swe_grpo.responses import ParsedResponse, ResponseParser
 from swe_grpo.vllm_client import (
     ContextOverflowError,
@@ -93,6 +93,7 @@ class RolloutRecord:
     requests: int
     malformed_tool_calls: int
     generation_s: float  # time spent waiting for vLLM, all turns
+    messages: list[Message]  # the conversation through the latest reply, for traces
 
 
 @dataclass
@@ -266,6 +267,7 @@ class InterceptionServer:
             requests=rollout.requests,
             malformed_tool_calls=rollout.malformed_tool_calls,
             generation_s=rollout.generation_s,
+            messages=rollout.chain.messages,
         )
 
     def last_activity(self, rollout_id: str) -> float:

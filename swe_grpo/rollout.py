@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from swe_grpo.agents.pi import PiBundle, PiConfig, PiResult, run_pi
-from swe_grpo.chain import TrainingRow, TurnRecord
+from swe_grpo.chain import Message, TrainingRow, TurnRecord
 from swe_grpo.grading import DEFAULT_TIMEOUT_S, GradeResult, grade
 from swe_grpo.interception import InterceptionServer, RequestError
 from swe_grpo.sandbox.base import SandboxBackend, SandboxError
@@ -40,6 +40,7 @@ class Trajectory:
     reward: float | None
     rows: list[TrainingRow] = field(default_factory=list)
     turns: list[TurnRecord] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)  # the conversation through the last reply
     request_errors: list[RequestError] = field(default_factory=list)
     malformed_tool_calls: int = 0
     patch: str = ""
@@ -52,6 +53,11 @@ class Trajectory:
     def sandbox_failed_to_start(self) -> bool:
         """The task's sandbox could not be created: the task, or the backend, cannot run at all."""
         return self.outcome == "infra_error" and "sandbox_create" not in self.timings
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest policy version that produced any of its tokens (None: it generated none)."""
+        return min((r.model_version for r in self.rows if r.model_version is not None), default=None)
 
     def summary(self) -> dict[str, Any]:
         """The one-line JSON record `swe-grpo rollout` writes."""
@@ -82,6 +88,7 @@ class Trajectory:
             **self.summary(),
             "rows": [r.as_dict() for r in self.rows],
             "turns": [asdict(t) for t in self.turns],
+            "messages": self.messages,
             "request_errors": [asdict(e) for e in self.request_errors],
             "patch": self.patch,
             "grade": asdict(self.grade) if self.grade else None,
@@ -154,6 +161,7 @@ async def run_rollout(
         reward=None,
         rows=record.rows,
         turns=record.turns,
+        messages=record.messages,
         request_errors=record.errors,
         malformed_tool_calls=record.malformed_tool_calls,
         patch=patch,

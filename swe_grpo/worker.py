@@ -22,6 +22,12 @@ What it guarantees:
   `--enable-lora`), every later generation names it; if the server holds no such adapters at all, the
   trainer syncs full weights and generations name the base model. A server that holds older adapters
   but not `v` is an error, never a silently stale policy.
+- Backpressure. No group is launched while `queue_maxsize` samples wait for the trainer (the
+  trainer's setting of that name; 0 or TRL's default 1024 leave it effectively unbounded): work the
+  trainer would only drop as stale would take the compute it needs. `rollout/backpressure_s` counts it.
+- Traces. With `log_traces` (on when the trainer reports to trackio), the first group finished at
+  each policy version goes to the trainer's trackio run: every member's whole conversation with Pi,
+  its diff, outcome and advantage, side by side.
 - Nothing lost, nothing hung. Every rollout ends as a named outcome counted in `metrics_queue`; a
   task whose sandbox cannot be created is skipped from then on (counted); after a generation failure
   the worker waits for vLLM's `/health` before launching more work; a crash inside the worker is
@@ -40,6 +46,7 @@ is the limit at very high request rates; past it, run several workers' servers i
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import queue
@@ -102,6 +109,8 @@ class WorkerConfig:
     port: int = 0
     public_base_url: str | None = None
     seed: int = 0  # task order: shuffled every pass over the tasks
+    queue_maxsize: int = 0  # launch no new group while this many samples wait for the trainer (0: no limit)
+    log_traces: bool = False  # one group's agent conversations per policy version to the trainer's trackio run
 
     def __post_init__(self) -> None:
         if self.num_generations < 2:
@@ -120,6 +129,8 @@ class WorkerConfig:
             "top_k": args.top_k if args.top_k is not None else -1,
             "max_tokens": args.max_completion_length,
             "seed": args.seed,
+            "queue_maxsize": args.queue_maxsize,
+            "log_traces": "trackio" in (args.report_to or []),
         }
         return cls(**{**shared, **overrides})
 
@@ -179,6 +190,7 @@ class SWERolloutWorker:
         self._skipped: set[str] = set()
         self._last_progress = time.monotonic()
         self._generator_down = asyncio.Event()
+        self._traced_version = -1
 
     # ----------------------------------------------------------------- RolloutWorkerProtocol
 
@@ -186,7 +198,10 @@ class SWERolloutWorker:
         """Start the worker's thread; returns once its InterceptionServer is up (raises if it failed)."""
         if self._thread is not None:
             raise RuntimeError("worker already started")
-        self._thread = threading.Thread(target=self._thread_main, name="swe-rollout-worker", daemon=True)
+        context = contextvars.copy_context()  # carries the trainer's trackio run (a ContextVar) into the thread
+        self._thread = threading.Thread(
+            target=context.run, args=(self._thread_main,), name="swe-rollout-worker", daemon=True
+        )
         self._thread.start()
         self._ready.wait()
         if self._failure is not None:
@@ -316,6 +331,7 @@ class SWERolloutWorker:
             async with asyncio.TaskGroup() as groups:
                 for task in self._task_stream():
                     await self._wait_for_generator()
+                    await self._wait_for_trainer()
                     await slots.acquire()
                     if task.instance_id in self._skipped:  # found unrunnable while we waited
                         slots.release()
@@ -358,6 +374,18 @@ class SWERolloutWorker:
                 return
             await asyncio.sleep(delay)
             delay = min(delay * 2, 15.0)
+
+    async def _wait_for_trainer(self) -> None:
+        """Backpressure: while `queue_maxsize` samples already wait for the trainer, launch nothing.
+        Rollouts the trainer would only drop as stale cost the CPU or GPU it needs itself."""
+        limit = self.config.queue_maxsize
+        if not limit or self.rollout_buffer.qsize() < limit:
+            return
+        blocked = time.monotonic()
+        while self.rollout_buffer.qsize() >= limit:
+            self._last_progress = time.monotonic()  # waiting on the trainer is not a stall
+            await asyncio.sleep(0.2)
+        self._push_metrics({"rollout/backpressure_s": time.monotonic() - blocked})
 
     async def _rollout(
         self, task: Task, rollout_id: str, config: RolloutConfig, slots: asyncio.Semaphore
@@ -402,6 +430,9 @@ class SWERolloutWorker:
             log.warning("skipping %s from now on: %s", group.task.instance_id, trajectories[-1].error)
             self._push_metrics({"tasks/skipped_total": 1.0})
         samples, reason = self._group_samples(group, trajectories)
+        if self.config.log_traces and self._traced_version < self._policy.version:
+            self._traced_version = self._policy.version
+            await asyncio.to_thread(self._log_traces, group, trajectories, reason)
         if reason:
             self._push_metrics({f"groups/dropped_{reason}_total": 1.0})
             return
@@ -411,24 +442,33 @@ class SWERolloutWorker:
             self.rollout_buffer.put(sample)
         self._push_metrics({"groups/pushed_total": 1.0, "groups/samples": float(len(samples))})
 
+    def _advantages(self, trajectories: list[Trajectory]) -> tuple[dict[str, float], float]:
+        """Rollout id -> advantage over the group's valid members (a reward and some tokens), and the
+        rewards' std."""
+        valid = [t for t in trajectories if t.reward is not None and t.rows]
+        if not valid:
+            return {}, 0.0
+        rewards = np.array([t.reward for t in valid], dtype=np.float64)
+        std = float(rewards.std())
+        advantages = (rewards - rewards.mean()) / (std + self.config.advantage_eps)
+        return {t.rollout_id: float(a) for t, a in zip(valid, advantages, strict=True)}, std
+
     def _group_samples(self, group: _Group, trajectories: list[Trajectory]) -> tuple[list[RolloutSample], str | None]:
         """The group's samples, or the reason it is dropped."""
-        valid = [t for t in trajectories if t.reward is not None and t.rows]
-        if len(valid) < 2:
+        advantages, std = self._advantages(trajectories)
+        if len(advantages) < 2:
             return [], "too_few_valid"
-        rewards = np.array([t.reward for t in valid], dtype=np.float64)
-        mean, std = float(rewards.mean()), float(rewards.std())
         if std == 0.0 and self.config.drop_zero_variance_groups:
             return [], "zero_variance"
-        oldest = min(row.model_version for t in valid for row in t.rows if row.model_version is not None)
+        valid = [t for t in trajectories if t.rollout_id in advantages]
+        oldest = min(v for t in valid if (v := t.oldest_version) is not None)
         if self._policy.version - oldest > self.config.max_staleness:
             return [], "stale"
         prompt = [{"role": "user", "content": group.task.problem_statement}]
         samples = []
-        for trajectory, reward in zip(valid, rewards, strict=True):
-            advantage = (reward - mean) / (std + self.config.advantage_eps)
+        for trajectory in valid:
             metrics = {
-                "reward": float(reward),
+                "reward": float(trajectory.reward),  # type: ignore[arg-type]
                 "reward_std": std,
                 "resolved": float(trajectory.outcome == "resolved"),
                 "turns": float(len(trajectory.turns)),
@@ -446,13 +486,47 @@ class SWERolloutWorker:
                         input_ids=np.asarray(row.input_ids, dtype=np.int64),
                         completion_mask=mask,
                         old_log_probs=np.asarray(row.old_log_probs, dtype=np.float32),
-                        advantage=float(advantage),
+                        advantage=advantages[trajectory.rollout_id],
                         model_version=row.model_version,
                         group_id=group.group_id,
                         metrics=dict(metrics),
                     )
                 )
         return samples, None
+
+    # ----------------------------------------------------------------- traces
+
+    def _log_traces(self, group: _Group, trajectories: list[Trajectory], dropped: str | None) -> None:
+        """Log the group's whole agent conversations (tool calls, tool results, the diff, the grade and
+        each member's advantage) to the trainer's trackio run, so attempts at one task can be read side
+        by side. Best effort: a tracing failure is logged and never stops training."""
+        import trackio
+
+        advantages, _ = self._advantages(trajectories)
+        traces = [
+            trackio.Trace(
+                messages=t.messages,
+                metadata={
+                    "instance_id": t.instance_id,
+                    "rollout_id": t.rollout_id,
+                    "group_id": group.group_id,
+                    "group": dropped or "trained",
+                    "outcome": t.outcome,
+                    "reward": t.reward,
+                    "advantage": advantages.get(t.rollout_id),
+                    "model_version": t.oldest_version,
+                    "turns": len(t.turns),
+                    "duration_ms": round(t.timings.get("total", 0.0) * 1000),
+                    "patch": t.patch,
+                    "error": t.error,
+                },
+            )
+            for t in trajectories
+        ]
+        try:
+            trackio.log({"rollouts/agent": traces}, step=self._policy.version)
+        except Exception as e:  # e.g. no trackio run: the trainer was not given report_to=trackio
+            log.warning("agent traces not logged: %s: %s", type(e).__name__, e)
 
     # ----------------------------------------------------------------- metrics
 

@@ -5,6 +5,8 @@ fail (not skip) when setup did not install them."""
 from __future__ import annotations
 
 import functools
+import os
+import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -20,6 +22,18 @@ from swe_grpo.vllm_server import VLLMServer
 
 SERVED_NAME = "tiny"
 LORA_RANK = 8
+# Tests log to trackio (the demo, the worker's traces): keep their projects out of the user's ~/.cache.
+# Set before anything imports trackio, which reads it once.
+TRACKIO_DIR = Path(tempfile.mkdtemp(prefix="swe_grpo-trackio-"))
+os.environ["TRACKIO_DIR"] = str(TRACKIO_DIR)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_trackio_dir() -> Iterator[None]:
+    yield
+    shutil.rmtree(TRACKIO_DIR, ignore_errors=True)
+
+
 # Chat templates shipped with TRL that the chain and parser are tested against.
 TEMPLATES = ["qwen3", "qwen3_6", "llama3_2"]
 

@@ -41,15 +41,33 @@ def fixing_share(model, episodes: list[Episode]) -> dict[str, float]:
     return shares
 
 
+def assert_one_trackio_run_with_training_rollout_metrics_and_agent_traces(project: str) -> None:
+    from trackio.sqlite_storage import SQLiteStorage
+
+    (run,) = SQLiteStorage.get_run_records(project)
+    logged = {key for entry in SQLiteStorage.get_logs(project, run["name"]) for key in entry}
+    assert {"train/loss", "train/ratio", "train/rollout/resolved_rate", "train/groups/pushed_total"} <= logged
+    traces = SQLiteStorage.get_traces(project, run["name"])
+    assert traces and {t["key"] for t in traces} == {"rollouts/agent"}
+    assert any(m.get("tool_calls") for t in traces for m in t["messages"])  # Pi's actions, as it took them
+    assert all({"outcome", "reward", "advantage", "patch"} <= t["metadata"].keys() for t in traces)
+
+
 def test_a_short_demo_run_moves_the_policy_towards_the_fix(tmp_path: Path, run_dir: Path) -> None:
     from peft import PeftModel
 
     config = DemoConfig(
-        max_steps=3, groups_per_step=2, report_to=(), output_dir=tmp_path / "demo", sandbox_dir=run_dir, seed=0
+        max_steps=3,
+        groups_per_step=2,
+        output_dir=tmp_path / "demo",
+        sandbox_dir=run_dir,
+        seed=0,
+        project="swe_grpo-demo-test",  # conftest points trackio at a temporary directory
     )
     result = run_demo(config)
     assert result.steps == config.max_steps
     assert result.rollouts >= config.max_steps * config.groups_per_step * config.num_generations // 2
+    assert_one_trackio_run_with_training_rollout_metrics_and_agent_traces(config.project)
 
     tokenizer = AutoTokenizer.from_pretrained(result.policy_dir)
     episodes = EpisodeBuilder(tokenizer, load_capture()).episodes(dt.date.today())

@@ -178,15 +178,17 @@ def make_worker(vllm_server, tokenizer, backend) -> Iterator[Callable[..., SWERo
 
 
 class Drain:
-    """Everything a worker has pushed so far: samples and metric dicts."""
+    """Everything a worker has pushed so far: samples (unless `take_samples` is off, as when the trainer
+    is busy) and metric dicts."""
 
-    def __init__(self, worker: SWERolloutWorker):
+    def __init__(self, worker: SWERolloutWorker, take_samples: bool = True):
         self.worker = worker
+        self.take_samples = take_samples
         self.samples: list = []
         self.metrics: list[dict] = []
 
     def poll(self) -> None:
-        while not self.worker.rollout_buffer.empty():
+        while self.take_samples and not self.worker.rollout_buffer.empty():
             self.samples.append(self.worker.rollout_buffer.get())
         while not self.worker.metrics_queue.empty():
             self.metrics.append(self.worker.metrics_queue.get())
@@ -224,6 +226,46 @@ def test_worker_pushes_whole_groups_with_versions_and_metrics(make_worker) -> No
     assert drain.total("rollout/outcome_unresolved_total") >= 4
     assert any("rollout/generation_latency_s" in m and "rollout/in_flight" in m for m in drain.metrics)
     worker.check_health(stale_after_s=300)
+
+
+def test_a_full_buffer_holds_back_new_groups_until_the_trainer_drains_it(make_worker) -> None:
+    worker = make_worker(demo_tasks(), dataclasses.replace(FAST, queue_maxsize=FAST.num_generations))
+    worker.update_model_version(1)
+    worker.start()
+    drain = Drain(worker, take_samples=False)  # the trainer is busy: samples stay in the buffer
+    drain.until(lambda: drain.total("groups/pushed_total") >= 1 and not worker._in_flight, timeout_s=300)
+    held = worker.rollout_buffer.qsize()  # the groups launched before the buffer filled have finished
+    time.sleep(10)
+    drain.poll()
+    assert worker.rollout_buffer.qsize() == held >= FAST.num_generations and not worker._in_flight
+    drain.take_samples = True  # the trainer catches up
+    drain.until(lambda: drain.total("rollout/backpressure_s") > 10 and len(drain.samples) > held, timeout_s=300)
+
+
+def test_each_policy_version_logs_one_groups_agent_conversations_to_the_trainers_trackio_run(make_worker) -> None:
+    import trackio
+    from trackio.sqlite_storage import SQLiteStorage
+
+    worker = make_worker(demo_tasks()[:1], dataclasses.replace(FAST, log_traces=True))
+    worker.update_model_version(1)
+    trackio.init(project="swe_grpo-worker-traces", name="run")  # as the trainer's callback does, before start()
+    worker.start()
+    drain = Drain(worker)
+    drain.until(lambda: drain.total("groups/pushed_total") >= 2, timeout_s=300)
+    worker.stop()
+    trackio.finish()
+
+    traces = SQLiteStorage.get_traces("swe_grpo-worker-traces", "run")
+    assert len(traces) == FAST.num_generations  # one group at v1, not every group
+    first_group = min(s.group_id for s in drain.samples)
+    sent = {s.advantage for s in drain.samples if s.group_id == first_group}
+    problem = demo_tasks()[0].problem_statement
+    for trace in traces:
+        meta, messages = trace["metadata"], trace["messages"]
+        assert meta["group_id"] == first_group and meta["group"] == "trained" and meta["model_version"] == 1
+        assert meta["outcome"] == "unresolved" and meta["reward"] == 0.0 and meta["advantage"] in sent
+        assert [m["role"] for m in messages[:2]] == ["system", "user"] and problem in messages[1]["content"]
+        assert messages[-1]["role"] == "assistant" and len(messages) >= 3
 
 
 def test_an_unrunnable_task_is_counted_and_skipped_not_retried(make_worker) -> None:
