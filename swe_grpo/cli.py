@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections import Counter, defaultdict
@@ -339,12 +340,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    # `kill`, `timeout` and `docker stop` clean up like Ctrl-C: servers, agents, sandboxes and mounts.
+    # A background job of a non-interactive shell starts with SIGINT ignored; Ctrl-C must still work.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _interrupt)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt as e:  # every command's own `finally`/`with` blocks have run by now
+        console.print(f"stopped ({e or 'SIGINT'}); servers, agents and sandboxes are gone")
+        return 130
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -195,6 +198,26 @@ def test_cli_rollout_writes_one_line_per_rollout(vllm_server, tiny_model_dir, tm
         saved_one = json.loads((saved / f"{line['rollout_id']}.json").read_text())
         assert len(saved_one["turns"]) == line["num_turns"]
         assert sum(sum(r["completion_mask"]) for r in saved_one["rows"]) == line["completion_tokens"]
+
+
+def test_terminating_the_cli_mid_rollout_cleans_up_like_ctrl_c(vllm_server, tiny_model_dir, tmp_path) -> None:
+    run_dir = tmp_path / "tmp"  # the local sandboxes live in the temp dir
+    run_dir.mkdir()
+    command = [sys.executable, "-m", "swe_grpo.cli", "rollout", "--tasks", str(demo_tasks_path())]
+    command += ["--instance-ids", STRUTIL, "--vllm-url", vllm_server.url, "--model", SERVED_NAME]
+    command += ["--tokenizer", str(tiny_model_dir), "--num-rollouts", "2"]
+    proc = subprocess.Popen(command, env={**os.environ, "TMPDIR": str(run_dir)}, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not host_pids(PI_PROCESS):
+            assert proc.poll() is None and time.monotonic() < deadline, "no agent started"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        proc.kill()
+    assert "servers, agents and sandboxes are gone" in proc.stdout.read()
+    assert_no_agent_or_sandbox_left(run_dir)
 
 
 def test_cli_grade(tmp_path) -> None:
