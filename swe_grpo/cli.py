@@ -26,6 +26,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from swe_grpo.demo import DemoConfig, run_demo, save_curve
+
 if TYPE_CHECKING:
     from swe_grpo.vllm_server import VLLMServer
 
@@ -170,8 +172,6 @@ def cmd_grade(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from swe_grpo.demo import DemoConfig, run_demo, save_curve
-
     config = DemoConfig(
         max_steps=args.steps,
         seed=args.seed,
@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="a tiny policy learns to fix the bundled tasks: GRPO on this CPU")
-    demo.add_argument("--steps", type=int, default=12, help="optimizer steps")
+    demo.add_argument("--steps", type=int, default=DemoConfig.max_steps, help="optimizer steps")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--output-dir", default="runs/demo")
     demo.add_argument("--no-trackio", action="store_true", help="do not log to trackio")

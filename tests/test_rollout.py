@@ -200,13 +200,14 @@ def test_cli_rollout_writes_one_line_per_rollout(vllm_server, tiny_model_dir, tm
         assert sum(sum(r["completion_mask"]) for r in saved_one["rows"]) == line["completion_tokens"]
 
 
-def test_terminating_the_cli_mid_rollout_cleans_up_like_ctrl_c(vllm_server, tiny_model_dir, tmp_path) -> None:
-    run_dir = tmp_path / "tmp"  # the local sandboxes live in the temp dir
-    run_dir.mkdir()
+def test_terminating_the_cli_mid_rollout_cleans_up_like_ctrl_c(vllm_server, tiny_model_dir, run_dir, tmp_path) -> None:
     command = [sys.executable, "-m", "swe_grpo.cli", "rollout", "--tasks", str(demo_tasks_path())]
     command += ["--instance-ids", STRUTIL, "--vllm-url", vllm_server.url, "--model", SERVED_NAME]
     command += ["--tokenizer", str(tiny_model_dir), "--num-rollouts", "2"]
-    proc = subprocess.Popen(command, env={**os.environ, "TMPDIR": str(run_dir)}, stdout=subprocess.PIPE, text=True)
+    log = tmp_path / "stderr.log"
+    with log.open("w") as stderr:
+        # The local sandboxes live in the temp dir.
+        proc = subprocess.Popen(command, env={**os.environ, "TMPDIR": str(run_dir)}, stderr=stderr)
     try:
         deadline = time.monotonic() + 120
         while not host_pids(PI_PROCESS):
@@ -216,7 +217,7 @@ def test_terminating_the_cli_mid_rollout_cleans_up_like_ctrl_c(vllm_server, tiny
         assert proc.wait(timeout=60) == 130
     finally:
         proc.kill()
-    assert "servers, agents and sandboxes are gone" in proc.stdout.read()
+    assert "servers, agents and sandboxes are gone" in log.read_text()
     assert_no_agent_or_sandbox_left(run_dir)
 
 
