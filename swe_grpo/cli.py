@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from collections import Counter, defaultdict
 from dataclasses import asdict
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from transformers.utils import logging as transformers_logging
 
 from swe_grpo.demo import DemoConfig, run_demo, save_curve
 
@@ -171,7 +173,17 @@ def cmd_grade(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- demo
 
 
+def _quiet_library_chatter() -> None:
+    """The demo is the first thing a user runs: keep its terminal to our progress and real problems, not
+    notices that an experimental API is experimental or that this vLLM is newer than TRL has listed."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions")
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    transformers_logging.set_verbosity_error()
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    _quiet_library_chatter()
     config = DemoConfig(
         max_steps=args.steps,
         seed=args.seed,
@@ -188,9 +200,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         def on_log(step: int, logs: dict) -> None:
             rate = logs.get("rollout/resolved_rate")
-            resolved = f"{rate:.2f}" if rate is not None else "-"
+            if rate is None:  # the trainer's closing summary
+                return
             in_flight = logs.get("rollout/in_flight") or 0.0
-            description = f"step {step}: resolved rate {resolved}, rollouts in flight {in_flight:.0f}"
+            description = f"step {step}: resolved rate {rate:.2f}, rollouts in flight {in_flight:.0f}"
             progress.update(bar, completed=step, description=description)
 
         result = run_demo(config, on_log)

@@ -74,9 +74,10 @@ def _mean(values: list[float]) -> float:
 def run_demo(config: DemoConfig, on_log: Callable[[int, dict[str, Any]], None] | None = None) -> DemoResult:
     """Train the warm-started policy with GRPO on the demo tasks; `on_log(step, logs)` sees each
     step's logs (trainer and worker metrics) as they come."""
+    import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
 
     from swe_grpo.cpu import use_cpu_fallbacks
     from swe_grpo.sandbox import make_backend
@@ -114,58 +115,74 @@ def run_demo(config: DemoConfig, on_log: Callable[[int, dict[str, Any]], None] |
         max_loras=config.max_staleness + 2,
         log_path=out / "vllm.log",
     )
-    with server:
-        args = AsyncGRPOConfig(
-            output_dir=str(out / "trainer"),
-            max_steps=config.max_steps,
-            per_device_train_batch_size=config.num_generations,
-            gradient_accumulation_steps=config.groups_per_step,
-            num_generations=config.num_generations,
-            learning_rate=config.learning_rate,
-            lr_scheduler_type="constant",
-            temperature=1.0,
-            max_completion_length=config.max_tokens,
-            token_budget=0,  # fixed-count micro-batches: one group each
-            max_staleness=config.max_staleness,
-            queue_maxsize=config.num_generations * config.groups_per_step,  # a step ahead, no more: CPU is shared
-            weight_sync_steps=1,
-            logging_steps=1,
-            save_strategy="no",
-            report_to=list(config.report_to),
-            project=config.project,
-            run_name=f"demo-seed{config.seed}",
-            use_cpu=True,
-            seed=config.seed,
-            vllm_server_base_url=server.url,
-        )
-        worker = SWERolloutWorker(
-            tasks,
-            tokenizer,
-            vllm_url=server.url,
-            model=SERVED_NAME,
-            sandbox=make_backend("local", run_dir=config.sandbox_dir),
-            config=WorkerConfig.from_trainer_args(
-                args, max_concurrent_rollouts=config.max_concurrent_rollouts, agent_timeout_s=300, stall_timeout_s=120
-            ),
-        )
-        lora = LoraConfig(
-            r=config.lora_rank,
-            lora_alpha=2 * config.lora_rank,
-            lora_dropout=0.0,  # the trainer's log-probs must equal vLLM's
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        )
-        trainer = AsyncGRPOTrainer(
-            model=str(policy),
-            args=args,
-            train_dataset=Dataset.from_dict({"instance_id": [t.instance_id for t in tasks]}),
-            processing_class=tokenizer,
-            peft_config=lora,
-            rollout_worker=worker,
-            callbacks=[Progress()],
-        )
-        trainer.train()  # its own `finally` stops the worker (sandboxes, agents) on any exit
-        result.steps = trainer.state.global_step
-        trainer.save_model(str(out / "adapter"))
+    # The trainer shares the CPU with vLLM, the agents and their tests, and oversubscribed OpenMP threads
+    # spin-wait on each other: under such load one thread ran a forward+backward in 2.1 s, two in 9.2 s.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with server:
+            args = AsyncGRPOConfig(
+                output_dir=str(out / "trainer"),
+                max_steps=config.max_steps,
+                per_device_train_batch_size=config.num_generations,
+                gradient_accumulation_steps=config.groups_per_step,
+                num_generations=config.num_generations,
+                learning_rate=config.learning_rate,
+                lr_scheduler_type="constant",
+                temperature=1.0,
+                max_completion_length=config.max_tokens,
+                token_budget=0,  # fixed-count micro-batches: one group each
+                max_staleness=config.max_staleness,
+                queue_maxsize=config.num_generations * config.groups_per_step,  # a step ahead, no more: CPU is shared
+                weight_sync_steps=1,
+                logging_steps=1,
+                save_strategy="no",
+                report_to=list(config.report_to),
+                project=config.project,
+                run_name=f"demo-seed{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}",  # a new trackio run each time
+                disable_tqdm=True,  # the caller shows progress (`on_log`); every metric is in trackio
+                use_cpu=True,
+                seed=config.seed,
+                vllm_server_base_url=server.url,
+            )
+            worker = SWERolloutWorker(
+                tasks,
+                tokenizer,
+                vllm_url=server.url,
+                model=SERVED_NAME,
+                sandbox=make_backend("local", run_dir=config.sandbox_dir),
+                config=WorkerConfig.from_trainer_args(
+                    args,
+                    max_concurrent_rollouts=config.max_concurrent_rollouts,
+                    # Once a task is learned all its groups are all-1. Dropped (GRPO's usual rule), the trainer
+                    # would wait for the rare group that still fails: step 9 of a measured run took 84 rollouts.
+                    # Kept, they train with advantage 0.
+                    drop_zero_variance_groups=False,
+                    agent_timeout_s=300,
+                    stall_timeout_s=120,
+                ),
+            )
+            lora = LoraConfig(
+                r=config.lora_rank,
+                lora_alpha=2 * config.lora_rank,
+                lora_dropout=0.0,  # the trainer's log-probs must equal vLLM's
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            )
+            trainer = AsyncGRPOTrainer(
+                model=str(policy),
+                args=args,
+                train_dataset=Dataset.from_dict({"instance_id": [t.instance_id for t in tasks]}),
+                processing_class=tokenizer,
+                peft_config=lora,
+                rollout_worker=worker,
+                callbacks=[Progress()],
+            )
+            trainer.remove_callback(PrinterCallback)  # it prints every log dict: ~60 metrics a step
+            trainer.train()  # its own `finally` stops the worker (sandboxes, agents) on any exit
+            result.steps = trainer.state.global_step
+            trainer.save_model(str(out / "adapter"))
+    finally:
+        torch.set_num_threads(threads)
     result.wall_s = time.monotonic() - start
     return result
 
