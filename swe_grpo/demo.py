@@ -29,7 +29,7 @@ class DemoConfig:
     """The demo's run. The defaults learn within the target time on a 2-core box; `max_steps` and
     `groups_per_step` are what a shortened run (the CI test) turns down."""
 
-    max_steps: int = 10
+    max_steps: int = 12
     num_generations: int = 8
     groups_per_step: int = 2  # more, smaller steps learn sooner in wall time than fewer, larger ones
     learning_rate: float = 4e-3  # LoRA r=8 on a ~1M-parameter model: TRL's 1e-6 default would take days
