@@ -128,7 +128,7 @@ def run_demo(config: DemoConfig, on_log: Callable[[int, dict[str, Any]], None] |
                 gradient_accumulation_steps=config.groups_per_step,
                 num_generations=config.num_generations,
                 learning_rate=config.learning_rate,
-                lr_scheduler_type="constant",
+                lr_scheduler_type="cosine",  # late steps, mostly all-solved groups, would otherwise drift on noise
                 temperature=1.0,
                 max_completion_length=config.max_tokens,
                 token_budget=0,  # fixed-count micro-batches: one group each
