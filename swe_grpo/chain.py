@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import json
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, Literal
@@ -252,6 +253,11 @@ class TrainingRow:
             "model_version": self.model_version,
             "num_turns": self.num_turns,
         }
+
+
+def oldest_version(rows: Iterable[TrainingRow]) -> int | None:
+    """The oldest policy version that produced any token of `rows`; None when none was generated."""
+    return min((r.model_version for r in rows if r.model_version is not None), default=None)
 
 
 @dataclass(frozen=True)

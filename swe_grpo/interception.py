@@ -35,7 +35,15 @@ import orjson
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
-from swe_grpo.chain import Message, MessageFormatError, TokenChain, TrainingRow, TrainingTemplate, TurnRecord
+from swe_grpo.chain import (
+    Message,
+    MessageFormatError,
+    TokenChain,
+    TrainingRow,
+    TrainingTemplate,
+    TurnRecord,
+    oldest_version,
+)
 from swe_grpo.responses import ParsedResponse, ResponseParser
 from swe_grpo.vllm_client import (
     ContextOverflowError,
@@ -278,8 +286,7 @@ class InterceptionServer:
         """The oldest policy version that produced any of the rollout's tokens; None before its first
         token or when the rollout is not open."""
         rollout = self._rollouts.get(rollout_id)
-        versions = [row.model_version for row in rollout.chain.rows] if rollout else []
-        return min((v for v in versions if v is not None), default=None)
+        return oldest_version(rollout.chain.rows) if rollout else None
 
     @property
     def open_rollouts(self) -> int:

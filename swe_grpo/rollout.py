@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from swe_grpo.agents.pi import PiBundle, PiConfig, PiResult, run_pi
-from swe_grpo.chain import Message, TrainingRow, TurnRecord
+from swe_grpo.chain import Message, TrainingRow, TurnRecord, oldest_version
 from swe_grpo.grading import DEFAULT_TIMEOUT_S, GradeResult, grade
 from swe_grpo.interception import InterceptionServer, RequestError
 from swe_grpo.sandbox.base import SandboxBackend, SandboxError
@@ -57,7 +57,7 @@ class Trajectory:
     @property
     def oldest_version(self) -> int | None:
         """The oldest policy version that produced any of its tokens (None: it generated none)."""
-        return min((r.model_version for r in self.rows if r.model_version is not None), default=None)
+        return oldest_version(self.rows)
 
     def summary(self) -> dict[str, Any]:
         """The one-line JSON record `swe-grpo rollout` writes."""
