@@ -33,6 +33,7 @@ class DemoConfig:
     num_generations: int = 8
     groups_per_step: int = 2  # more, smaller steps learn sooner in wall time than fewer, larger ones
     learning_rate: float = 4e-3  # LoRA r=8 on a ~1M-parameter model: TRL's 1e-6 default would take days
+    lr_scheduler: str = "cosine"  # smaller late steps: a learned task is not pushed off by the others' updates
     lora_rank: int = 8
     max_tokens: int = 96  # per model turn: the candidate tool calls and the closing turn are short
     max_staleness: int = 1  # samples at most one policy behind: learning stays steady (PLATFORM.md)
@@ -128,7 +129,7 @@ def run_demo(config: DemoConfig, on_log: Callable[[int, dict[str, Any]], None] |
                 gradient_accumulation_steps=config.groups_per_step,
                 num_generations=config.num_generations,
                 learning_rate=config.learning_rate,
-                lr_scheduler_type="cosine",  # late steps, mostly all-solved groups, would otherwise drift on noise
+                lr_scheduler_type=config.lr_scheduler,
                 temperature=1.0,
                 max_completion_length=config.max_tokens,
                 token_budget=0,  # fixed-count micro-batches: one group each
@@ -154,10 +155,6 @@ def run_demo(config: DemoConfig, on_log: Callable[[int, dict[str, Any]], None] |
                 config=WorkerConfig.from_trainer_args(
                     args,
                     max_concurrent_rollouts=config.max_concurrent_rollouts,
-                    # Once a task is learned all its groups are all-1. Dropped (GRPO's usual rule), the trainer
-                    # would wait for the rare group that still fails: step 9 of a measured run took 84 rollouts.
-                    # Kept, they train with advantage 0.
-                    drop_zero_variance_groups=False,
                     agent_timeout_s=300,
                     stall_timeout_s=120,
                 ),

@@ -187,7 +187,7 @@ class SWERolloutWorker:
         self._client: VLLMClient | None = None
         self._in_flight: dict[str, asyncio.Task] = {}
         self._stale: set[str] = set()
-        self._skipped: set[str] = set()
+        self._skipped: dict[str, str] = {}  # instance id -> why its sandbox would not start
         self._last_progress = time.monotonic()
         self._generator_down = asyncio.Event()
         self._traced_version = -1
@@ -359,7 +359,10 @@ class SWERolloutWorker:
             rng.shuffle(order)
             runnable = [t for t in order if t.instance_id not in self._skipped]
             if not runnable:
-                raise RolloutWorkerError(f"no runnable tasks left: all {len(self.tasks)} were skipped")
+                last_cause = next(reversed(self._skipped.values()))
+                raise RolloutWorkerError(
+                    f"no runnable tasks left: all {len(self.tasks)} were skipped; the last because: {last_cause}"
+                )
             for task in runnable:
                 if task.instance_id not in self._skipped:
                     yield task
@@ -426,7 +429,7 @@ class SWERolloutWorker:
         trajectories = [r for r in results if isinstance(r, Trajectory)]
         unrunnable = trajectories and all(t.sandbox_failed_to_start for t in trajectories)
         if unrunnable and group.task.instance_id not in self._skipped:
-            self._skipped.add(group.task.instance_id)
+            self._skipped[group.task.instance_id] = trajectories[-1].error or "its sandbox would not start"
             log.warning("skipping %s from now on: %s", group.task.instance_id, trajectories[-1].error)
             self._push_metrics({"tasks/skipped_total": 1.0})
         samples, reason = self._group_samples(group, trajectories)

@@ -59,6 +59,7 @@ def test_a_short_demo_run_moves_the_policy_towards_the_fix(tmp_path: Path, run_d
     config = DemoConfig(
         max_steps=3,
         groups_per_step=2,
+        lr_scheduler="constant",  # the demo's cosine would decay to ~0 within 3 steps and barely learn
         output_dir=tmp_path / "demo",
         sandbox_dir=run_dir,
         seed=0,

@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import os
 import random
+import shutil
 import subprocess
 import tempfile
 from collections.abc import AsyncIterator
@@ -342,9 +343,12 @@ async def test_unusable_repo_raises_and_leaves_nothing(
 
 
 async def test_failed_create_leaves_nothing(backend: LocalBackend, task: Task, run_dir: Path, tmp_path: Path) -> None:
-    # tmp_path's parents are private to root: bwrap, running as the sandbox user, cannot bind it.
-    with pytest.raises(SandboxError, match="bwrap failed"):
+    # tmp_path's parents are private to root: bwrap, running as the sandbox user, could not bind it.
+    private = next(p for p in reversed(tmp_path.parents) if not p.stat().st_mode & 0o001)
+    with pytest.raises(SandboxError, match=rf"cannot reach {tmp_path}: {private} is mode 700; `chmod o\+x {private}`"):
         await backend.create(task, [Mount(tmp_path, "/opt/agent")])
+    with pytest.raises(SandboxError, match="bwrap failed"):  # no mount point can be made in the read-only /usr
+        await backend.create(task, [Mount(Path("/usr/bin"), "/usr/swe-grpo-agent")])
     with pytest.raises(SandboxError, match="no-such-commit"):
         await backend.create(replace(task, base_commit="no-such-commit"))
     assert list(run_dir.iterdir()) == []
@@ -410,3 +414,14 @@ async def test_start_reaps_leftovers_of_dead_processes_only(backend: LocalBacken
     finally:
         await live.destroy()
     assert_gone(live)
+
+
+async def test_start_refuses_a_run_dir_the_sandbox_user_cannot_reach(backend: LocalBackend, run_dir: Path) -> None:
+    private = Path(tempfile.mkdtemp(prefix="private_", dir=run_dir.parent))  # 0700, in a traversable directory
+    try:
+        (private / "runs").mkdir()
+        unreachable = LocalBackend(cache_dir=backend.cache_dir, run_dir=private / "runs", method=backend.method)
+        with pytest.raises(SandboxError, match=f"cannot reach {private}/runs: {private} is mode 700"):
+            await unreachable.start()
+    finally:
+        shutil.rmtree(private)

@@ -288,7 +288,8 @@ def test_only_unrunnable_tasks_stops_the_worker_with_the_reason(make_worker) -> 
     with pytest.raises(RolloutWorkerError, match="crashed") as caught:
         drain.until(lambda: False, timeout_s=120)
     assert isinstance(caught.value.__cause__, RolloutWorkerError)
-    assert "no runnable tasks" in str(caught.value.__cause__)
+    reason = str(caught.value.__cause__)
+    assert "no runnable tasks" in reason and "the last because: sandbox: " in reason and "0" * 40 in reason
 
 
 def test_a_crash_inside_the_worker_surfaces_with_its_traceback(make_worker, monkeypatch) -> None:

@@ -302,6 +302,7 @@ class LocalBackend(SandboxBackend):
 
     async def start(self) -> None:
         """Remove what sandboxes of dead processes left behind, and detect the copy-on-write method."""
+        self._check_reachable(self.run_dir)
         await asyncio.to_thread(_reap_leftovers, self.run_dir)
         await self._cow_method()
 
@@ -311,6 +312,7 @@ class LocalBackend(SandboxBackend):
             for mount in mounts:
                 if not mount.host_path.exists() or not mount.sandbox_path.startswith("/"):
                     raise SandboxError(f"bad mount {mount}: the host path must exist, the sandbox path be absolute")
+                self._check_reachable(mount.host_path)
             lower = await self._checkout(task)
             method = await self._cow_method()
             host_dir = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=self.run_dir))
@@ -330,6 +332,20 @@ class LocalBackend(SandboxBackend):
                 raise SandboxError(f"cannot create a sandbox for {task.instance_id}: {e!r}") from e
             raise
         return sandbox
+
+    def _check_reachable(self, path: Path) -> None:
+        """bwrap runs as the sandbox user, so it can bind only what that user can reach: name the
+        directory that stops it (a checkout under a 0700 `mktemp -d` did), instead of bwrap's bare
+        "Permission denied" from inside every rollout."""
+        resolved = path.resolve()
+        for directory in [*reversed(resolved.parents), *([resolved] if resolved.is_dir() else [])]:
+            st = directory.stat()
+            bit = 0o100 if st.st_uid == self.uid else 0o010 if st.st_gid == self.gid else 0o001
+            if not st.st_mode & bit:
+                raise SandboxError(
+                    f"the sandbox user (uid {self.uid}) cannot reach {path}: {directory} is mode "
+                    f"{st.st_mode & 0o777:o}; `chmod o+x {directory}` or move it under a traversable directory"
+                )
 
     async def _prepare(self, host_dir: Path, lower: Path, method: CowMethod) -> asyncio.subprocess.Process | None:
         """Make the sandbox's directories and its view of `lower` at `host_dir/testbed`; the fuse
