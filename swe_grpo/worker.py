@@ -429,8 +429,9 @@ class SWERolloutWorker:
         trajectories = [r for r in results if isinstance(r, Trajectory)]
         unrunnable = trajectories and all(t.sandbox_failed_to_start for t in trajectories)
         if unrunnable and group.task.instance_id not in self._skipped:
-            self._skipped[group.task.instance_id] = trajectories[-1].error or "its sandbox would not start"
-            log.warning("skipping %s from now on: %s", group.task.instance_id, trajectories[-1].error)
+            cause = trajectories[-1].error or "its sandbox would not start"
+            self._skipped[group.task.instance_id] = cause
+            log.warning("skipping %s from now on: %s", group.task.instance_id, cause)
             self._push_metrics({"tasks/skipped_total": 1.0})
         samples, reason = self._group_samples(group, trajectories)
         if self.config.log_traces and self._traced_version < self._policy.version:
