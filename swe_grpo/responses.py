@@ -94,10 +94,7 @@ class ResponseParser:
         attempted = text.count(_CALL_OPENER)
         message = self._schema_parse(output_ids, prompt_ids, tools) if self.has_schema and output_ids else None
         if message is None:
-            message = {
-                "role": "assistant",
-                "content": self.tokenizer.decode(output_ids, skip_special_tokens=True),
-            }
+            message = self.plain_text(output_ids, stop_reason, 0).message
         calls = message.pop("tool_calls", [])
         if not calls and attempted:
             calls, _ = _hermes_calls(text)
@@ -110,6 +107,12 @@ class ResponseParser:
             message["content"] = message["content"] or None
         finish = "tool_calls" if calls else ("length" if stop_reason == "length" else "stop")
         return ParsedResponse(message, finish, malformed)
+
+    def plain_text(self, output_ids: list[int], stop_reason: str, malformed: int) -> ParsedResponse:
+        """The whole generation as plain text content (special tokens stripped, no tool calls), with
+        `malformed` attempted calls counted: the reply for output that must not reach the agent as calls."""
+        message = {"role": "assistant", "content": self.tokenizer.decode(output_ids, skip_special_tokens=True)}
+        return ParsedResponse(message, "length" if stop_reason == "length" else "stop", malformed)
 
     def _schema_parse(self, output_ids: list[int], prompt_ids: list[int], tools: list | None) -> dict | None:
         """TRL's schema parse as an OpenAI message, or None when it fails (then the caller decodes text)."""

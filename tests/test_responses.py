@@ -105,3 +105,17 @@ def test_random_tokens_never_raise() -> None:
         parsed = parser.parse(ids, [], "stop")
         assert parsed.message["role"] == "assistant"
         assert parsed.finish_reason in ("stop", "tool_calls")
+
+
+@pytest.mark.parametrize("stop_reason", ["stop", "length"])
+def test_plain_text_degrades_a_reply_with_calls(stop_reason: str) -> None:
+    tokenizer = tiny_tokenizer("qwen3")
+    ids = TrainingTemplate(tokenizer).encode(
+        'Run it.\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call><|im_end|>'
+    )
+    parsed = ResponseParser(tokenizer).plain_text(ids, stop_reason, 1)
+    assert parsed.message == {
+        "role": "assistant",
+        "content": 'Run it.\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>',
+    }
+    assert parsed.finish_reason == stop_reason and parsed.malformed_tool_calls == 1
