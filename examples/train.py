@@ -6,7 +6,7 @@
 Any field of the three argument groups can be set in the YAML or on the command line (the command line
 wins): `SWEArguments` below (tasks, sandboxes, the agent), TRL's `AsyncGRPOConfig` (training; its
 `vllm_server_base_url` is the server rollouts and weight syncs go to) and TRL's `ModelConfig` (the
-model, and LoRA with `use_peft: true`). The vLLM server is started separately (README: "Training").
+model, and LoRA with `use_peft: true`). The vLLM server is started separately (docs/training.md).
 """
 
 from __future__ import annotations
