@@ -14,6 +14,12 @@ When the history does not extend what the chain holds (the agent compacted, trun
 chain FORKS: the current training row is closed and a new one starts from a fresh render. Every turn is
 recorded as clean or fork.
 
+A turn is a transaction: `prepare` changes nothing, and `commit` validates the reply completely (it
+normalises, and the training template renders it) before it touches the chain, so a failure leaves the
+chain as it was. A request that repeats the last committed turn's request exactly (the agent retrying: it
+never received that reply) is prepared from the same prefix and its commit REPLACES that turn: a reply the
+agent never received is never trained on, and a retry does not fork.
+
 The template is TRL's prefix-preserving training template (`get_training_chat_template`), verified with
 `is_chat_template_prefix_preserving`; a tokenizer that cannot provide one is refused at construction.
 """
@@ -44,6 +50,11 @@ class TemplateNotPrefixPreservingError(ValueError):
 
 class MessageFormatError(ValueError):
     """A request's messages are not valid OpenAI chat messages (the caller answers 400)."""
+
+
+class TemplateRefusedError(MessageFormatError):
+    """The training chat template raised while rendering a conversation (e.g. Llama 3.2's refuses an
+    assistant message with two tool calls)."""
 
 
 # --------------------------------------------------------------------------- message normalisation
@@ -176,16 +187,23 @@ class TrainingTemplate:
             )
 
     def render(self, messages: list[Message], tools: list | None = None, generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages,
-            tools=tools or None,
-            tokenize=False,
-            add_generation_prompt=generation_prompt,
-            **self.template_kwargs,
-        )
+        """The template's text for `messages`. Raises TemplateRefusedError when the template raises: a
+        template is code that may refuse a conversation (`raise_exception(...)`) or fail on its shape."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools or None,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+                **self.template_kwargs,
+            )
+        except Exception as e:
+            raise TemplateRefusedError(f"the chat template refuses this conversation: {type(e).__name__}: {e}") from e
 
     def encode(self, text: str) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=False).ids
+        # `encode_batch` releases the GIL while it tokenises (`encode` does not): a megabyte of text takes
+        # about a second, and other threads (the server's event loop) must keep running meanwhile.
+        return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def prompt_ids(self, messages: list[Message], tools: list | None = None) -> list[int]:
         """A full render of `messages` with the generation prompt (first turn, or a fork)."""
@@ -264,7 +282,8 @@ def oldest_version(rows: Iterable[TrainingRow]) -> int | None:
 class TurnRecord:
     """What happened at one turn. `kind` is "clean" when the prompt extended the held chain (the
     first turn of a rollout counts as clean) and "fork" when a new row started from a fresh render;
-    `drift_tokens` is how many held tokens the fork's fresh render did not reproduce."""
+    `drift_tokens` is how many held tokens the fork's fresh render did not reproduce; `retries` is how
+    many earlier generations for this same request were replaced (the agent re-sent it)."""
 
     turn: int
     row: int
@@ -275,11 +294,13 @@ class TurnRecord:
     model_version: int
     finish_reason: str
     drift_tokens: int = 0
+    retries: int = 0
 
 
 @dataclass(frozen=True)
 class PreparedTurn:
-    """A prompt ready to send; becomes part of the chain only through `TokenChain.commit`."""
+    """A prompt ready to send; becomes part of the chain only through `TokenChain.commit`. `replaces`:
+    the request repeats the last committed turn's, whose commit it will replace."""
 
     prompt_ids: list[int]
     new_ids: list[int]  # what this turn adds to the row (the interstitial, or the whole fresh render)
@@ -288,6 +309,18 @@ class PreparedTurn:
     raw_messages: list[Any]
     tools: list | None
     drift_tokens: int
+    replaces: bool = False
+
+
+@dataclass(frozen=True)
+class _Undo:
+    """How to take the last committed turn back out of its row: the row's length, oldest version and
+    turn count before it (`new_row`: the turn started the row, which then goes entirely)."""
+
+    new_row: bool
+    length: int
+    model_version: int | None
+    num_turns: int
 
 
 # --------------------------------------------------------------------------- the chain
@@ -303,6 +336,7 @@ class TokenChain:
         self._held: list[Message] = []  # normalised history through the last assistant message
         self._raw: list[Any] = []  # the previous request's messages as received, for a cheap equality test
         self._tools: list | None = None
+        self._undo: _Undo | None = None  # how to replace the last committed turn (see `prepare`)
 
     @property
     def messages(self) -> list[Message]:
@@ -321,11 +355,14 @@ class TokenChain:
         return out
 
     def prepare(self, messages: list[Any], tools: list | None = None) -> PreparedTurn:
-        """The prompt ids for a request. Raises MessageFormatError for malformed messages."""
+        """The prompt ids for a request. Raises MessageFormatError for malformed messages (its subclass
+        TemplateRefusedError when the template refuses the conversation). Changes nothing."""
         if not isinstance(messages, list) or not messages:
             raise MessageFormatError("messages must be a non-empty list")
         if tools is not None and not isinstance(tools, list):
             raise MessageFormatError("tools must be a list")
+        if self._undo is not None and messages == self._raw and tools == self._tools:
+            return self._retry()
         norm = self._normalize(messages)
         held = self._held
         extends = len(norm) >= len(held) and all(map(same_message, held, norm))
@@ -344,6 +381,31 @@ class TokenChain:
             drift = len(chain) - (min(len(chain), len(prompt)) if common is None else common)
         return PreparedTurn(prompt, prompt, bool(self.rows), norm, messages, tools, drift)
 
+    def _retry(self) -> PreparedTurn:
+        """The last committed turn's prompt again, read back from its row (the same request renders the
+        same prompt), to be generated from anew and to replace that turn."""
+        last, undo = self.turns[-1], self._undo
+        ids = self.rows[-1].input_ids
+        start = 0 if undo.new_row else undo.length
+        return PreparedTurn(
+            prompt_ids=ids[: start + last.new_prompt_tokens].tolist(),
+            new_ids=ids[start : start + last.new_prompt_tokens].tolist(),
+            fork=last.kind == "fork",
+            messages=self._held[:-1],
+            raw_messages=self._raw,
+            tools=self._tools,
+            drift_tokens=last.drift_tokens,
+            replaces=True,
+        )
+
+    def reply_message(self, turn: PreparedTurn, message: Message) -> Message:
+        """`message` (the assistant reply to `turn`) as the chain will hold it: normalised, and rendered by
+        the training template as the next turn's interstitial will render it. Raises MessageFormatError
+        (TemplateRefusedError when the template refuses it); changes nothing."""
+        held = normalize_message(message, len(turn.messages))
+        self.template.render([_CONTEXT_USER, held], turn.tools)
+        return held
+
     def commit(
         self,
         turn: PreparedTurn,
@@ -353,17 +415,31 @@ class TokenChain:
         assistant_message: Message,
         finish_reason: str,
     ) -> TurnRecord:
-        """Append a generation for `turn` (which must come from this chain's latest `prepare`).
+        """Append a generation for `turn` (which must come from this chain's latest `prepare`), replacing
+        the last committed turn when `turn.replaces`.
 
         `assistant_message` is the OpenAI message returned to the agent; the agent's next request is
         expected to echo it back, and the comparison that decides clean vs fork is made against it.
+        Everything that can fail is checked first (`reply_message`, the log-probs): on an error the chain
+        is unchanged.
         """
+        held = self.reply_message(turn, assistant_message)
+        if len(output_ids) != len(log_probs):
+            raise ValueError(f"{len(output_ids)} output tokens but {len(log_probs)} log-probs")
+        retries = 0
+        if turn.replaces:
+            retries = self.turns.pop().retries + 1
+            self._take_back(self._undo)
         if not self.rows or turn.fork:
             self.rows.append(TrainingRow())
+            self._undo = _Undo(True, 0, None, 0)
+        else:
+            row = self.rows[-1]
+            self._undo = _Undo(False, len(row.input_ids), row.model_version, row.num_turns)
         row = self.rows[-1]
         row.extend_prompt(turn.new_ids)
         row.extend_completion(output_ids, log_probs, model_version)
-        self._held = [*turn.messages, normalize_message(assistant_message, len(turn.messages))]
+        self._held = [*turn.messages, held]
         self._raw = turn.raw_messages
         self._tools = turn.tools
         record = TurnRecord(
@@ -376,6 +452,15 @@ class TokenChain:
             model_version=model_version,
             finish_reason=finish_reason,
             drift_tokens=turn.drift_tokens,
+            retries=retries,
         )
         self.turns.append(record)
         return record
+
+    def _take_back(self, undo: _Undo) -> None:
+        if undo.new_row:
+            self.rows.pop()
+            return
+        row = self.rows[-1]
+        del row.input_ids[undo.length :], row.completion_mask[undo.length :], row.old_log_probs[undo.length :]
+        row.model_version, row.num_turns = undo.model_version, undo.num_turns

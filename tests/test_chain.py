@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 from conftest import TEMPLATES, tiny_tokenizer
@@ -11,6 +12,7 @@ from pi_shapes import PiConversation, scripted_output, tool_call
 from swe_grpo.chain import (
     MessageFormatError,
     TemplateNotPrefixPreservingError,
+    TemplateRefusedError,
     TokenChain,
     TrainingTemplate,
     normalize_message,
@@ -278,3 +280,105 @@ def test_echo_with_other_ids_and_whitespace_stays_clean() -> None:
         d.convo.messages[3 + i]["tool_call_id"] = f"toolu_{i}"
     _, record, _ = d.turn(REPLIES[2])
     assert record.kind == "clean"
+
+
+def _state(chain: TokenChain) -> tuple:
+    return copy.deepcopy((chain.rows, chain.turns, chain.messages))
+
+
+@pytest.mark.parametrize("retried_turn", [0, 1])
+def test_a_retried_request_replaces_the_turn_it_repeats(retried_turn: int) -> None:
+    """The agent sends the same request again (it never received the reply): the same prompt is generated
+    from again and the new output REPLACES the old one in the row, instead of forking."""
+    d = Driver("qwen3")
+    for k, reply in enumerate(REPLIES[: retried_turn + 1]):
+        d.turn(reply, version=8 if k == 0 else 2)
+    before_retried = d.chain.turns[-1]
+    mask_before = d.chain.rows[0].completion_mask.tolist()[: len(d.sent[-1])]
+    d.convo.messages = d.convo.messages[: -1 - len(REPLIES[retried_turn].get("tool_calls", []))]  # un-receive
+    request = d.convo.request()
+    prepared = d.chain.prepare(request["messages"], request["tools"])
+    assert prepared.replaces and prepared.prompt_ids == d.sent[-1]
+    assert prepared.fork == (before_retried.kind == "fork")
+    output = scripted_output(d.template, normalize_message(REPLIES[3]))
+    record = d.chain.commit(prepared, output, [-0.5] * len(output), 9, {"role": "assistant", "content": "x"}, "stop")
+    assert record.retries == 1 and record.turn == retried_turn and record.kind == before_retried.kind
+    assert len(d.chain.turns) == retried_turn + 1 and d.chain.turns[-1] == record
+    (row,) = d.chain.rows
+    assert row.input_ids.tolist() == d.sent[-1] + output
+    assert row.old_log_probs.tolist()[len(d.sent[-1]) :] == [-0.5] * len(output)
+    assert row.completion_mask.tolist() == mask_before + [1] * len(output)
+    assert row.num_turns == retried_turn + 1
+    assert row.model_version == (8 if retried_turn else 9)  # the replaced output's version 2 is gone
+    assert d.chain.messages[-1] == {"role": "assistant", "content": "x"}
+    # A second retry replaces again; the conversation then goes on cleanly from the delivered reply.
+    again = d.chain.prepare(request["messages"], request["tools"])
+    record = d.chain.commit(again, output, [-0.5] * len(output), 9, {"role": "assistant", "content": "x"}, "stop")
+    assert record.retries == 2 and len(d.chain.turns) == retried_turn + 1
+    d.convo.add_reply({"role": "assistant", "content": "x"})
+    d.convo.messages.append({"role": "user", "content": "go on"})
+    _, record, _ = d.turn(REPLIES[3])
+    assert record.kind == "clean" and record.retries == 0 and len(d.chain.rows) == 1
+
+
+def test_a_retried_fork_replaces_the_forked_row() -> None:
+    d = Driver("qwen3")
+    d.turn(REPLIES[0])
+    d.turn(REPLIES[1])
+    first_row = copy.deepcopy(d.chain.rows[0])
+    d.convo.messages = d.convo.messages[:2]  # the agent drops its history: a fork
+    d.turn(REPLIES[2])
+    request = d.convo.request()
+    request["messages"] = request["messages"][:2]
+    prepared = d.chain.prepare(request["messages"], request["tools"])
+    assert prepared.replaces and prepared.fork
+    d.chain.commit(prepared, [1, 2], [-1.0, -1.0], 0, {"role": "assistant", "content": "y"}, "stop")
+    assert len(d.chain.rows) == 2 and d.chain.rows[0] == first_row
+    assert d.chain.rows[1].input_ids.tolist() == [*prepared.prompt_ids, 1, 2]
+    assert [t.kind for t in d.chain.turns] == ["clean", "clean", "fork"]
+
+
+def test_commit_validates_before_it_touches_the_chain() -> None:
+    """A reply that cannot be held (arguments that are not a JSON object) is refused by commit with the
+    chain exactly as it was."""
+    d = Driver("qwen3")
+    d.turn(REPLIES[0])
+    before = _state(d.chain)
+    request = d.convo.request()
+    prepared = d.chain.prepare(request["messages"], request["tools"])
+    bad = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "bash", "arguments": "ls -la"}}],
+    }
+    with pytest.raises(MessageFormatError, match="not valid JSON"):
+        d.chain.reply_message(prepared, bad)
+    with pytest.raises(MessageFormatError, match="not valid JSON"):
+        d.chain.commit(prepared, [5, 6], [-1.0, -1.0], 0, bad, "tool_calls")
+    assert _state(d.chain) == before
+
+
+def test_a_conversation_the_template_refuses_is_a_named_error() -> None:
+    """Llama 3.2's template raises on an assistant message with two tool calls: a reply like that is
+    refused by `reply_message` (and by commit, chain unchanged), a request holding one by `prepare`."""
+    d = Driver("llama3_2")
+    d.turn(REPLIES[0])
+    before = _state(d.chain)
+    request = d.convo.request()
+    prepared = d.chain.prepare(request["messages"], request["tools"])
+    calls = [
+        {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+        for c in REPLIES[1]["tool_calls"]
+    ]
+    two_calls = {"role": "assistant", "content": "", "tool_calls": calls}
+    with pytest.raises(TemplateRefusedError, match="single tool-calls"):
+        d.chain.reply_message(prepared, two_calls)
+    with pytest.raises(TemplateRefusedError):
+        d.chain.commit(prepared, [5], [-1.0], 0, two_calls, "tool_calls")
+    assert _state(d.chain) == before
+    d.convo.add_reply(two_calls)
+    request = d.convo.request()
+    with pytest.raises(TemplateRefusedError, match="single tool-calls") as refused:
+        d.chain.prepare(request["messages"], request["tools"])
+    assert isinstance(refused.value, MessageFormatError)
+    assert _state(d.chain) == before
