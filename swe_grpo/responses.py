@@ -1,9 +1,19 @@
 """Generated tokens -> the OpenAI assistant message an agent expects.
 
-The model's output is parsed, never trusted: TRL's response schema for the tokenizer's template
-(`add_response_schema` / `parse_response`) turns it into content, reasoning and tool calls; when that
-finds no calls, a hermes-style `<tool_call>{json}</tool_call>` fallback is tried. A call that cannot be
-parsed is returned to the agent as plain text and counted, never raised.
+The model's output is parsed, never trusted. TRL's response template for the tokenizer's chat template
+(`add_response_schema` / `parse_response`) splits content from reasoning; tool calls are read from the generated
+text here, in the layouts the supported templates write, so that the arguments the agent executes are exactly
+what the tokens say (no whitespace stripped, no value retyped):
+
+- `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes JSON: Qwen3, and any template as a fallback);
+- `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>` (Qwen3.5+
+  XML; see `_xml_value` for how a value's type is decided);
+- a bare `{"name": ..., "parameters": {...}}` reply, for templates that write calls that way (Llama 3.x).
+
+A reply with any malformed call attempt (not an object, not JSON, unknown tool, no name, an opener without its
+closer) goes back to the agent as plain text, all attempted calls counted: never raised, never half passed on.
+At construction the parser renders a probe call through the tokenizer's template and refuses
+(`UnsupportedTemplateError`) a template whose calls it cannot read back exactly.
 """
 
 from __future__ import annotations
@@ -11,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -21,55 +32,174 @@ from trl.chat_template_utils import add_response_schema, parse_response
 
 log = logging.getLogger(__name__)
 
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _CALL_OPENER = "<tool_call>"
+_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+# The Qwen3.5+ layout, as the template writes it; one newline on each side of a value is the template's own.
+_XML_FUNCTION = re.compile(r"\s*<function=([^\n>]*)>\n?(.*)</function>\s*", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^\n>]*)>\n?(.*?)\n?</parameter>", re.DOTALL)
+_BARE_CALL = re.compile(r'\s*\{\s*"name"\s*:')
+_CALL_KEYS = ({"name"}, {"name", "arguments"}, {"name", "parameters"})
 # How much of the prompt's end the schema parser needs to see (the assistant header and any opener the
 # template writes, such as `<think>\n`).
 _PREFIX_TOKENS = 32
+
+# The start-up probe: values a template must let through exactly (see `ResponseParser._check_round_trip`).
+_PROBE_TYPES = {"text": "string", "digits": "string", "padded": "string", "count": "integer", "options": "object"}
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe",
+        "description": "start-up check",
+        "parameters": {"type": "object", "properties": {k: {"type": t} for k, t in _PROBE_TYPES.items()}},
+    },
+}
+_PROBE_ARGUMENTS = {
+    "text": "\n  indented\n\ttab\n",
+    "digits": "42",
+    "padded": "007",
+    "count": 3,
+    "options": {"a": [1, "2", None], "b": True},
+}
+
+
+class UnsupportedTemplateError(ValueError):
+    """The tokenizer's chat template writes tool calls that cannot be read back exactly."""
+
+
+class _Malformed(ValueError):
+    """An attempted tool call that must not reach the agent."""
 
 
 @dataclass(frozen=True)
 class ParsedResponse:
     """`message` is an OpenAI assistant message (`content`, optional `reasoning_content`, optional
-    `tool_calls` with ids and JSON-string `arguments`); `finish_reason` is "tool_calls", "stop" or
-    "length"; `malformed_tool_calls` counts attempted calls that could not be parsed."""
+    `tool_calls` with ids and JSON-object-string `arguments`); `finish_reason` is "tool_calls", "stop" or
+    "length"; `malformed_tool_calls` counts attempted calls when any of them was malformed."""
 
     message: dict[str, Any]
     finish_reason: str
     malformed_tool_calls: int = 0
 
 
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
-def _openai_tool_call(name: str, arguments: Any) -> dict[str, Any]:
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
-    return {"id": _call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    return value
 
 
-def _hermes_calls(text: str) -> tuple[list[dict[str, Any]], int]:
-    """Parse `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; (calls, malformed)."""
-    calls, malformed = [], 0
-    for body in _HERMES_CALL.findall(text):
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
-            malformed += 1
-            continue
-        args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict):
-            malformed += 1
-            continue
-        calls.append(_openai_tool_call(obj["name"], args))
-    return calls, malformed
+def _strict_json(text: str) -> Any:
+    """JSON as an agent's parser reads it: no NaN or Infinity, no number that overflows to one."""
+    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+
+
+def _tojson(value: Any) -> str:
+    """What transformers' `tojson` chat-template filter writes."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _json_types(value: Any) -> set[str]:
+    if value is None:
+        return {"null"}
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, int):
+        return {"integer", "number"}
+    if isinstance(value, float):
+        return {"number"}
+    return {"object"} if isinstance(value, dict) else {"array"}
+
+
+def _schema_types(schema: Any) -> set[str]:
+    """The JSON types a parameter schema allows (`type`, a list of types, `anyOf` / `oneOf`); empty: untyped."""
+    if not isinstance(schema, dict):
+        return set()
+    declared = schema.get("type")
+    types = {declared} if isinstance(declared, str) else {t for t in declared or [] if isinstance(t, str)}
+    for union in ("anyOf", "oneOf"):
+        for choice in schema.get(union) or []:
+            types |= _schema_types(choice)
+    return types
+
+
+def _xml_value(text: str, schema: Any) -> Any:
+    """A `<parameter>` value. The template writes a string as its raw text and any other value as `tojson`, so
+    the text means a non-string value only when it is exactly what `tojson` writes for one ("42", "true",
+    '{"a": 1}'; never "042", "1e3", " 42") and the tool's schema, where it types the parameter, allows that
+    value's type. Everything else is the string the tokens say."""
+    try:
+        value = _strict_json(text)
+    except (ValueError, RecursionError):
+        return text
+    if isinstance(value, str) or _tojson(value) != text:
+        return text
+    types = _schema_types(schema)
+    return value if not types or _json_types(value) & types else text
+
+
+def _tool_properties(tools: list | None) -> dict[str, dict] | None:
+    """Tool name -> its parameters' schemas; None when the request named no tools (any name is accepted)."""
+    if tools is None:
+        return None
+    out: dict[str, dict] = {}
+    for tool in tools:
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            parameters = fn.get("parameters")
+            properties = parameters.get("properties") if isinstance(parameters, dict) else None
+            out[fn["name"]] = properties if isinstance(properties, dict) else {}
+    return out
+
+
+def _json_call(body: str) -> tuple[Any, Any]:
+    obj = _strict_json(body)
+    if not isinstance(obj, dict) or set(obj) not in _CALL_KEYS:
+        raise _Malformed("a call is an object with a name and arguments (or parameters)")
+    return obj["name"], obj.get("arguments", obj.get("parameters", {}))
+
+
+def _xml_call(body: str, tools: dict[str, dict] | None) -> tuple[Any, Any]:
+    function = _XML_FUNCTION.fullmatch(body)
+    if function is None:
+        raise _Malformed("not a <function=...> block")
+    name, parameters = function.groups()
+    properties = (tools or {}).get(name, {})
+    arguments: dict[str, Any] = {}
+    end = 0
+    for m in _XML_PARAMETER.finditer(parameters):
+        key, text = m.groups()
+        if parameters[end : m.start()].strip() or not key or key in arguments:
+            raise _Malformed("stray text, a nameless parameter or a repeated one")
+        arguments[key] = _xml_value(text, properties.get(key))
+        end = m.end()
+    if parameters[end:].strip():
+        raise _Malformed("stray text after the parameters")
+    return name, arguments
+
+
+def _call(body: str, tools: dict[str, dict] | None) -> dict[str, Any]:
+    """One attempted call's text -> an OpenAI tool call. Raises _Malformed (a ValueError) for any defect."""
+    name, arguments = _xml_call(body, tools) if body.lstrip().startswith("<function=") else _json_call(body)
+    if not isinstance(name, str) or not name or (tools is not None and name not in tools):
+        raise _Malformed(f"no such tool: {name!r}")
+    if not isinstance(arguments, dict):
+        raise _Malformed("arguments are not an object")
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False, allow_nan=False)},
+    }
 
 
 class ResponseParser:
     """Parses generations for one tokenizer. Works on its own copy of the tokenizer, with TRL's response
-    schema attached when the tokenizer has none and TRL knows its (original, unpatched) chat template;
-    without a schema only the hermes fallback is used."""
+    template attached when the tokenizer has none and TRL knows its (original, unpatched) chat template;
+    without one, content is the decoded text. Raises UnsupportedTemplateError for a chat template whose tool
+    calls do not parse back exactly."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = copy.deepcopy(tokenizer)
@@ -79,8 +209,10 @@ class ResponseParser:
                 add_response_schema(self.tokenizer)
                 self.has_schema = True
             except ValueError:
-                log.warning("no response schema for this chat template; parsing hermes-style tool calls only")
+                log.warning("no response template for this chat template; content is the decoded text")
         self._specials = re.compile("|".join(re.escape(t) for t in tokenizer.all_special_tokens))
+        self._bare_calls = False  # set by the probe: whether the template writes a call as the bare reply
+        self._check_round_trip()
 
     def parse(
         self,
@@ -89,24 +221,31 @@ class ResponseParser:
         stop_reason: str = "stop",
         tools: list | None = None,
     ) -> ParsedResponse:
-        """`stop_reason` is vLLM's finish reason ("stop" or "length")."""
+        """`stop_reason` is vLLM's finish reason ("stop" or "length"); `tools` the request's tools (calls must
+        name one of them when given). Never raises for any token sequence."""
         text = self.tokenizer.decode(output_ids, skip_special_tokens=False)
-        attempted = text.count(_CALL_OPENER)
-        message = self._schema_parse(output_ids, prompt_ids, tools) if self.has_schema and output_ids else None
+        message = self._schema_parse(output_ids, prompt_ids) if self.has_schema and output_ids else None
+        schema_calls = message.pop("tool_calls") if message else []
         if message is None:
             message = self.plain_text(output_ids, stop_reason, 0).message
-        calls = message.pop("tool_calls", [])
-        if not calls and attempted:
-            calls, _ = _hermes_calls(text)
-            if calls:
-                message.pop("reasoning_content", None)
-                message["content"] = self._specials.sub("", _HERMES_CALL.sub("", text)).strip()
-        malformed = max(attempted - len(calls), 0)
-        if calls:
-            message["tool_calls"] = calls
-            message["content"] = message["content"] or None
-        finish = "tool_calls" if calls else ("length" if stop_reason == "length" else "stop")
-        return ParsedResponse(message, finish, malformed)
+        # Calls are actions, never thoughts: a call written inside the reasoning stays part of the reasoning.
+        acted = text.replace(message.get("reasoning_content", ""), "", 1)
+        visible = self._specials.sub("", acted)
+        bare = self._bare_calls and _BARE_CALL.match(visible) is not None
+        bodies = [visible] if bare else _CALL_BLOCK.findall(acted)
+        # Every opener is an attempt, closed or not; so is every call TRL's template recognised.
+        attempted = max(len(bodies), acted.count(_CALL_OPENER), len(schema_calls))
+        properties = _tool_properties(tools)
+        try:
+            calls = [_call(body, properties) for body in bodies]
+        except (ValueError, RecursionError):
+            calls = []
+        if len(calls) != attempted:
+            return self.plain_text(output_ids, stop_reason, attempted)
+        if not calls:
+            return ParsedResponse(message, "length" if stop_reason == "length" else "stop")
+        content = "" if bare else self._specials.sub("", _CALL_BLOCK.sub("", message["content"]))
+        return ParsedResponse({**message, "content": content.strip() or None, "tool_calls": calls}, "tool_calls")
 
     def plain_text(self, output_ids: list[int], stop_reason: str, malformed: int) -> ParsedResponse:
         """The whole generation as plain text content (special tokens stripped, no tool calls), with
@@ -114,17 +253,50 @@ class ResponseParser:
         message = {"role": "assistant", "content": self.tokenizer.decode(output_ids, skip_special_tokens=True)}
         return ParsedResponse(message, "length" if stop_reason == "length" else "stop", malformed)
 
-    def _schema_parse(self, output_ids: list[int], prompt_ids: list[int], tools: list | None) -> dict | None:
-        """TRL's schema parse as an OpenAI message, or None when it fails (then the caller decodes text)."""
+    def _schema_parse(self, output_ids: list[int], prompt_ids: list[int]) -> dict | None:
+        """TRL's parse (content, reasoning, and tool calls only to count them), or None when it fails. Without
+        `tools`, so that it types nothing."""
         try:
-            parsed = parse_response(self.tokenizer, output_ids, prefix=prompt_ids[-_PREFIX_TOKENS:], tools=tools)
+            parsed = parse_response(self.tokenizer, output_ids, prefix=prompt_ids[-_PREFIX_TOKENS:])
             message: dict[str, Any] = {"role": "assistant", "content": parsed.get("content") or ""}
-            reasoning = parsed.get("reasoning_content") or parsed.get("thinking")
+            # A think block the model never closed runs to the end, end-of-turn token included.
+            reasoning = self._specials.sub("", parsed.get("reasoning_content") or parsed.get("thinking") or "").strip()
             if reasoning:
                 message["reasoning_content"] = reasoning
-            calls = [call.get("function", call) for call in parsed.get("tool_calls") or []]
-            message["tool_calls"] = [_openai_tool_call(fn["name"], fn.get("arguments")) for fn in calls]
+            message["tool_calls"] = parsed.get("tool_calls") or []
             return message
         except Exception:  # the model's output is untrusted: any parser failure means "plain text"
-            log.debug("response schema parse failed", exc_info=True)
+            log.debug("response template parse failed", exc_info=True)
             return None
+
+    def _check_round_trip(self) -> None:
+        """Render a probe call with the tokenizer's template, as the model would write it after the generation
+        prompt, and require that it parses back to exactly the probe's name and arguments."""
+        user = {"role": "user", "content": "Call the probe."}
+        call = {"id": "call_probe", "type": "function", "function": {"name": "probe", "arguments": _PROBE_ARGUMENTS}}
+        tools = [_PROBE_TOOL]
+        try:
+            prompt = self.tokenizer.apply_chat_template([user], tools=tools, tokenize=False, add_generation_prompt=True)
+            full = self.tokenizer.apply_chat_template(
+                [user, {"role": "assistant", "content": "", "tool_calls": [call]}], tools=tools, tokenize=False
+            )
+        except Exception as e:  # a template that cannot write a tool call at all
+            raise UnsupportedTemplateError(f"the chat template cannot render a tool call exactly: {e}") from e
+        if not full.startswith(prompt):
+            raise UnsupportedTemplateError("the chat template renders a reply differently from its generation prompt")
+        written = full[len(prompt) :]
+        eos = self.tokenizer.eos_token
+        written = written[: written.rfind(eos) + len(eos)] if eos and eos in written else written
+        self._bare_calls = _CALL_OPENER not in written
+        ids = self.tokenizer.encode(written, add_special_tokens=False)
+        parsed = self.parse(ids, self.tokenizer.encode(prompt, add_special_tokens=False), "stop", tools)
+        got = [
+            (c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in parsed.message.get("tool_calls", [])
+        ]
+        want = [("probe", _PROBE_ARGUMENTS)]
+        if json.dumps(got, sort_keys=True) != json.dumps(want, sort_keys=True):
+            raise UnsupportedTemplateError(
+                f"tool calls written by this chat template do not parse back exactly: it wrote {written!r}, "
+                f"which reads as {got!r}"
+            )

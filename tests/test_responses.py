@@ -6,7 +6,7 @@ import json
 
 import pytest
 from conftest import TEMPLATES, tiny_tokenizer
-from pi_shapes import scripted_output, tool_call
+from pi_shapes import TOOLS, scripted_output, tool_call
 
 from swe_grpo.chain import TrainingTemplate, normalize_message
 from swe_grpo.responses import ResponseParser
@@ -59,32 +59,80 @@ def test_plain_text(template: str) -> None:
     assert "tool_calls" not in parsed.message and parsed.finish_reason == "stop"
 
 
-def test_malformed_call_goes_back_as_text_and_is_counted() -> None:
-    parsed = parse("qwen3", '<tool_call>\n{"name": "bash", "arguments": {"command": }\n</tool_call><|im_end|>')
-    assert "tool_calls" not in parsed.message
-    assert parsed.malformed_tool_calls == 1
-    assert '"name": "bash"' in parsed.message["content"]
-    assert parsed.finish_reason == "stop"
+GOOD = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'
+THOUGHT = "\n</think>\n\n"  # how a qwen3_6 reply goes on from its generation prompt's `<think>\n`
+# (template, generated text, stop reason, attempted calls): every one is a malformed call.
+MALFORMED = [
+    ("qwen3", '<tool_call>\n{"name": "bash", "arguments": "ls -la"}\n</tool_call><|im_end|>', "stop", 1),
+    ("qwen3", '<tool_call>\n{"name": "bash", "arguments": ["ls"]}\n</tool_call><|im_end|>', "stop", 1),
+    ("qwen3", '<tool_call>\n{"name": "bash", "arguments": {"command": }\n</tool_call><|im_end|>', "stop", 1),
+    ("qwen3", '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call><|im_end|>', "stop", 1),
+    ("qwen3", '<tool_call>\n{"arguments": {"command": "ls"}}\n</tool_call><|im_end|>', "stop", 1),
+    ("qwen3", '<tool_call>\n{"name": "", "arguments": {}}\n</tool_call><|im_end|>', "stop", 1),
+    ("qwen3", '<tool_call>\n{"name": ["bash"], "arguments": {}}\n</tool_call><|im_end|>', "stop", 1),
+    ("qwen3", '<tool_call>\n{"name": "bash", "arguments": {"timeout": NaN}}\n</tool_call><|im_end|>', "stop", 1),
+    ("qwen3", '<tool_call>\n{"name": "bash", "arguments": {"timeout": 1e999}}\n</tool_call><|im_end|>', "stop", 1),
+    ("qwen3", '<tool_call>\n{"name": "bash", "arguments": {}, "id": 3}\n</tool_call><|im_end|>', "stop", 1),
+    ("qwen3", '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n', "length", 1),
+    ("qwen3", '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}<|im_end|>', "stop", 1),
+    ("qwen3", GOOD + "\n<tool_call>\n{not json}\n</tool_call><|im_end|>", "stop", 2),
+    ("qwen3", GOOD + "\n<tool_call>\n" + "[" * 100_000 + "\n</tool_call><|im_end|>", "stop", 2),
+    ("qwen3", GOOD + "\n<tool_call>\n{", "length", 2),
+    ("qwen3_6", THOUGHT + '<tool_call>\n{"name": "bash", "arguments": "ls -la"}\n</tool_call><|im_end|>', "stop", 1),
+    (
+        "qwen3_6",
+        THOUGHT + "<tool_call>\n<function=bash>\n<parameter=command>\nls\n</function>\n</tool_call><|im_end|>",
+        "stop",
+        1,
+    ),
+    ("qwen3_6", THOUGHT + "<tool_call>\n<function=bash>\nls -la\n</function>\n</tool_call><|im_end|>", "stop", 1),
+    ("qwen3_6", THOUGHT + "<tool_call>\n<function=>\n</function>\n</tool_call><|im_end|>", "stop", 1),
+    ("qwen3_6", THOUGHT + "<tool_call>\n<function=nope>\n</function>\n</tool_call><|im_end|>", "stop", 1),
+    ("qwen3_6", THOUGHT + "<tool_call>\n<function=bash>\n<parameter=command>\nls\n</parameter>\n", "length", 1),
+    (
+        "qwen3_6",
+        THOUGHT + "<tool_call>\n<function=bash>\n<parameter=command>\nls\n</parameter>\n<parameter=command>\npwd\n"
+        "</parameter>\n</function>\n</tool_call><|im_end|>",
+        "stop",
+        1,
+    ),
+    ("llama3_2", '{"name": "bash", "parameters": "ls -la"}<|eot_id|>', "stop", 1),
+    ("llama3_2", '{"name": "bash", "parameters": {"command": "ls"}<|eot_id|>', "stop", 1),
+    ("llama3_2", '{"name": "bash", "parameters": {"command": ', "length", 1),
+    ("llama3_2", '{"name": "nope", "parameters": {}}<|eot_id|>', "stop", 1),
+    ("llama3_2", 'Sure: {"name": "bash", "parameters": {"command": "ls"}}<|eot_id|>', "stop", 1),
+    ("llama3_2", '<tool_call>\n{"name": "bash", "arguments": "ls"}\n</tool_call><|eot_id|>', "stop", 1),
+]
 
 
-def test_one_good_and_one_malformed_call() -> None:
-    text = (
-        '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>\n'
-        "<tool_call>\n{not json}\n</tool_call><|im_end|>"
-    )
-    parsed = parse("qwen3", text)
-    assert [c["function"]["name"] for c in parsed.message["tool_calls"]] == ["bash"]
-    assert parsed.malformed_tool_calls == 1
+@pytest.mark.parametrize(("template", "text", "stop_reason", "attempted"), MALFORMED)
+def test_malformed_calls_go_back_as_the_whole_text_and_are_counted(
+    template: str, text: str, stop_reason: str, attempted: int
+) -> None:
+    tokenizer = tiny_tokenizer(template)
+    training = TrainingTemplate(tokenizer)
+    ids = training.encode(text)
+    prompt = training.prompt_ids([{"role": "user", "content": "hi"}], TOOLS)
+    parsed = ResponseParser(tokenizer).parse(ids, prompt, stop_reason, TOOLS)
+    assert parsed == ResponseParser(tokenizer).plain_text(ids, stop_reason, attempted)
 
 
 def test_hermes_fallback_for_json_calls_under_an_xml_template() -> None:
     # Qwen3.6 expects <function=...> inside <tool_call>; a model that writes hermes JSON still gets through.
-    text = 'Let me look.\n<tool_call>\n{"name": "read", "arguments": {"path": "x.py"}}\n</tool_call><|im_end|>'
+    text = THOUGHT + 'Let me look.\n<tool_call>\n{"name": "read", "arguments": {"path": "a"}}\n</tool_call><|im_end|>'
     parsed = parse("qwen3_6", text)
     (call,) = parsed.message["tool_calls"]
-    assert call["function"]["name"] == "read" and json.loads(call["function"]["arguments"]) == {"path": "x.py"}
+    assert call["function"]["name"] == "read" and json.loads(call["function"]["arguments"]) == {"path": "a"}
     assert parsed.message["content"] == "Let me look."
     assert parsed.malformed_tool_calls == 0
+
+
+def test_a_call_inside_the_reasoning_is_part_of_the_reasoning() -> None:
+    # The generation prompt opened <think> and the model never closed it: everything it wrote is reasoning.
+    text = 'Let me look.\n<tool_call>\n{"name": "read", "arguments": {"path": "x.py"}}\n</tool_call><|im_end|>'
+    parsed = parse("qwen3_6", text)
+    assert parsed.message == {"role": "assistant", "content": "", "reasoning_content": text.removesuffix("<|im_end|>")}
+    assert parsed.finish_reason == "stop" and parsed.malformed_tool_calls == 0
 
 
 def test_cut_at_max_tokens_reports_length() -> None:
