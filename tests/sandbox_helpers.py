@@ -9,6 +9,8 @@ import random
 import subprocess
 from pathlib import Path
 
+from swe_grpo.sandbox._common import CgroupLayout
+from swe_grpo.sandbox.local import CGROUP_PARENT
 from swe_grpo.tasks import Task
 
 CALC = "def add(a, b):\n    return a + b\n"
@@ -47,11 +49,19 @@ def host_pids(needle: str) -> list[int]:
 PI_PROCESS = "pi-coding-agent/dist/cli.js"  # in the command line of every running Pi
 
 
+def sandbox_cgroups() -> list[Path]:
+    """The cgroups of this process's `local` sandboxes that still exist."""
+    layout = CgroupLayout.detect()
+    mine = f"swe-grpo-{os.getpid()}-*"
+    return [d for root in {layout.memory, layout.pids} for d in (root / CGROUP_PARENT).glob(mine)]
+
+
 def assert_no_agent_or_sandbox_left(run_dir: Path) -> None:
-    """No Pi process on the host, and nothing (no directory, no mount) left in the sandboxes' run dir."""
+    """No Pi process on the host, and nothing (no directory, no mount, no cgroup) left of the sandboxes."""
     assert host_pids(PI_PROCESS) == []
     assert list(run_dir.iterdir()) == []
     assert str(run_dir) not in Path("/proc/self/mountinfo").read_text()
+    assert sandbox_cgroups() == []
 
 
 async def wait_for_pids(needle: str) -> list[int]:

@@ -7,13 +7,21 @@ its environment, which every descendant inherits, and the kill finds the process
 `/proc/*/environ`. It runs as the same user as the exec (a process may read the environ of its own
 user's processes; no capability is needed). What escapes it: a descendant that replaces its whole
 environment (`env -i ...`) or changes user; destroying the sandbox removes those too.
+
+Cgroups (used by `local`, which makes one per sandbox, and by `docker`, which reads its containers'). The
+memory and pids controllers are found in /proc/self/mountinfo: cgroup v1 (a hierarchy per controller,
+as on hosts with a hybrid `unified` mount that carries no controller) or v2 (one hierarchy). Exhaustion
+is read from counters the kernel only ever increments: memory `oom_kill` (v1 `memory.oom_control`, v2
+`memory.events`) and pids `max` (`pids.events`, both versions), so a limit hit once stays visible.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from swe_grpo.sandbox.base import SandboxError
 from swe_grpo.tasks import Task
@@ -56,6 +64,72 @@ if [ -n "$2" ]; then
   chown -R "$2:$2" /testbed /home/sandbox
 fi
 """
+
+
+#: What a sandbox ran out of, by its own doing: see `Sandbox.exhausted`.
+Exhaustion = Literal["memory", "pids", "disk"]
+
+
+@dataclass(frozen=True)
+class CgroupLayout:
+    """Where this host mounts the memory and pids controllers: cgroup v1 (one hierarchy each) or v2 (both
+    in one, `memory` == `pids`)."""
+
+    version: Literal[1, 2]
+    memory: Path
+    pids: Path
+
+    @staticmethod
+    def detect() -> CgroupLayout:
+        """The controllers as mounted here; `SandboxError` naming what is missing when there are none."""
+        v1: dict[str, Path] = {}
+        v2: Path | None = None
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields, (fstype, _source, options) = left.split(), right.split()[:3]
+                if fstype == "cgroup":
+                    for controller in set(options.split(",")) & {"memory", "pids"}:
+                        v1.setdefault(controller, Path(fields[4]))
+                elif fstype == "cgroup2" and v2 is None:
+                    v2 = Path(fields[4])
+        if "memory" in v1 and "pids" in v1:
+            return CgroupLayout(1, v1["memory"], v1["pids"])
+        if v2 is not None and {"memory", "pids"} <= set((v2 / "cgroup.controllers").read_text().split()):
+            return CgroupLayout(2, v2, v2)
+        raise SandboxError(
+            f"no memory and pids cgroup controllers here (cgroup v1: {sorted(v1) or 'none'}, cgroup v2: "
+            f"{v2 or 'not mounted'}): per-sandbox memory and process limits need them"
+        )
+
+    def of_process(self, pid: int) -> tuple[Path, Path]:
+        """The (memory, pids) cgroup directories of a host process."""
+        paths: dict[str, str] = {}
+        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            # v1: "4:memory:/docker/ID"; v2: "0::/system.slice/docker-ID.scope" (v1 lines name controllers).
+            names = controllers.split(",") if self.version == 1 else [] if controllers else ["memory", "pids"]
+            for controller in names:
+                paths[controller] = path.lstrip("/")
+        return self.memory / paths["memory"], self.pids / paths["pids"]
+
+    def exhausted(self, memory: Path, pids: Path) -> Exhaustion | None:
+        """Whether the cgroup (`memory`, `pids` directories) ever had a process OOM-killed at its memory
+        limit, or a fork refused at its pids limit."""
+        if _counter(memory / ("memory.oom_control" if self.version == 1 else "memory.events"), "oom_kill"):
+            return "memory"
+        if _counter(pids / "pids.events", "max"):
+            return "pids"
+        return None
+
+
+def _counter(path: Path, key: str) -> int:
+    """The value of `key` in a cgroup file of "key value" lines (0 when absent)."""
+    for line in path.read_text().splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            return int(value)
+    return 0
 
 
 def kill_tree_argv(marker: str) -> list[str]:

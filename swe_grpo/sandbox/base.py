@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from swe_grpo.sandbox._common import Exhaustion
     from swe_grpo.tasks import Task
 
 #: Where the repository is inside every sandbox (SWE-bench images use this path too).
@@ -87,6 +88,13 @@ class Sandbox(ABC):
             raise SandboxError(f"git diff failed (exit {result.exit_code}): {result.stderr[-500:]}")
         return result.stdout
 
+    async def exhausted(self) -> Exhaustion | None:
+        """Which of its own limits the sandbox ran out of, if any: "memory" (a process was OOM-killed at
+        the memory limit), "pids" (a fork or thread was refused at the process limit) or "disk" (its
+        writable space was found full). Sticky: a limit hit once is reported until `destroy()`. The base
+        class knows no limits and says None; `local` and `docker` say what they can (their docstrings)."""
+        return None
+
     @abstractmethod
     async def destroy(self) -> None:
         """Kill everything and remove everything; idempotent."""
@@ -110,9 +118,10 @@ class SandboxBackend(ABC):
         """Prepare the backend (check the engine, reap leftovers)."""
 
     @abstractmethod
-    async def create(self, task: Task, mounts: Sequence[Mount] = ()) -> Sandbox:
-        """A new sandbox with the task's repository at its base commit at `WORKDIR`. Raises
-        `SandboxError` when it cannot be made; never leaves anything behind when it fails."""
+    async def create(self, task: Task, mounts: Sequence[Mount] = (), *, network: bool = True) -> Sandbox:
+        """A new sandbox with the task's repository at its base commit at `WORKDIR`. `network=False`: no
+        network at all, only a loopback of its own (grading asks for that). Raises `SandboxError` when it
+        cannot be made; never leaves anything behind when it fails."""
 
     async def close(self) -> None:  # noqa: B027  (optional hook)
         """Release what the backend holds (caches are kept)."""

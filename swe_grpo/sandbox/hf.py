@@ -18,6 +18,7 @@ every `KEEPALIVE_S` (`processes()`), or a command longer than `idle_timeout` wou
 Differences from the other backends, by the nature of HF Jobs: commands run as the image's user (root
 in `python:3.12` and SWE-bench images; the sandbox is a whole VM); the agent reaches the host only
 through a public URL, so the InterceptionServer must be public (and its per-rollout tokens then matter);
+every sandbox, grading's too, has the network HF gives it (`create(network=False)` cannot cut it);
 there is no reaper: a sandbox whose `destroy` never ran (crash) stops by itself after `idle_timeout`,
 and a failed `kill()` is only logged by huggingface_hub (it does not raise), so `idle_timeout` bounds
 that leak too.
@@ -223,7 +224,9 @@ class HFBackend(SandboxBackend):
 
         return asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(guarded))
 
-    async def create(self, task: Task, mounts: Sequence[Mount] = ()) -> HFSandbox:
+    async def create(self, task: Task, mounts: Sequence[Mount] = (), *, network: bool = True) -> HFSandbox:
+        """`network=False` is not honoured: HF Jobs sandboxes have no network switch, so a grading sandbox
+        here keeps the network HF gives it (the `local` and `docker` backends cut it)."""
         if writable := [m.sandbox_path for m in mounts if m.writable]:
             raise SandboxError(f"the hf backend cannot mount host directories writable: {writable}")
         repo = None if task.image else local_repo(task)

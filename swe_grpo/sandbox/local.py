@@ -8,18 +8,45 @@ copy-on-write method is detected once per backend: kernel overlayfs, else `fuse-
 plain `cp -a`.
 
 Every `exec` is one bubblewrap run, started as the sandbox user (as root, bwrap's `--uid` would map to
-real root), in fresh pid/ipc/uts namespaces with the host network shared (the agent reaches the
-InterceptionServer on the host's 127.0.0.1). Inside: the host's `/usr`, `/bin`, `/lib*`, `/etc`
+real root), in fresh pid/ipc/uts namespaces. Network: by default the host's network is shared (the agent
+reaches the InterceptionServer on the host's 127.0.0.1, and everything else the host reaches); a
+sandbox created with `network=False` (grading) gets a network namespace of its own with nothing in it
+but its own loopback (`--unshare-net`). Inside: the host's `/usr`, `/bin`, `/lib*`, `/etc`
 read-only, a private `/proc` and `/dev`, the overlay at `/testbed`, the sandbox's `/tmp`, and the
 requested mounts; nothing else of the host (no `/root`, `/home`, `/work`). State therefore survives
 between execs only in `/testbed`, `/tmp` and writable mounts; processes never do: when a command ends
 or is killed, its pid namespace, and with it every process it started, is gone.
+
+Limits (`LocalLimits`), per sandbox, whatever runs in it and however many execs at once, so that a
+sandbox that exhausts its own cannot make another fail:
+- memory and processes: a cgroup of its own (`swe-grpo/<host_dir name>` under the root of the memory
+  and pids hierarchies, cgroup v1 or v2; see `_common.CgroupLayout`), made by root before the sandbox's
+  first process. Every bwrap run starts through a one-line `sh` that writes its own pid into the
+  cgroup and then execs prlimit/setpriv/bwrap, so everything the sandbox runs is in it. The memory limit
+  counts the sandbox's files too (they live in RAM, below), without swap; at the limit the kernel's OOM
+  killer kills a process of that sandbox only. The pids limit counts processes and threads; a fork at
+  the limit fails with EAGAIN in that sandbox only. The cgroup is removed on `destroy()`. On cgroup v2
+  the backend enables the memory and pids controllers in the hierarchy's root and in `swe-grpo`; where
+  it may not (the root of a container's cgroup namespace holds processes), `create()` raises
+  `SandboxError` naming the cause. No memory nor pids cgroup at all: `SandboxError` as well, unless both
+  limits are None. The sum of `pids` over concurrent sandboxes must stay below the host's pid_max.
+- disk: the sandbox's host directory is a tmpfs of `disk_bytes` (and one inode per 4 KiB), so all it
+  writes (the overlay's upper layer, `/tmp`) is bounded; beyond it writes fail with ENOSPC. With the
+  `copy` method the copy of the checkout lives there too and counts against it. With `fuse-overlayfs`
+  the upper layer is written by the daemon (the backend's cgroup), so it counts against the disk limit
+  but not the sandbox's memory.
+- per process (rlimits): CPU seconds and file size.
+`exhausted()` tells which limit a sandbox hit: "memory" (an OOM kill in its cgroup), "pids" (a fork
+refused at its limit), both from kernel counters that never go down, or "disk" (its tmpfs found full,
+of blocks or inodes, after an exec or when asked: a command that fills it and deletes its files before
+returning goes unseen, and harmed no other sandbox).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -27,6 +54,7 @@ import logging
 import os
 import pwd
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -39,7 +67,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from swe_grpo.paths import cache_root
-from swe_grpo.sandbox._common import HOST_GIT_ENV, OutputTail
+from swe_grpo.sandbox._common import HOST_GIT_ENV, CgroupLayout, Exhaustion, OutputTail
 from swe_grpo.sandbox.base import WORKDIR, ExecResult, Mount, Sandbox, SandboxBackend, SandboxError
 
 if TYPE_CHECKING:
@@ -62,20 +90,72 @@ _PREFIX = "swe-grpo-"  # of per-sandbox host directories: `swe-grpo-<pid of the 
 _KILL_WAIT_S = 10.0
 
 
+CGROUP_PARENT = "swe-grpo"  # under each hierarchy's root; a sandbox's cgroup is named as its host_dir
+
+
 @dataclass(frozen=True)
 class LocalLimits:
-    """Resource limits of every process in a sandbox (`None`: unlimited). They are rlimits, so they
-    hold per process, except `nproc`, which the kernel counts per uid: it bounds the processes of ALL
-    sandboxes on the host together. `output_bytes` caps what `exec` keeps of each of stdout and stderr
-    (the end is kept)."""
+    """Resource limits (`None`: unlimited; see the module docstring for how each holds). Per sandbox:
+    `memory_bytes` (its processes' memory plus its files), `pids` (processes and threads) and
+    `disk_bytes` (everything it writes). Per process: `cpu_s` and `file_size_bytes` (rlimits).
+    `output_bytes` caps what `exec` keeps of each of stdout and stderr (the end is kept)."""
 
+    memory_bytes: int | None = 4 << 30
+    pids: int | None = 1024
+    disk_bytes: int | None = 2 << 30
     cpu_s: int | None = 3600
-    # RLIMIT_DATA, not RLIMIT_AS: Node (the agent) reserves tens of GB of address space for WebAssembly
-    # and dies under an address-space limit; the data limit counts memory actually made writable.
-    data_bytes: int | None = 8 << 30
     file_size_bytes: int | None = 1 << 30
-    nproc: int | None = 4096
     output_bytes: int = 4 << 20
+
+
+class _Cgroup:
+    """A sandbox's own cgroup (one directory per hierarchy on v1, one on v2)."""
+
+    def __init__(self, layout: CgroupLayout, name: str) -> None:
+        self.layout = layout
+        self.memory = layout.memory / CGROUP_PARENT / name
+        self.pids = layout.pids / CGROUP_PARENT / name
+        self.dirs = sorted({self.memory, self.pids})
+
+    def make(self, limits: LocalLimits) -> None:
+        """Create it with the limits set (before any process joins)."""
+        unlimited = "-1" if self.layout.version == 1 else "max"
+        memory = unlimited if limits.memory_bytes is None else str(limits.memory_bytes)
+        files = {self.pids / "pids.max": unlimited if limits.pids is None else str(limits.pids)}
+        if self.layout.version == 1:  # the memory+swap limit must not be below the memory limit: set it after
+            files |= {
+                self.memory / "memory.limit_in_bytes": memory,
+                self.memory / "memory.memsw.limit_in_bytes": memory,
+            }
+        else:
+            files |= {self.memory / "memory.max": memory, self.memory / "memory.swap.max": "0"}
+        for d in self.dirs:
+            d.mkdir()
+        for path, value in files.items():
+            if path.exists():  # no memsw / swap file where the kernel does not account swap
+                path.write_text(value)
+
+    def exhausted(self) -> Exhaustion | None:
+        return self.layout.exhausted(self.memory, self.pids)
+
+    def remove(self) -> None:
+        """Remove it, SIGKILLing whatever is still in it (nothing, once every run has ended)."""
+        for d in self.dirs:
+            for _ in range(500):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    if e.errno != errno.EBUSY:
+                        raise SandboxError(f"cannot remove the cgroup {d}: {e}") from e
+                    for pid in (d / "cgroup.procs").read_text().split():
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(int(pid), signal.SIGKILL)
+                    time.sleep(0.01)
+            else:
+                raise SandboxError(f"the cgroup {d} keeps processes that SIGKILL did not end")
 
 
 class _Run:
@@ -120,13 +200,16 @@ class _Run:
 
 
 class LocalSandbox(Sandbox):
-    """A sandbox made by `LocalBackend`. `host_dir` is where it lives on the host (for diagnostics);
-    it is gone after `destroy()`."""
+    """A sandbox made by `LocalBackend`. `host_dir` is where it lives on the host (for diagnostics), and
+    `cgroup_dirs` its cgroup; both are gone after `destroy()`."""
 
-    def __init__(self, host_dir: Path, bwrap_argv: list[str], limits: LocalLimits) -> None:
+    def __init__(self, host_dir: Path, bwrap_argv: list[str], limits: LocalLimits, cgroup: _Cgroup | None) -> None:
         self.host_dir = host_dir
+        self.cgroup_dirs = cgroup.dirs if cgroup is not None else []
         self._argv = bwrap_argv
         self._limits = limits
+        self._cgroup = cgroup
+        self._exhaustion: Exhaustion | None = None
         self._runs: set[_Run] = set()
         self._fuse: asyncio.subprocess.Process | None = None
         self._teardown: asyncio.Future[None] | None = None
@@ -164,8 +247,23 @@ class LocalSandbox(Sandbox):
             raise SandboxError(f"cannot read {path} in the sandbox: {err.text()[-500:]}")
         return bytes(out.data)
 
+    async def exhausted(self) -> Exhaustion | None:
+        self._observe()
+        return self._exhaustion
+
+    def _observe(self) -> None:
+        """Record the first limit found hit: the cgroup's counters, then a full tmpfs. (Once destroyed,
+        neither exists any more: what was recorded stays.)"""
+        with contextlib.suppress(FileNotFoundError):
+            if self._exhaustion is None and self._cgroup is not None:
+                self._exhaustion = self._cgroup.exhausted()
+            if self._exhaustion is None and self._limits.disk_bytes is not None and os.path.ismount(self.host_dir):
+                fs = os.statvfs(self.host_dir)
+                if fs.f_bavail == 0 or fs.f_favail == 0:
+                    self._exhaustion = "disk"
+
     async def destroy(self) -> None:
-        """Kills every running exec, unmounts, removes `host_dir`. Concurrent and repeated calls share
+        """Kills every running exec, unmounts, removes `host_dir` and the cgroup. Concurrent and repeated calls share
         one teardown, which a cancelled caller does not interrupt. Raises `SandboxError` when something
         could not be removed."""
         if self._teardown is None:
@@ -175,13 +273,18 @@ class LocalSandbox(Sandbox):
     async def _tear_down(self) -> None:
         # Go on when a run could not be ended: the mount and directories must go regardless.
         ended = await asyncio.gather(*(run.end() for run in list(self._runs)), return_exceptions=True)
+        self._observe()  # the last look: the counters and the tmpfs go below
         testbed = self.host_dir / "testbed"
         if _mounts_under(testbed):
             await _umount(testbed)
         if self._fuse is not None:  # it exits once its mount is gone
             await _wait_or_kill(self._fuse)
-        if _mounts_under(self.host_dir):  # never delete through a mount (into the cached checkout)
+        if _mounts_under(testbed):  # never delete through a mount (into the cached checkout)
             raise SandboxError(f"{testbed} is still mounted; not removing {self.host_dir}")
+        if os.path.ismount(self.host_dir):  # the tmpfs
+            await _umount(self.host_dir)
+        if self._cgroup is not None:
+            await asyncio.to_thread(self._cgroup.remove)
         await asyncio.to_thread(shutil.rmtree, self.host_dir, ignore_errors=True)
         if self.host_dir.exists():
             raise SandboxError(f"could not remove {self.host_dir}")
@@ -236,6 +339,7 @@ class LocalSandbox(Sandbox):
             raise
         finally:
             self._runs.discard(run)
+            self._observe()
         return proc.returncode, out, err, timed_out, time.monotonic() - start
 
     async def _start(self, argv: list[str], cwd: str, env: dict[str, str], with_stdin: bool) -> _Run:
@@ -297,16 +401,46 @@ class LocalBackend(SandboxBackend):
         self.cache_dir = cache_dir or cache_root() / "checkouts"
         self.run_dir = run_dir or Path(tempfile.gettempdir())
         self.method = method
+        self._cgroups: CgroupLayout | None = None
         self._method_lock = asyncio.Lock()
         self._fill_locks: dict[str, asyncio.Lock] = {}
 
     async def start(self) -> None:
-        """Remove what sandboxes of dead processes left behind, and detect the copy-on-write method."""
+        """Check that the limits can be enforced, remove what sandboxes of dead processes left behind, and
+        detect the copy-on-write method."""
         self._check_reachable(self.run_dir)
-        await asyncio.to_thread(_reap_leftovers, self.run_dir)
+        layout = self._cgroup_layout()
+        await asyncio.to_thread(_reap_leftovers, self.run_dir, layout)
         await self._cow_method()
 
-    async def create(self, task: Task, mounts: Sequence[Mount] = ()) -> LocalSandbox:
+    def _cgroup_layout(self) -> CgroupLayout | None:
+        """The cgroup controllers, with the sandboxes' parent cgroups made (once); None when no limit
+        needs them. `SandboxError` when they cannot be had."""
+        if self.limits.memory_bytes is None and self.limits.pids is None:
+            return None
+        if self._cgroups is None:
+            layout = CgroupLayout.detect()
+            try:
+                if layout.version == 2:  # a child has only the controllers its parent enables for it
+                    (layout.memory / "cgroup.subtree_control").write_text("+memory +pids")
+                for root in {layout.memory, layout.pids}:
+                    (root / CGROUP_PARENT).mkdir(exist_ok=True)
+                if layout.version == 2:
+                    (layout.memory / CGROUP_PARENT / "cgroup.subtree_control").write_text("+memory +pids")
+            except OSError as e:
+                hint = (
+                    " (cgroup v2 enables controllers only in a cgroup without processes, or the real root: in a"
+                    " container, move this process into a child cgroup first)"
+                    if layout.version == 2
+                    else ""
+                )
+                raise SandboxError(
+                    f"cannot make the parent cgroup of the sandboxes under {layout.memory}: {e}{hint}"
+                ) from e
+            self._cgroups = layout
+        return self._cgroups
+
+    async def create(self, task: Task, mounts: Sequence[Mount] = (), *, network: bool = True) -> LocalSandbox:
         sandbox = None
         try:
             for mount in mounts:
@@ -315,8 +449,13 @@ class LocalBackend(SandboxBackend):
                 self._check_reachable(mount.host_path)
             lower = await self._checkout(task)
             method = await self._cow_method()
+            layout = self._cgroup_layout()
             host_dir = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=self.run_dir))
-            sandbox = LocalSandbox(host_dir, self._bwrap_argv(host_dir, mounts), self.limits)
+            cgroup = _Cgroup(layout, host_dir.name) if layout is not None else None
+            argv = self._bwrap_argv(host_dir, mounts, network, cgroup)
+            sandbox = LocalSandbox(host_dir, argv, self.limits, cgroup)
+            if cgroup is not None:
+                cgroup.make(self.limits)
             sandbox._fuse = await self._prepare(host_dir, lower, method)
             # Proves bwrap starts with every bind in place, so a bad mount fails here, not in the agent.
             code, _, err, _, _ = await sandbox._run(["true"], timeout_s=30, cwd=WORKDIR)
@@ -349,7 +488,10 @@ class LocalBackend(SandboxBackend):
 
     async def _prepare(self, host_dir: Path, lower: Path, method: CowMethod) -> asyncio.subprocess.Process | None:
         """Make the sandbox's directories and its view of `lower` at `host_dir/testbed`; the fuse
-        daemon when there is one."""
+        daemon when there is one. With a disk limit, all of it is on a tmpfs of that size."""
+        if (size := self.limits.disk_bytes) is not None:
+            options = f"size={size},nr_inodes={max(size // 4096, 1024)},mode=0711"
+            await _host("mount", "-t", "tmpfs", "-o", options, "swe-grpo-sandbox", str(host_dir))
         host_dir.chmod(0o711)
         tmp = host_dir / "tmp"
         (tmp / "home").mkdir(parents=True)
@@ -360,17 +502,17 @@ class LocalBackend(SandboxBackend):
         (host_dir / "testbed").mkdir()
         return await _mount_cow(method, lower, host_dir)
 
-    def _bwrap_argv(self, host_dir: Path, mounts: Sequence[Mount]) -> list[str]:
-        limits = self.limits
-        rlimits = {
-            "cpu": limits.cpu_s,
-            "data": limits.data_bytes,
-            "fsize": limits.file_size_bytes,
-            "nproc": limits.nproc,
-        }
-        argv = ["prlimit", *(f"--{k}={v}:{v}" for k, v in rlimits.items() if v is not None), "--"]
+    def _bwrap_argv(self, host_dir: Path, mounts: Sequence[Mount], network: bool, cgroup: _Cgroup | None) -> list[str]:
+        argv = []
+        if cgroup is not None:  # joins the cgroup, then becomes prlimit, setpriv and bwrap (same pid)
+            join = " && ".join(f"echo $$ > {shlex.quote(str(d / 'cgroup.procs'))}" for d in cgroup.dirs)
+            argv += ["sh", "-c", f'{join} && exec "$@"', "sh"]
+        rlimits = {"cpu": self.limits.cpu_s, "fsize": self.limits.file_size_bytes}
+        argv += ["prlimit", *(f"--{k}={v}:{v}" for k, v in rlimits.items() if v is not None), "--"]
         argv += ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups", "--"]
         argv += ["bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--as-pid-1"]
+        if not network:
+            argv.append("--unshare-net")
         argv += ["--new-session", "--die-with-parent"]
         argv += ["--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
         for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
@@ -618,17 +760,27 @@ def _mounts_under(path: Path) -> list[str]:
     return points
 
 
-def _reap_leftovers(run_dir: Path) -> None:
-    """Unmount and remove the sandbox directories whose owning process is dead."""
+def _reap_leftovers(run_dir: Path, layout: CgroupLayout | None) -> None:
+    """Unmount and remove the sandbox directories, and remove the cgroups, whose owning process is dead."""
     for entry in run_dir.glob(f"{_PREFIX}*"):
-        owner = re.match(rf"{_PREFIX}(\d+)-", entry.name)
-        if owner is None or not entry.is_dir() or _alive(int(owner.group(1))):
+        if not entry.is_dir() or not _orphaned(entry.name):
             continue
         for point in sorted(_mounts_under(entry), reverse=True):  # innermost first
             subprocess.run(["umount", "-l", point], capture_output=True)
         if not _mounts_under(entry):
             shutil.rmtree(entry, ignore_errors=True)
             log.info("removed the leftover sandbox %s", entry)
+    if layout is not None:
+        for entry in (layout.memory / CGROUP_PARENT).glob(f"{_PREFIX}*"):
+            if _orphaned(entry.name):
+                _Cgroup(layout, entry.name).remove()
+                log.info("removed the leftover cgroup %s", entry.name)
+
+
+def _orphaned(name: str) -> bool:
+    """Whether `swe-grpo-<pid>-...` names a sandbox of a process that is gone."""
+    owner = re.match(rf"{_PREFIX}(\d+)-", name)
+    return owner is not None and not _alive(int(owner.group(1)))
 
 
 def _alive(pid: int) -> bool:
