@@ -33,10 +33,12 @@ from trl.chat_template_utils import add_response_schema, parse_response
 log = logging.getLogger(__name__)
 
 _CALL_OPENER = "<tool_call>"
-_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_CALL_CLOSER = "</tool_call>"
+_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 # The Qwen3.5+ layout, as the template writes it; one newline on each side of a value is the template's own.
 _XML_FUNCTION = re.compile(r"\s*<function=([^\n>]*)>\n?(.*)</function>\s*", re.DOTALL)
-_XML_PARAMETER = re.compile(r"<parameter=([^\n>]*)>\n?(.*?)\n?</parameter>", re.DOTALL)
+_XML_PARAMETER = re.compile(r"\s*<parameter=([^\n>]*)>")
+_XML_PARAMETER_CLOSER = "</parameter>"
 _BARE_CALL = re.compile(r'\s*\{\s*"name"\s*:')
 _CALL_KEYS = ({"name"}, {"name", "arguments"}, {"name", "parameters"})
 # How much of the prompt's end the schema parser needs to see (the assistant header and any opener the
@@ -155,6 +157,16 @@ def _tool_properties(tools: list | None) -> dict[str, dict] | None:
     return out
 
 
+def _call_blocks(text: str) -> tuple[list[str], int]:
+    """The bodies of the closed `<tool_call>...</tool_call>` blocks, and how many openers there are."""
+    bodies: list[str] = []
+    start = text.find(_CALL_OPENER)
+    while start != -1 and (end := text.find(_CALL_CLOSER, start)) != -1:
+        bodies.append(text[start + len(_CALL_OPENER) : end])
+        start = text.find(_CALL_OPENER, end)
+    return bodies, text.count(_CALL_OPENER)
+
+
 def _json_call(body: str) -> tuple[Any, Any]:
     obj = _strict_json(body)
     if not isinstance(obj, dict) or set(obj) not in _CALL_KEYS:
@@ -169,15 +181,18 @@ def _xml_call(body: str, tools: dict[str, dict] | None) -> tuple[Any, Any]:
     name, parameters = function.groups()
     properties = (tools or {}).get(name, {})
     arguments: dict[str, Any] = {}
-    end = 0
-    for m in _XML_PARAMETER.finditer(parameters):
-        key, text = m.groups()
-        if parameters[end : m.start()].strip() or not key or key in arguments:
-            raise _Malformed("stray text, a nameless parameter or a repeated one")
+    pos = 0
+    # A scan, not a regex search: an opener without its closer must not cost a pass over the rest of the text.
+    while opener := _XML_PARAMETER.match(parameters, pos):
+        key, start = opener.group(1), opener.end()
+        end = parameters.find(_XML_PARAMETER_CLOSER, start)
+        if end == -1 or not key or key in arguments:
+            raise _Malformed("an unclosed, nameless or repeated parameter")
+        text = parameters[start:end].removeprefix("\n").removesuffix("\n")
         arguments[key] = _xml_value(text, properties.get(key))
-        end = m.end()
-    if parameters[end:].strip():
-        raise _Malformed("stray text after the parameters")
+        pos = end + len(_XML_PARAMETER_CLOSER)
+    if parameters[pos:].strip():
+        raise _Malformed("text that is not a parameter")
     return name, arguments
 
 
@@ -210,6 +225,12 @@ class ResponseParser:
                 self.has_schema = True
             except ValueError:
                 log.warning("no response template for this chat template; content is the decoded text")
+        template = getattr(self.tokenizer, "response_template", None)
+        if isinstance(template, dict) and "fields" in template:
+            # TRL only splits content from reasoning: calls are read here (its XML parsing is also quadratic
+            # in unclosed parameters, seconds for a few thousand tokens of degenerate output).
+            fields = {k: v for k, v in template["fields"].items() if k != "tool_calls"}
+            self.tokenizer.response_template = {**template, "fields": fields}
         self._specials = re.compile("|".join(re.escape(t) for t in tokenizer.all_special_tokens))
         self._bare_calls = False  # set by the probe: whether the template writes a call as the bare reply
         self._check_round_trip()
@@ -224,17 +245,15 @@ class ResponseParser:
         """`stop_reason` is vLLM's finish reason ("stop" or "length"); `tools` the request's tools (calls must
         name one of them when given). Never raises for any token sequence."""
         text = self.tokenizer.decode(output_ids, skip_special_tokens=False)
-        message = self._schema_parse(output_ids, prompt_ids) if self.has_schema and output_ids else None
-        schema_calls = message.pop("tool_calls") if message else []
-        if message is None:
-            message = self.plain_text(output_ids, stop_reason, 0).message
+        parsed = self._schema_parse(output_ids, prompt_ids) if self.has_schema and output_ids else None
+        if parsed is None:
+            parsed = {"content": self.tokenizer.decode(output_ids, skip_special_tokens=True)}
+        thought = parsed.get("reasoning_content") or parsed.get("thinking") or ""
         # Calls are actions, never thoughts: a call written inside the reasoning stays part of the reasoning.
-        acted = text.replace(message.get("reasoning_content", ""), "", 1)
+        acted = text.replace(thought, "", 1)
         visible = self._specials.sub("", acted)
         bare = self._bare_calls and _BARE_CALL.match(visible) is not None
-        bodies = [visible] if bare else _CALL_BLOCK.findall(acted)
-        # Every opener is an attempt, closed or not; so is every call TRL's template recognised.
-        attempted = max(len(bodies), acted.count(_CALL_OPENER), len(schema_calls))
+        bodies, attempted = ([visible], 1) if bare else _call_blocks(acted)
         properties = _tool_properties(tools)
         try:
             calls = [_call(body, properties) for body in bodies]
@@ -242,10 +261,15 @@ class ResponseParser:
             calls = []
         if len(calls) != attempted:
             return self.plain_text(output_ids, stop_reason, attempted)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.get("content") or ""}
+        # A think block the model never closed runs to the end of the text, end-of-turn token included.
+        reasoning = self._specials.sub("", thought).strip()
+        if reasoning:
+            message["reasoning_content"] = reasoning
         if not calls:
             return ParsedResponse(message, "length" if stop_reason == "length" else "stop")
-        content = "" if bare else self._specials.sub("", _CALL_BLOCK.sub("", message["content"]))
-        return ParsedResponse({**message, "content": content.strip() or None, "tool_calls": calls}, "tool_calls")
+        content = "" if bare else self._specials.sub("", _CALL_BLOCK.sub("", message["content"])).strip()
+        return ParsedResponse({**message, "content": content or None, "tool_calls": calls}, "tool_calls")
 
     def plain_text(self, output_ids: list[int], stop_reason: str, malformed: int) -> ParsedResponse:
         """The whole generation as plain text content (special tokens stripped, no tool calls), with
@@ -257,14 +281,7 @@ class ResponseParser:
         """TRL's parse (content, reasoning, and tool calls only to count them), or None when it fails. Without
         `tools`, so that it types nothing."""
         try:
-            parsed = parse_response(self.tokenizer, output_ids, prefix=prompt_ids[-_PREFIX_TOKENS:])
-            message: dict[str, Any] = {"role": "assistant", "content": parsed.get("content") or ""}
-            # A think block the model never closed runs to the end, end-of-turn token included.
-            reasoning = self._specials.sub("", parsed.get("reasoning_content") or parsed.get("thinking") or "").strip()
-            if reasoning:
-                message["reasoning_content"] = reasoning
-            message["tool_calls"] = parsed.get("tool_calls") or []
-            return message
+            return parse_response(self.tokenizer, output_ids, prefix=prompt_ids[-_PREFIX_TOKENS:])
         except Exception:  # the model's output is untrusted: any parser failure means "plain text"
             log.debug("response template parse failed", exc_info=True)
             return None

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import random
+import time
 
 import pytest
 from conftest import TEMPLATES, tiny_tokenizer
 from pi_shapes import TOOLS, scripted_output, tool_call
 
 from swe_grpo.chain import TrainingTemplate, normalize_message
-from swe_grpo.responses import ResponseParser
+from swe_grpo.responses import ParsedResponse, ResponseParser
 
 
 def parse(template: str, text_or_message, stop_reason: str = "stop"):
@@ -61,7 +63,7 @@ def test_plain_text(template: str) -> None:
 
 GOOD = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'
 THOUGHT = "\n</think>\n\n"  # how a qwen3_6 reply goes on from its generation prompt's `<think>\n`
-# (template, generated text, stop reason, attempted calls): every one is a malformed call.
+# (template, generated text, stop reason, attempted calls): each goes back as the whole text.
 MALFORMED = [
     ("qwen3", '<tool_call>\n{"name": "bash", "arguments": "ls -la"}\n</tool_call><|im_end|>', "stop", 1),
     ("qwen3", '<tool_call>\n{"name": "bash", "arguments": ["ls"]}\n</tool_call><|im_end|>', "stop", 1),
@@ -100,7 +102,8 @@ MALFORMED = [
     ("llama3_2", '{"name": "bash", "parameters": {"command": "ls"}<|eot_id|>', "stop", 1),
     ("llama3_2", '{"name": "bash", "parameters": {"command": ', "length", 1),
     ("llama3_2", '{"name": "nope", "parameters": {}}<|eot_id|>', "stop", 1),
-    ("llama3_2", 'Sure: {"name": "bash", "parameters": {"command": "ls"}}<|eot_id|>', "stop", 1),
+    # Llama 3.x writes a call as the whole reply: JSON after text is text, and no call was attempted.
+    ("llama3_2", 'Sure: {"name": "bash", "parameters": {"command": "ls"}}<|eot_id|>', "stop", 0),
     ("llama3_2", '<tool_call>\n{"name": "bash", "arguments": "ls"}\n</tool_call><|eot_id|>', "stop", 1),
 ]
 
@@ -141,18 +144,76 @@ def test_cut_at_max_tokens_reports_length() -> None:
     assert parsed.message["content"] == "I will now start to"
 
 
-def test_random_tokens_never_raise() -> None:
-    tokenizer = tiny_tokenizer("qwen3")
-    parser = ResponseParser(tokenizer)
-    special = tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>", "<think>", "</think>"])
-    import random
+def _not_json(constant: str) -> None:
+    raise AssertionError(f"{constant} is not JSON, and an agent's parser rejects it")
 
-    rng = random.Random(0)
-    for _ in range(200):
-        ids = [rng.choice([*special, *range(10, 2000)]) for _ in range(rng.randint(0, 40))]
-        parsed = parser.parse(ids, [], "stop")
-        assert parsed.message["role"] == "assistant"
-        assert parsed.finish_reason in ("stop", "tool_calls")
+
+def _assert_well_formed(parsed: ParsedResponse, tools: list | None) -> None:
+    """What any reply must be: valid JSON for the agent; either calls that name a given tool with JSON-object
+    arguments (nothing malformed), or plain text."""
+    message = parsed.message
+    assert message["role"] == "assistant"
+    json.dumps(message, allow_nan=False)
+    if "tool_calls" not in message:
+        assert parsed.finish_reason in ("stop", "length") and isinstance(message["content"], str)
+        return
+    assert parsed.finish_reason == "tool_calls" and parsed.malformed_tool_calls == 0 and message["tool_calls"]
+    names = {t["function"]["name"] for t in tools} if tools is not None else None
+    for call in message["tool_calls"]:
+        name = call["function"]["name"]
+        assert isinstance(name, str) and name and (names is None or name in names)
+        assert isinstance(json.loads(call["function"]["arguments"], parse_constant=_not_json), dict)
+
+
+FRAGMENTS = [
+    *("<tool_call>", "</tool_call>", "<function=bash>", "<function=", "</function>", "<think>", "</think>"),
+    *("<parameter=command>", "<parameter=", "</parameter>", ">", "\n", "\n", " ", "{", "}", "[", "]", ",", ":"),
+    *('"', '"name"', '"arguments"', '"parameters"', '"bash"', '"command"', '"ls"', '{"name": "bash", '),
+    *("42", "1e999", "NaN", "null", "true", "\\", "x", "é", "<|im_end|>", "<|eot_id|>"),
+]
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_no_token_sequence_makes_the_parser_raise_or_pass_on_a_bad_call(template: str) -> None:
+    """Seeded fuzzing: random ids, random markup fragments, and valid calls with random edits."""
+    tokenizer = tiny_tokenizer(template)
+    training = TrainingTemplate(tokenizer)
+    parser = ResponseParser(tokenizer)
+    prompt = training.prompt_ids([{"role": "user", "content": "hi"}], TOOLS)
+    valid = training.tokenizer.decode(
+        scripted_output(training, normalize_message({"role": "assistant", "content": "", "tool_calls": [
+            tool_call("bash", command="ls -la\n", timeout=5)
+        ]})),
+        skip_special_tokens=False,
+    )  # fmt: skip
+    rng = random.Random(10)
+    for i in range(900):
+        if i % 3 == 0:
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 60))]
+        else:
+            if i % 3 == 1:
+                text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 40)))
+            else:
+                text = valid
+                for _ in range(rng.randint(1, 3)):
+                    a, b = sorted(rng.randrange(len(text) + 1) for _ in range(2))
+                    text = text[:a] + rng.choice(["", rng.choice(FRAGMENTS), text[a:b] * 2]) + text[b:]
+            ids = training.encode(text)
+        tools = TOOLS if i % 2 else None
+        _assert_well_formed(parser.parse(ids, prompt, rng.choice(["stop", "length"]), tools), tools)
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_degenerate_output_parses_in_linear_time(template: str) -> None:
+    # ~30k tokens of unclosed parameters: scanning on from each opener took ~5 s here, TRL's XML parser ~35 s.
+    text = THOUGHT + "<tool_call>\n<function=bash>\n" + "<parameter=command>\n" * 4000 + "</function>\n</tool_call>"
+    tokenizer = tiny_tokenizer(template)
+    ids = TrainingTemplate(tokenizer).encode(text)
+    parser = ResponseParser(tokenizer)
+    start = time.perf_counter()
+    parsed = parser.parse(ids, [], "length", TOOLS)
+    assert time.perf_counter() - start < 1.0
+    assert parsed.malformed_tool_calls == 1
 
 
 @pytest.mark.parametrize("stop_reason", ["stop", "length"])

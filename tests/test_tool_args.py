@@ -144,6 +144,24 @@ def test_json_templates_keep_the_type_the_tokens_say_whatever_the_schema(templat
     assert _exact(json.loads(call["function"]["arguments"])) == _exact(arguments)
 
 
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_a_reply_cut_anywhere_gives_whole_exact_calls_or_none(template: str) -> None:
+    calls = [_call("write", ARGUMENTS)]
+    if template != "llama3_2":  # Llama 3.x writes one call a turn
+        calls.append(_call("bash", {"command": "ls\n"}))
+    parser, _, ids, prompt = _generate(template, {"role": "assistant", "content": "", "tool_calls": calls})
+    tools = [*TOOLS, {"type": "function", "function": {"name": "bash", "parameters": _schema(command="string")}}]
+    want = [(c["function"]["name"], _exact(c["function"]["arguments"])) for c in calls]
+    for cut in range(len(ids) + 1):
+        parsed = parser.parse(ids[:cut], prompt, "length", tools)
+        got = [
+            (c["function"]["name"], _exact(json.loads(c["function"]["arguments"])))
+            for c in parsed.message.get("tool_calls", [])
+        ]
+        assert got == want[: len(got)], cut
+    assert got == want
+
+
 # qwen3_6 writes a string parameter as its raw text and anything else as `tojson`, so "42" is either the string
 # "42" or the number 42. The rule: text is a non-string value only when it is exactly what tojson writes for one
 # and the tool's schema (when it types that parameter) allows that value's type; otherwise it is the text.
