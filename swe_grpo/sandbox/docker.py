@@ -17,7 +17,7 @@ images add up (about one repository's size per task): remove them with
 `docker image prune -a --filter label=swe_grpo.image=1`.
 
 Containers run `sleep infinity` under `--init`, as an unprivileged user (uid 1000 by default, all
-capabilities dropped, no-new-privileges), with memory (no swap), CPU and pid limits, and labels
+capabilities dropped, no-new-privileges), with per-container limits (`DockerLimits`) and labels
 `swe_grpo.sandbox=1` + `swe_grpo.owner=<host>/<pid>/<start time>`. `start()` removes labelled
 containers whose owner process is gone (crashed earlier runs), never those of a live process, so two
 runs on one engine do not reap each other.
@@ -26,7 +26,19 @@ Network. Default `host`: the agent reaches the host's InterceptionServer on 127.
 but it also reaches every other service listening on the host (vLLM itself included) and whatever
 network the host reaches. A named network (e.g. `bridge`) isolates the sandbox; the host is then
 `host.docker.internal` (`host_address`) and the InterceptionServer must listen on the bridge address,
-not 127.0.0.1. `none` cuts the network (grading needs no network).
+not 127.0.0.1. `none` cuts the network. A sandbox created with `network=False` (grading) is always
+`none`: a loopback of its own and nothing else.
+
+Limits, per container, so that a sandbox that exhausts its own cannot make another fail: memory (the
+container's cgroup; memory+swap equal, so no swap; at the limit the OOM killer kills a process of that
+container only), processes and threads (`pids`: a fork at the limit fails in that container only) and
+CPU. Disk: `disk` sets the size of the container's writable layer (`--storage-opt size`), which Docker
+supports only on some storage drivers (overlay2 over xfs mounted with `pquota`, btrfs, zfs); elsewhere
+(overlay2 over ext4, as the private dockerd of `tests/docker_env.py`) `create()` then raises
+`SandboxError` with Docker's reason. Its default is None: NO disk limit, a container can fill the engine's
+data root. `exhausted()` reads the container's cgroup counters on the host (memory `oom_kill`, pids `max`;
+see `_common`) when the engine runs here; with a remote engine it can tell only memory, from Docker's
+`OOMKilled`. It never reports "disk".
 
 Exec. The SDK blocks, so every call runs in the backend's own thread pool (sized for long agent runs,
 which each hold a thread). `docker exec` has no timeout: on timeout or cancellation every process of
@@ -67,6 +79,8 @@ from docker.models.images import Image
 from swe_grpo.sandbox._common import (
     EXEC_MARKER_VAR,
     PREPARE_TESTBED,
+    CgroupLayout,
+    Exhaustion,
     OutputTail,
     export_repo,
     kill_tree_argv,
@@ -95,12 +109,14 @@ _ENGINE_ERRORS = (docker.errors.DockerException, requests.RequestException)
 
 @dataclass(frozen=True)
 class DockerLimits:
-    """Per-container limits. `memory` is also the memory+swap limit (no swap). `output_bytes` caps what
-    `exec` keeps of each of stdout and stderr (the end is kept, as by the `local` backend)."""
+    """Per-container limits (see the module docstring). `memory` is also the memory+swap limit (no swap);
+    `disk` the writable layer's size (None: unlimited). `output_bytes` caps what `exec` keeps of each of
+    stdout and stderr (the end is kept, as by the `local` backend)."""
 
     memory: str = "4g"
     cpus: float = 2.0
     pids: int = 1024
+    disk: str | None = None
     output_bytes: int = 4 << 20
 
 
@@ -137,6 +153,7 @@ class DockerSandbox(Sandbox):
         self._container = container
         self._uid = uid
         self._removal: asyncio.Future[None] | None = None
+        self._exhaustion: Exhaustion | None = None
         self.id: str = container.id or ""
         self.name: str = container.name or ""
 
@@ -237,6 +254,25 @@ class DockerSandbox(Sandbox):
                 raise SandboxError(f"{path} in sandbox {self.name} is not a regular file")
             return extracted.read()
 
+    async def exhausted(self) -> Exhaustion | None:
+        if self._exhaustion is None and self._removal is None:
+            try:
+                self._exhaustion = await self._backend.submit(self._read_exhaustion)
+            except _ENGINE_ERRORS as e:
+                raise SandboxError(f"cannot inspect sandbox {self.name}: {e}") from e
+        return self._exhaustion
+
+    def _read_exhaustion(self) -> Exhaustion | None:
+        """Blocking: the container's cgroup counters where its processes are visible here, else Docker's
+        own OOM flag."""
+        self._container.reload()
+        state = self._container.attrs["State"]
+        layout = self._backend.cgroups
+        with contextlib.suppress(OSError):
+            if layout is not None and state.get("Pid") and self.id in Path(f"/proc/{state['Pid']}/cgroup").read_text():
+                return layout.exhausted(*layout.of_process(state["Pid"]))
+        return "memory" if state.get("OOMKilled") else None
+
     async def destroy(self) -> None:
         """Remove the container (killing everything in it) and its anonymous volumes. Concurrent and
         repeated calls share one removal; a failed removal is retried by the next call."""
@@ -251,6 +287,9 @@ class DockerSandbox(Sandbox):
             raise
 
     async def _remove(self) -> None:
+        with contextlib.suppress(*_ENGINE_ERRORS):  # the last look at its counters, which go with it
+            if self._exhaustion is None:
+                self._exhaustion = await self._backend.submit(self._read_exhaustion)
         try:
             await self._backend.submit(self._container.remove, force=True, v=True)
         except docker.errors.NotFound:
@@ -290,6 +329,10 @@ class DockerBackend(SandboxBackend):
         self._client: docker.DockerClient | None = None
         self._owner = f"{socket.gethostname()}/{os.getpid()}/{_process_start(os.getpid())}"
         self._prepare_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        #: This host's cgroup controllers, where `exhausted()` reads a local engine's containers (None: none).
+        self.cgroups: CgroupLayout | None = None
+        with contextlib.suppress(SandboxError):
+            self.cgroups = CgroupLayout.detect()
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
         """Run a blocking SDK call in the backend's thread pool."""
@@ -333,7 +376,7 @@ class DockerBackend(SandboxBackend):
                     reaped.append(container.name or container.id or "?")
         return reaped
 
-    async def create(self, task: Task, mounts: Sequence[Mount] = ()) -> DockerSandbox:
+    async def create(self, task: Task, mounts: Sequence[Mount] = (), *, network: bool = True) -> DockerSandbox:
         image = await self._prepared_image(task)
         slug = re.sub(r"[^a-zA-Z0-9_.-]", "-", task.instance_id)[:40]
         kwargs: dict[str, Any] = {
@@ -352,9 +395,13 @@ class DockerBackend(SandboxBackend):
                 str(m.host_path): {"bind": m.sandbox_path, "mode": "rw" if m.writable else "ro"} for m in mounts
             },
         }
+        if self.limits.disk is not None:
+            kwargs["storage_opt"] = {"size": self.limits.disk}
         if self.uid is not None:
             kwargs |= {"user": f"{self.uid}:{self.uid}", "environment": {"HOME": HOME}, "cap_drop": ["ALL"]}
-        if self.network in ("host", "none"):
+        if not network:
+            kwargs["network_mode"] = "none"
+        elif self.network in ("host", "none"):
             kwargs["network_mode"] = self.network
         else:
             kwargs |= {"network": self.network, "extra_hosts": {"host.docker.internal": "host-gateway"}}

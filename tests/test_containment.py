@@ -1,0 +1,257 @@
+"""Containment on real sandboxes (`local` and `docker`): a sandbox that exhausts its own memory, process or
+disk limit harms no other sandbox, is reported by `exhausted()` with the right cause, and leaves nothing
+behind; a grading sandbox (`network=False`) has no network at all.
+
+Every attack here is bounded even if the limit it tests failed (this box is shared): the fork bomb starts
+at most 2,000 sleeping processes, the memory hog holds at most 1 GiB, the disk filler writes at most
+960 MiB, and all die with their exec. The network is checked by interfaces and routes, never by sending
+traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from conftest import SERVED_NAME
+from sandbox_helpers import calc_task, make_repo, sandbox_cgroups
+from test_pi_integration import RecordingClient
+from test_rollout import STRUTIL, rollout
+
+from swe_grpo.sandbox.base import ExecResult, Sandbox, SandboxBackend, SandboxError
+from swe_grpo.sandbox.docker import SANDBOX_LABEL, DockerBackend, DockerLimits
+from swe_grpo.sandbox.local import LocalBackend, LocalLimits
+from swe_grpo.tasks import Task, demo_tasks
+
+MEMORY = 256 << 20
+PIDS = 128
+DISK = 128 << 20
+
+# At most 2,000 sleeping children (posix_spawn fails with EAGAIN at the pids limit), then hold them.
+BOMB = """
+import os, time
+spawned = 0
+for _ in range(2000):
+    try:
+        os.posix_spawn("/bin/sleep", ["sleep", "300"], {})
+    except OSError:
+        break
+    spawned += 1
+print(spawned, flush=True)
+time.sleep(300)
+"""
+# 64 MiB at a time, every byte written (so the pages are real), at most 1 GiB; prints what it holds.
+HOG = """
+held = []
+for _ in range(16):
+    held.append(b"x" * (64 << 20))
+    print(len(held) * 64, flush=True)
+"""
+# 16 MiB at a time into /tmp, at most 960 MiB; prints what it wrote.
+FILLER = """
+import os
+written = 0
+try:
+    with open("/tmp/fill", "wb") as f:
+        for _ in range(60):
+            f.write(b"x" * (16 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+            written += 16 << 20
+except OSError as e:
+    print("stopped:", e.strerror)
+print(written >> 20)
+"""
+# What an agent or grading does: compute, spawn processes and threads, write files, ask git.
+WORKLOAD = r"""
+set -e
+python3 -c 'print(sum(i * i for i in range(300000)))'
+python3 -c '
+import threading
+threads = [threading.Thread(target=sum, args=([1] * 10000,)) for _ in range(32)]
+for t in threads: t.start()
+for t in threads: t.join()
+print("threads", len(threads))'
+mkdir -p /testbed/out
+for i in $(seq 30); do echo "$i" > "/testbed/out/$i"; done
+seq 8 | xargs -P 8 -I{} sh -c 'echo {}' | sort -n | tr '\n' ' '
+head -c 8M /dev/urandom > /tmp/blob && wc -c < /tmp/blob
+cat /testbed/out/* | wc -l
+git status --porcelain
+"""
+
+
+async def wait_for(check: Callable[[], Awaitable[object]], what: str, timeout_s: float = 60) -> None:
+    for _ in range(int(timeout_s / 0.1)):
+        if await check():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def outcome(result: ExecResult) -> tuple[int | None, str, str, bool]:
+    return result.exit_code, result.stdout, result.stderr, result.timed_out
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory) -> Task:
+    return calc_task(make_repo(tmp_path_factory.mktemp("origin")))
+
+
+@pytest.fixture(scope="module")
+async def local_backend(tmp_path_factory: pytest.TempPathFactory, run_dir: Path) -> LocalBackend:
+    limits = LocalLimits(memory_bytes=MEMORY, pids=PIDS, disk_bytes=DISK)
+    backend = LocalBackend(limits=limits, cache_dir=tmp_path_factory.mktemp("cache"), run_dir=run_dir)
+    await backend.start()
+    return backend
+
+
+@pytest.fixture(scope="module")
+async def docker_backend(docker_url: str) -> AsyncIterator[DockerBackend]:
+    backend = DockerBackend(base_url=docker_url, limits=DockerLimits(memory=f"{MEMORY >> 20}m", pids=PIDS))
+    await backend.start()
+    yield backend
+    await backend.close()
+
+
+@pytest.fixture(params=["local", "docker"])
+def backend(request: pytest.FixtureRequest) -> SandboxBackend:
+    return request.getfixturevalue(f"{request.param}_backend")
+
+
+def assert_nothing_left(backend: SandboxBackend, run_dir: Path) -> None:
+    if isinstance(backend, LocalBackend):
+        assert list(run_dir.iterdir()) == []
+        assert str(run_dir) not in Path("/proc/self/mountinfo").read_text()
+        assert sandbox_cgroups() == []
+    else:
+        assert isinstance(backend, DockerBackend)
+        assert backend.client.containers.list(all=True, filters={"label": f"{SANDBOX_LABEL}=1"}) == []
+
+
+async def test_exhaustion_stays_in_its_sandbox(backend: SandboxBackend, task: Task, run_dir: Path) -> None:
+    """A fork bomb, a memory hog and a disk filler, each in its own sandbox, while an agent's and a grading
+    sandbox run a normal workload: the workload ends exactly as it does alone, and each guilty sandbox
+    says what it exhausted. The docker backend has no disk limit on this engine (overlay2 over ext4: see
+    `test_docker_disk_limit_needs_a_driver_that_can`), so there the filler does not run."""
+    disk_limited = isinstance(backend, LocalBackend)
+    sandboxes: list[Sandbox] = []
+
+    async def create(network: bool = True) -> Sandbox:
+        sandboxes.append(await backend.create(task, network=network))
+        return sandboxes[-1]
+
+    try:
+        agent, grader = await create(), await create(network=False)
+        bomber, hog, filler = await create(), await create(), await create()
+        alone = [outcome(await s.exec(WORKLOAD, timeout_s=120)) for s in (agent, grader)]
+        assert alone[0] == alone[1] and alone[0][0] == 0, alone
+
+        bombing = asyncio.create_task(bomber.exec(["python3", "-c", BOMB], timeout_s=120))
+        await wait_for(lambda: bomber.exhausted(), "the fork bomb reaches the pids limit")
+        hogging = asyncio.create_task(hog.exec(["python3", "-c", HOG], timeout_s=120))
+        filling = asyncio.create_task(filler.exec(["python3", "-c", FILLER if disk_limited else "1"], timeout_s=120))
+        during = await asyncio.gather(*(s.exec(WORKLOAD, timeout_s=120) for s in (agent, grader)))
+        assert [outcome(r) for r in during] == alone
+
+        hogged, filled = await hogging, await filling
+        assert hogged.exit_code == 128 + 9, hogged  # OOM-killed
+        assert int(hogged.stdout.split()[-1]) < MEMORY >> 20, hogged
+        if disk_limited:
+            assert filled.exit_code == 0 and "stopped: No space left on device" in filled.stdout, filled
+            assert int(filled.stdout.split()[-1]) <= DISK >> 20
+        assert not bombing.done()
+        bombing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await bombing
+        causes = [await s.exhausted() for s in (agent, grader, bomber, hog, filler)]
+        assert causes == [None, None, "pids", "memory", "disk" if disk_limited else None]
+        # Sticky: the bomb is dead, the filler's files are gone, the cause stays.
+        assert (await filler.exec("rm -f /tmp/fill", timeout_s=30)).exit_code == 0
+        assert [await s.exhausted() for s in (bomber, filler)] == ["pids", "disk" if disk_limited else None]
+    finally:
+        await asyncio.gather(*(s.destroy() for s in sandboxes))
+    assert_nothing_left(backend, run_dir)
+
+
+IFACES = "import json, socket; print(json.dumps([name for _, name in socket.if_nameindex()]))"
+
+
+async def test_grading_sandbox_has_no_network(backend: SandboxBackend, task: Task, run_dir: Path) -> None:
+    """`network=False`: a loopback of its own and nothing else: no other interface, no route (IPv4 or
+    IPv6) anywhere."""
+    offline = await backend.create(task, network=False)
+    try:
+        result = await offline.exec(["python3", "-c", IFACES], timeout_s=30)
+        assert json.loads(result.stdout) == ["lo"], result
+        routes = await offline.exec("tail -n +2 /proc/net/route; cat /proc/net/ipv6_route", timeout_s=30)
+        assert routes.exit_code == 0
+        # IPv6: at most loopback's own routes (the kernel adds them to `lo` once it is up).
+        assert all(line.split()[-1] == "lo" for line in routes.stdout.splitlines()), routes.stdout
+        inet6 = await offline.exec("cat /proc/net/if_inet6 2>/dev/null; true", timeout_s=30)
+        assert all(line.split()[-1] == "lo" for line in inet6.stdout.splitlines()), inet6.stdout
+        assert await offline.exhausted() is None
+    finally:
+        await offline.destroy()
+    assert_nothing_left(backend, run_dir)
+
+
+async def test_agent_sandbox_keeps_the_network_for_now(backend: SandboxBackend, task: Task, run_dir: Path) -> None:
+    """Until the agent's network has its one door (issue 12, item 1), an agent sandbox shares the host's."""
+    online = await backend.create(task)
+    try:
+        result = await online.exec(["python3", "-c", IFACES], timeout_s=30)
+        assert json.loads(result.stdout) == [name for _, name in socket.if_nameindex()]
+    finally:
+        await online.destroy()
+    assert_nothing_left(backend, run_dir)
+
+
+async def test_docker_disk_limit_needs_a_driver_that_can(docker_url: str, task: Task) -> None:
+    """`DockerLimits.disk` bounds the writable layer where the storage driver can, and is refused with
+    Docker's reason where it cannot (never ignored)."""
+    backend = DockerBackend(base_url=docker_url, limits=DockerLimits(disk=f"{DISK >> 20}m"))
+    await backend.start()
+    try:
+        backing = dict(backend.client.info()["DriverStatus"] or []).get("Backing Filesystem")
+        if backing in ("xfs", "btrfs", "zfs"):
+            sandbox = await backend.create(task)
+            try:
+                filled = await sandbox.exec(["python3", "-c", FILLER], timeout_s=120)
+                assert "stopped: No space left on device" in filled.stdout, filled
+            finally:
+                await sandbox.destroy()
+        else:
+            with pytest.raises(SandboxError, match="storage-opt"):
+                await backend.create(task)
+        assert backend.client.containers.list(all=True, filters={"label": f"{SANDBOX_LABEL}=1"}) == []
+    finally:
+        await backend.close()
+
+
+@pytest.mark.integration
+async def test_rollout_whose_agent_exhausts_its_sandbox(vllm_server, tokenizer, pi_bundle, run_dir, tmp_path) -> None:
+    """The agent's first turn (guided) runs a memory hog (at most 1 GiB against 512 MiB): the rollout ends
+    `resource_exhausted`, reward 0, ungraded, naming the limit; nothing is left."""
+    strutil = next(t for t in demo_tasks() if t.instance_id == STRUTIL)
+    hog = {"name": "bash", "arguments": {"command": "python3 -c \"b = [b'x' * (64 << 20) for _ in range(16)]\""}}
+    client = RecordingClient(
+        vllm_server.url,
+        SERVED_NAME,
+        stop_token_ids=[tokenizer.eos_token_id],
+        guided=[f"<tool_call>\n{json.dumps(hog)}\n</tool_call>"],
+    )
+    backend = LocalBackend(
+        limits=LocalLimits(memory_bytes=512 << 20), cache_dir=tmp_path / "checkouts", run_dir=run_dir
+    )
+    async with client:
+        trajectory, server = await rollout(client, tokenizer, backend, strutil, pi_bundle)
+    assert (trajectory.outcome, trajectory.reward, trajectory.grade) == ("resource_exhausted", 0.0, None)
+    assert "memory" in trajectory.error and trajectory.turns
+    # Its processes, Pi's included, were in its cgroup, which could be removed only once empty.
+    assert_nothing_left(backend, run_dir)
+    assert server.open_rollouts == 0
