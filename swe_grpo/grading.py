@@ -346,7 +346,7 @@ async def _run(
     timings: dict[str, float],
 ) -> _Run:
     started = time.monotonic()
-    sandbox = await backend.create(task)
+    sandbox = await backend.create(task, network=False)  # tests need no network, and get none
     timings["sandbox_s"] = time.monotonic() - started
     # The clean-up is shielded (a second cancellation must not interrupt it), and when something is
     # already going wrong, a failing clean-up must not replace that exception (a cancellation above all).
