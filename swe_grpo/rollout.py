@@ -8,6 +8,13 @@ records from the TokenChain, the reward, and an outcome with its provenance:
     context_overflow   the conversation outgrew the model's context      reward None
     timeout            Pi hit its wall-clock limit or stalled, or grading timed out without a verdict
     infra_error        vLLM unreachable or unusable, a sandbox failure, Pi crashing before any turn
+    resource_exhausted the agent ran its own sandbox out of memory, processes or disk   reward 0.0
+
+`resource_exhausted` (`Sandbox.exhausted()` names the limit in `error`) is the policy's doing, as a wrong
+patch is: a fork bomb, a memory hog or a disk filler is trained on as 0, so the policy learns not to; the
+sandbox's own limits kept it from harming any other rollout, and it is not graded (what it left is not
+the agent's intended work, and may not even give a diff). It takes precedence over the outcomes above
+but a sandbox failure; the outcome keeps it apart from `unresolved` in the metrics.
 
 A reward of None means "do not train on this as 0": the worker keeps such rollouts out of group
 baselines.
@@ -136,7 +143,7 @@ async def run_rollout(
     start = time.monotonic()
     endpoint = server.open_rollout(rollout_id)
     pi: PiResult | None = None
-    patch, error = "", None
+    patch, error, exhausted = "", None, None
     try:
         sandbox = await backend.create(task, mounts=[bundle.mount()])
         timings["sandbox_create"] = time.monotonic() - start
@@ -145,7 +152,9 @@ async def run_rollout(
                 sandbox, endpoint, task.problem_statement, config.pi, lambda: server.last_activity(rollout_id)
             )
             timings["agent"] = pi.wall_s
-            patch = await sandbox.diff()
+            exhausted = await sandbox.exhausted()
+            if exhausted is None:
+                patch = await sandbox.diff()
         finally:
             await sandbox.destroy()
     except SandboxError as e:
@@ -170,7 +179,10 @@ async def run_rollout(
         timings=timings,
     )
     decided = _agent_outcome(pi, record.errors, len(record.turns)) if pi and not error else None
-    if decided:
+    if exhausted and not error:
+        trajectory.outcome, trajectory.reward = "resource_exhausted", 0.0
+        trajectory.error = f"the agent ran its sandbox out of {exhausted} (the sandbox's {exhausted} limit)"
+    elif decided:
         trajectory.outcome, trajectory.error = decided
     elif not error:  # a sandbox failure at any point (even after Pi ran) is infra_error, never a graded 0
         result = await grade(task, patch, backend, timeout_s=config.grade_timeout_s)
