@@ -174,12 +174,12 @@ def _json_call(body: str) -> tuple[Any, Any]:
     return obj["name"], obj.get("arguments", obj.get("parameters", {}))
 
 
-def _xml_call(body: str, tools: dict[str, dict] | None) -> tuple[Any, Any]:
+def _xml_call(body: str, schemas: dict[str, dict] | None) -> tuple[Any, Any]:
     function = _XML_FUNCTION.fullmatch(body)
     if function is None:
         raise _Malformed("not a <function=...> block")
     name, parameters = function.groups()
-    properties = (tools or {}).get(name, {})
+    properties = (schemas or {}).get(name, {})
     arguments: dict[str, Any] = {}
     pos = 0
     # A scan, not a regex search: an opener without its closer must not cost a pass over the rest of the text.
@@ -196,17 +196,20 @@ def _xml_call(body: str, tools: dict[str, dict] | None) -> tuple[Any, Any]:
     return name, arguments
 
 
-def _call(body: str, tools: dict[str, dict] | None) -> dict[str, Any]:
-    """One attempted call's text -> an OpenAI tool call. Raises _Malformed (a ValueError) for any defect."""
-    name, arguments = _xml_call(body, tools) if body.lstrip().startswith("<function=") else _json_call(body)
-    if not isinstance(name, str) or not name or (tools is not None and name not in tools):
+def _call(body: str, schemas: dict[str, dict] | None) -> dict[str, Any]:
+    """One attempted call's text -> an OpenAI tool call. Raises ValueError (or RecursionError, for absurdly
+    nested JSON) for any defect. `schemas` is `_tool_properties` of the request's tools."""
+    name, arguments = _xml_call(body, schemas) if body.lstrip().startswith("<function=") else _json_call(body)
+    if not isinstance(name, str) or not name or (schemas is not None and name not in schemas):
         raise _Malformed(f"no such tool: {name!r}")
     if not isinstance(arguments, dict):
         raise _Malformed("arguments are not an object")
+    serialised = json.dumps(arguments, ensure_ascii=False)
+    (name + serialised).encode()  # a lone surrogate ("\ud800" in JSON) cannot reach the agent as UTF-8
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
-        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False, allow_nan=False)},
+        "function": {"name": name, "arguments": serialised},
     }
 
 
@@ -254,9 +257,9 @@ class ResponseParser:
         visible = self._specials.sub("", acted)
         bare = self._bare_calls and _BARE_CALL.match(visible) is not None
         bodies, attempted = ([visible], 1) if bare else _call_blocks(acted)
-        properties = _tool_properties(tools)
+        schemas = _tool_properties(tools)
         try:
-            calls = [_call(body, properties) for body in bodies]
+            calls = [_call(body, schemas) for body in bodies]
         except (ValueError, RecursionError):
             calls = []
         if len(calls) != attempted:
@@ -278,8 +281,7 @@ class ResponseParser:
         return ParsedResponse(message, "length" if stop_reason == "length" else "stop", malformed)
 
     def _schema_parse(self, output_ids: list[int], prompt_ids: list[int]) -> dict | None:
-        """TRL's parse (content, reasoning, and tool calls only to count them), or None when it fails. Without
-        `tools`, so that it types nothing."""
+        """TRL's split of the reply into content and reasoning, or None when it fails."""
         try:
             return parse_response(self.tokenizer, output_ids, prefix=prompt_ids[-_PREFIX_TOKENS:])
         except Exception:  # the model's output is untrusted: any parser failure means "plain text"
@@ -298,7 +300,7 @@ class ResponseParser:
                 [user, {"role": "assistant", "content": "", "tool_calls": [call]}], tools=tools, tokenize=False
             )
         except Exception as e:  # a template that cannot write a tool call at all
-            raise UnsupportedTemplateError(f"the chat template cannot render a tool call exactly: {e}") from e
+            raise UnsupportedTemplateError(f"the chat template cannot render a tool call: {e}") from e
         if not full.startswith(prompt):
             raise UnsupportedTemplateError("the chat template renders a reply differently from its generation prompt")
         written = full[len(prompt) :]

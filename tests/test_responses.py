@@ -75,6 +75,7 @@ MALFORMED = [
     ("qwen3", '<tool_call>\n{"name": "bash", "arguments": {"timeout": NaN}}\n</tool_call><|im_end|>', "stop", 1),
     ("qwen3", '<tool_call>\n{"name": "bash", "arguments": {"timeout": 1e999}}\n</tool_call><|im_end|>', "stop", 1),
     ("qwen3", '<tool_call>\n{"name": "bash", "arguments": {}, "id": 3}\n</tool_call><|im_end|>', "stop", 1),
+    ("qwen3", '<tool_call>\n{"name": "bash", "arguments": {"command": "\\ud800"}}\n</tool_call><|im_end|>', "stop", 1),
     ("qwen3", '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n', "length", 1),
     ("qwen3", '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}<|im_end|>', "stop", 1),
     ("qwen3", GOOD + "\n<tool_call>\n{not json}\n</tool_call><|im_end|>", "stop", 2),
@@ -153,7 +154,7 @@ def _assert_well_formed(parsed: ParsedResponse, tools: list | None) -> None:
     arguments (nothing malformed), or plain text."""
     message = parsed.message
     assert message["role"] == "assistant"
-    json.dumps(message, allow_nan=False)
+    json.dumps(message, ensure_ascii=False, allow_nan=False).encode()
     if "tool_calls" not in message:
         assert parsed.finish_reason in ("stop", "length") and isinstance(message["content"], str)
         return
@@ -169,7 +170,7 @@ FRAGMENTS = [
     *("<tool_call>", "</tool_call>", "<function=bash>", "<function=", "</function>", "<think>", "</think>"),
     *("<parameter=command>", "<parameter=", "</parameter>", ">", "\n", "\n", " ", "{", "}", "[", "]", ",", ":"),
     *('"', '"name"', '"arguments"', '"parameters"', '"bash"', '"command"', '"ls"', '{"name": "bash", '),
-    *("42", "1e999", "NaN", "null", "true", "\\", "x", "é", "<|im_end|>", "<|eot_id|>"),
+    *("42", "1e999", "NaN", "\\ud800", "null", "true", "\\", "x", "é", "<|im_end|>", "<|eot_id|>"),
 ]
 
 
