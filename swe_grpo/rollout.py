@@ -9,6 +9,8 @@ records from the TokenChain, the reward, and an outcome with its provenance:
     timeout            Pi hit its wall-clock limit or stalled, or grading timed out without a verdict
     infra_error        vLLM unreachable or unusable, a sandbox failure, Pi crashing before any turn
     resource_exhausted the agent ran its own sandbox out of memory, processes or disk   reward 0.0
+    patch_too_large    the agent's patch is over `RolloutConfig.max_patch_bytes`         reward 0.0
+    base_commit_lost   the agent deleted the base commit's objects (`rm -rf .git`)       reward 0.0
 
 `resource_exhausted` (`Sandbox.exhausted()` names the limit in `error`) is the policy's doing, as a wrong
 patch is: a fork bomb, a memory hog or a disk filler is trained on as 0, so the policy learns not to; the
@@ -18,6 +20,15 @@ but a sandbox failure; the outcome keeps it apart from `unresolved` in the metri
 
 A reward of None means "do not train on this as 0": the worker keeps such rollouts out of group
 baselines.
+
+The patch is the agent's final tree against the task's base commit (`Sandbox.diff`: whatever the agent
+did to git), never cut. `patch_too_large` and `base_commit_lost` are model failures, not missing data:
+the sandbox starts at the base commit and only the agent's commands write to it, so a patch far larger
+than any fix (32 MiB by default: generated data, a virtualenv, build output left in the tree) or a
+repository whose base objects are gone is the agent's doing. SWE-bench fails such predictions too, and a
+reward of None would let a policy that floods or wipes the tree escape the group baseline instead of
+learning not to. Neither is graded: there is no patch to grade. The agent's own outcomes above (context
+overflow, timeout, a crash) take precedence, as their rollouts are not graded either.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ from swe_grpo.agents.pi import PiBundle, PiConfig, PiResult, run_pi
 from swe_grpo.chain import Message, TrainingRow, TurnRecord, oldest_version
 from swe_grpo.grading import DEFAULT_TIMEOUT_S, GradeResult, grade
 from swe_grpo.interception import InterceptionServer, RequestError
-from swe_grpo.sandbox.base import SandboxBackend, SandboxError
+from swe_grpo.sandbox.base import MAX_PATCH_BYTES, PatchError, SandboxBackend, SandboxError
 from swe_grpo.tasks import Task
 
 _INFRA_REQUEST_ERRORS = ("server_unavailable", "bad_response", "internal")
@@ -108,6 +119,7 @@ class Trajectory:
 class RolloutConfig:
     pi: PiConfig
     grade_timeout_s: float = DEFAULT_TIMEOUT_S
+    max_patch_bytes: int = MAX_PATCH_BYTES
 
 
 def _agent_outcome(pi: PiResult, errors: list[RequestError], turns: int) -> tuple[str, str] | None:
@@ -144,6 +156,7 @@ async def run_rollout(
     endpoint = server.open_rollout(rollout_id)
     pi: PiResult | None = None
     patch, error, exhausted = "", None, None
+    unpatchable: PatchError | None = None
     try:
         sandbox = await backend.create(task, mounts=[bundle.mount()])
         timings["sandbox_create"] = time.monotonic() - start
@@ -154,7 +167,10 @@ async def run_rollout(
             timings["agent"] = pi.wall_s
             exhausted = await sandbox.exhausted()
             if exhausted is None:
-                patch = await sandbox.diff()
+                try:
+                    patch = await sandbox.diff(task.base_commit, max_bytes=config.max_patch_bytes)
+                except PatchError as e:
+                    unpatchable = e
         finally:
             await sandbox.destroy()
     except SandboxError as e:
@@ -184,6 +200,8 @@ async def run_rollout(
         trajectory.error = f"the agent ran its sandbox out of {exhausted} (the sandbox's {exhausted} limit)"
     elif decided:
         trajectory.outcome, trajectory.error = decided
+    elif unpatchable is not None and not error:
+        trajectory.outcome, trajectory.reward, trajectory.error = unpatchable.outcome, 0.0, str(unpatchable)
     elif not error:  # a sandbox failure at any point (even after Pi ran) is infra_error, never a graded 0
         result = await grade(task, patch, backend, timeout_s=config.grade_timeout_s)
         trajectory.grade = result

@@ -216,7 +216,7 @@ async def _capture_one(
                     config,
                     lambda: server.last_activity(endpoint.rollout_id),
                 )
-                patch = await sandbox.diff()
+                patch = await sandbox.diff(task.base_commit)
         finally:
             record = server.close_rollout(endpoint.rollout_id)
     bodies = hop.bodies

@@ -229,11 +229,11 @@ async def test_put_and_get_files(sandbox: DockerSandbox) -> None:
 
 
 async def test_diff_applies_to_a_fresh_checkout(sandbox: DockerSandbox, task: Task, repo: Path, tmp_path: Path) -> None:
-    assert await sandbox.diff() == ""
+    assert await sandbox.diff(task.base_commit) == ""
     await run_ok(sandbox, "printf 'def add(a, b):\\n    return b + a\\n' > calc.py && rm old.txt")
     await sandbox.put_file("/testbed/pkg/new module.py", b"VALUE = 42\n")
     await sandbox.put_file("/testbed/logo.bin", bytes(reversed(range(256))))
-    patch = await sandbox.diff()
+    patch = await sandbox.diff(task.base_commit)
     assert "calc.py" in patch and "pkg/new module.py" in patch and "GIT binary patch" in patch
 
     fresh = tmp_path / "fresh"

@@ -15,12 +15,15 @@ Guarantees every backend gives:
 
 from __future__ import annotations
 
+import contextlib
+import re
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from swe_grpo.sandbox._common import Exhaustion
@@ -30,8 +33,36 @@ if TYPE_CHECKING:
 WORKDIR = "/testbed"
 
 
+#: The largest patch `Sandbox.diff` returns unless told otherwise (bytes).
+MAX_PATCH_BYTES = 32 << 20
+
+
 class SandboxError(Exception):
     """The sandbox could not be created or used. An infrastructure failure, not the agent's."""
+
+
+class PatchError(Exception):
+    """The agent's work cannot be taken as a patch, by what the agent did (not an infrastructure failure).
+    `outcome` names it as a rollout outcome."""
+
+    outcome: str
+
+
+class PatchTooLarge(PatchError):
+    """The patch is over the limit it was taken with (never returned cut)."""
+
+    outcome = "patch_too_large"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the patch is larger than {limit} bytes")
+        self.limit = limit
+
+
+class BaseCommitLost(PatchError):
+    """The sandbox's repository no longer holds the objects of the base commit (the agent deleted them,
+    e.g. `rm -rf .git`): the work cannot be diffed against it."""
+
+    outcome = "base_commit_lost"
 
 
 @dataclass(frozen=True)
@@ -79,14 +110,71 @@ class Sandbox(ABC):
     async def get_file(self, path: str) -> bytes:
         """Read a file from inside the sandbox; `SandboxError` if it does not exist."""
 
-    async def diff(self, timeout_s: float = 60.0) -> str:
-        """The working tree's changes against the base commit, as a `git apply`-able patch that
-        includes new (untracked) files and binary changes."""
-        script = "git add -A >/dev/null 2>&1 && git -c core.quotepath=off diff --cached --binary --no-color HEAD"
-        result = await self.exec(script, timeout_s=timeout_s, cwd=self.workdir)
+    async def diff(self, base_commit: str, *, max_bytes: int = MAX_PATCH_BYTES, timeout_s: float = 300.0) -> str:
+        """The agent's work: the working tree at `workdir` against `base_commit`, as a patch that
+        `git apply` turns a checkout of `base_commit` into that tree.
+
+        Only the files count, not what the agent did to git: commits, amends, branches, resets, a
+        detached HEAD, a deleted or corrupted index all give the same patch for the same tree. Work the
+        agent stashed (`git stash`) or reset away is not in the tree, so it is not in the patch. The patch
+        holds every change git can record: modified, new (in new directories too) and deleted files,
+        binary files, the executable bit, symlinks, any file name; not empty directories, and not the
+        files the tree's own `.gitignore` files ignore unless the base commit tracks them (as `git add -A`).
+        It is UTF-8 text: a file whose diff is not (non-UTF-8 text, a NUL byte) is a git binary patch.
+
+        How: a scratch git directory and index under /tmp with a configuration of our own (no system,
+        global or XDG files, no hooks, filters, external diff or textconv, every content-converting
+        attribute reset, no exclude file but the tree's `.gitignore`s), reading the repository's objects
+        through `objects/info/alternates` and writing nothing into the repository (git may refresh the
+        mtime of an object it finds there). So nothing in the agent's `.git` (config, hooks, HEAD, refs,
+        index) or home directory can run code or change the patch; no login shell (whose profile the
+        agent may write) is involved. The patch goes through a file and `get_file`: it is never cut.
+
+        Not guaranteed: the agent runs as the same user, so it can tamper with what this relies on where
+        it may: the git and bash binaries (only where it is root: `hf`, `docker` with `uid=None`), a
+        process of its own still running (the backends end the agent's process tree first), the
+        repository's object store. Deleted objects of `base_commit` (`rm -rf .git`, a pruning gc) raise
+        `BaseCommitLost`; otherwise damaged ones make git fail (`SandboxError`) or give a patch that does
+        not apply in grading, never a patch of someone else's work.
+
+        Raises `PatchTooLarge` when the patch is over `max_bytes` (it is never returned cut; when a file
+        needs the binary form, the all-binary rendering it is taken from must fit too), `BaseCommitLost`
+        (above), `SandboxError` when git or the sandbox fails or `timeout_s` passes (per git run)."""
+        scratch = f"/tmp/swe-grpo-diff-{uuid.uuid4().hex}"
+        try:
+            text = await self._render_patch(scratch, base_commit, "text", max_bytes, timeout_s)
+            sections = _sections(text)
+            if all(_is_text(s) for s in sections):
+                return text.decode()
+            binary = await self._render_patch(scratch, base_commit, "binary", max_bytes, timeout_s)
+            patch = _merge_sections(sections, _sections(binary))
+            if len(patch) > max_bytes:
+                raise PatchTooLarge(max_bytes)
+            return patch.decode()
+        finally:
+            with contextlib.suppress(SandboxError):
+                await self.exec(["rm", "-rf", "--", scratch], timeout_s=60)
+
+    async def _render_patch(
+        self, scratch: str, base_commit: str, style: Literal["text", "binary"], max_bytes: int, timeout_s: float
+    ) -> bytes:
+        """Run `_DIFF_SCRIPT` in `style` (text: also make the scratch git directory and index) and read
+        the patch it wrote."""
+        argv = ["bash", "-c", _DIFF_SCRIPT, "swe-grpo-diff", scratch, self.workdir, base_commit, style, str(max_bytes)]
+        result = await self.exec(argv, timeout_s=timeout_s, cwd="/")
+        if result.timed_out:
+            raise SandboxError(f"taking the patch took more than {timeout_s:g} s")
+        if result.exit_code == _BASE_LOST_EXIT:
+            raise BaseCommitLost(f"the repository no longer holds base commit {base_commit}: {result.stderr[-500:]}")
         if result.exit_code != 0:
-            raise SandboxError(f"git diff failed (exit {result.exit_code}): {result.stderr[-500:]}")
-        return result.stdout
+            raise SandboxError(f"taking the patch failed (exit {result.exit_code}): {result.stderr[-500:]}")
+        size = int(result.stdout.split()[-1])
+        if size > max_bytes:
+            raise PatchTooLarge(max_bytes)
+        patch = await self.get_file(f"{scratch}/patch")
+        if len(patch) != size:
+            raise SandboxError(f"read {len(patch)} bytes of a {size}-byte patch")
+        return patch
 
     async def exhausted(self) -> Exhaustion | None:
         """Which of its own limits the sandbox ran out of, if any: "memory" (a process was OOM-killed at
@@ -125,3 +213,81 @@ class SandboxBackend(ABC):
 
     async def close(self) -> None:  # noqa: B027  (optional hook)
         """Release what the backend holds (caches are kept)."""
+
+
+# `Sandbox.diff`'s work inside the sandbox: $1 scratch directory, $2 work tree, $3 base commit, $4 style
+# ("text": make the scratch git directory and index, then diff; "binary": diff again from them, every file
+# as a binary patch), $5 the size limit. Writes $1/patch (at most limit + 1 bytes: head stops git) and
+# prints its size. Exit 3: the base commit's objects are gone.
+_BASE_LOST_EXIT = 3
+_DIFF_SCRIPT = r"""
+set -u
+scratch=$1 tree=$2 base=$3 style=$4 limit=$5
+for name in $(compgen -e); do case $name in GIT_*) unset "$name" ;; esac; done
+export GIT_DIR="$scratch/git" GIT_INDEX_FILE="$scratch/index" GIT_WORK_TREE="$tree" HOME="$scratch" \
+  XDG_CONFIG_HOME="$scratch" GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null GIT_ATTR_NOSYSTEM=1 \
+  GIT_NO_REPLACE_OBJECTS=1 GIT_TERMINAL_PROMPT=0 GIT_OPTIONAL_LOCKS=0
+g() { git -c safe.directory='*' "$@"; }
+cd "$tree" || exit 1
+if [ "$style" = text ]; then
+  mkdir -m 700 "$scratch" && mkdir -p "$GIT_DIR/objects/info" "$GIT_DIR/refs" "$GIT_DIR/info" || exit 1
+  echo 'ref: refs/heads/none' > "$GIT_DIR/HEAD"
+  cat > "$GIT_DIR/config" <<'EOF'
+[core]
+  repositoryformatversion = 0
+  bare = false
+  filemode = true
+  symlinks = true
+  ignorecase = false
+  autocrlf = false
+  safecrlf = false
+  quotePath = true
+  hooksPath = /dev/null
+  attributesFile = /dev/null
+  excludesFile = /dev/null
+[gc]
+  auto = 0
+EOF
+  [ -d "$tree/.git/objects" ] || { echo "$tree/.git/objects is gone" >&2; exit 3; }
+  echo "$tree/.git/objects" > "$GIT_DIR/objects/info/alternates"
+  # rev-list --objects fails on any missing object of the base commit's tree, blobs included.
+  g rev-list --objects --no-walk "$base^{commit}" > /dev/null && g read-tree "$base" || exit 3
+fi
+# Highest-precedence attributes: no content conversion at all; diff as text unless style is binary.
+if [ "$style" = text ]; then diff='!diff'; else diff='-diff'; fi
+echo "* $diff !text !eol !crlf !ident !filter !working-tree-encoding" > "$GIT_DIR/info/attributes"
+if [ "$style" = text ]; then g add -A >&2 || exit 1; fi
+g diff --cached --binary --full-index --no-renames --no-color --no-ext-diff --no-textconv \
+  --src-prefix=a/ --dst-prefix=b/ "$base" -- | head -c $((limit + 1)) > "$scratch/patch"
+status="${PIPESTATUS[*]}"
+size=$(wc -c < "$scratch/patch") || exit 1
+echo "$size"
+# Over the limit git died of SIGPIPE: the size is all that counts then.
+[ "$size" -gt "$limit" ] || [ "$status" = "0 0" ]
+"""
+
+
+def _sections(patch: bytes) -> list[bytes]:
+    """A patch's per-file sections, each from its `diff --git` line (no other line of a patch starts so)."""
+    return [section for section in re.split(rb"(?m)^(?=diff --git )", patch) if section]
+
+
+def _is_text(section: bytes) -> bool:
+    """Whether a section survives `str`: UTF-8 and no NUL byte (git diffs a file as text when its first
+    8000 bytes hold no NUL, whatever its encoding)."""
+    try:
+        section.decode()
+    except UnicodeDecodeError:
+        return False
+    return b"\0" not in section
+
+
+def _merge_sections(text: list[bytes], binary: list[bytes]) -> bytes:
+    """`text`'s sections with each one that is not text replaced by the same file's binary section (the
+    two renderings of one diff have the same files in the same order)."""
+    if [s.split(b"\n", 1)[0] for s in text] != [s.split(b"\n", 1)[0] for s in binary]:
+        raise SandboxError("the text and binary renderings of the patch name different files")
+    merged = [t if _is_text(t) else b for t, b in zip(text, binary, strict=True)]
+    if not all(_is_text(section) for section in merged):
+        raise SandboxError("a change has no text form (a symlink target that is not UTF-8?)")
+    return b"".join(merged)
