@@ -10,15 +10,38 @@ answered as OpenAI JSON or SSE. Routes:
     GET  /rollout/{rollout_id}/v1/models
 
 Every rollout route checks the rollout's own token (constant-time): no or wrong token -> 401, unknown
-rollout -> 404, closed rollout -> 410, malformed body -> 400; all errors are JSON in OpenAI's shape.
-Requests of one rollout are served one at a time (the chain is sequential); rollouts run concurrently.
-Generation failures are answered with an HTTP error AND recorded on the rollout, so the caller can end
-the rollout with a named outcome instead of a silent reward.
+rollout -> 404, closed rollout -> 410, malformed body or messages the chat template refuses -> 400; all
+errors are JSON in OpenAI's shape. Requests of one rollout are served one at a time, in order (the chain
+is sequential); rollouts run concurrently. The CPU-heavy part of a turn (normalising, rendering and
+tokenising the request; parsing and validating the reply) runs in a thread pool, so one rollout's
+megabyte-sized tool output does not stall the others (the tokenizer releases the GIL).
+
+A turn is a transaction: prepare -> generate -> parse -> validate the reply completely (normalised, and
+rendered by the training template) -> deliver it -> commit it to the chain. A reply that fails validation
+goes back as plain text, its tool calls counted as malformed. Any failure in a turn (bad messages,
+template refusal, generation errors, anything unexpected) is recorded on the rollout as a named
+`RequestError` and answered in OpenAI's error shape, with the chain unchanged. A reply is committed only
+once it was written to the agent's connection: an agent that disconnects first (a client timeout) leaves
+no turn (recorded as "client_disconnected"; the generation is abandoned), and an agent that re-sends the
+last committed request (it never got the reply) gets a new generation from the same prefix that replaces
+that turn (`TurnRecord.retries`). A reply the agent never received is never trained on.
+
+Streaming (`stream: true`, what Pi sends): the response headers are sent as soon as the prompt is ready,
+before generating, and an SSE comment (`: keep-alive`) every `keepalive_s` while vLLM generates, so agent
+idle timeouts (Pi 1.x abandons a request after 300 s without headers) never fire during long
+generations. A failure after the headers is an SSE event `data: {"error": {...}}`, which OpenAI's clients
+(openai-python, openai-node in Pi) raise as an APIError. Not streaming: nothing is sent until the answer
+or the error is known, so errors keep their HTTP status (a 200 carrying an error object would be parsed
+as a completion); such a client needs a read timeout longer than its longest generation, and if it gives
+up and re-sends, the retry replaces the undelivered turn. In both modes a disconnected agent is noticed
+within `keepalive_s`, and `last_activity` counts a request being served (a generation in flight) as
+activity for stall watchdogs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import hmac
 import logging
@@ -28,8 +51,9 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -38,6 +62,7 @@ from transformers import PreTrainedTokenizerBase
 from swe_grpo.chain import (
     Message,
     MessageFormatError,
+    PreparedTurn,
     TokenChain,
     TrainingRow,
     TrainingTemplate,
@@ -47,6 +72,7 @@ from swe_grpo.chain import (
 from swe_grpo.responses import ParsedResponse, ResponseParser
 from swe_grpo.vllm_client import (
     ContextOverflowError,
+    Generation,
     Generator,
     SamplingParams,
     ServerUnavailableError,
@@ -57,6 +83,10 @@ log = logging.getLogger(__name__)
 
 _ROLLOUT_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _CLOSED_REMEMBERED = 100_000  # closed rollouts answer 410 (not 404) while remembered
+# Threads for the CPU-heavy part of turns: enough that a few rollouts tokenising megabytes at once never
+# queue the others' small turns behind them.
+_TURN_THREADS = 32
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -82,7 +112,9 @@ class Policy:
 @dataclass(frozen=True)
 class RequestError:
     """A request the server could not complete. `kind` is one of "context_overflow",
-    "server_unavailable", "bad_response", "bad_request", "internal"."""
+    "server_unavailable", "bad_response", "bad_request" (malformed messages, or a conversation the chat
+    template refuses), "internal" (anything unexpected), "client_disconnected" (the agent went away before
+    its reply was delivered; nothing was committed)."""
 
     kind: str
     message: str
@@ -99,9 +131,10 @@ class RolloutRecord:
     turns: list[TurnRecord]
     errors: list[RequestError]
     requests: int
-    malformed_tool_calls: int
+    malformed_tool_calls: int  # in delivered replies
     generation_s: float  # time spent waiting for vLLM, all turns
     messages: list[Message]  # the conversation through the latest reply, for traces
+    retries: int = 0  # turns whose undelivered reply an agent's retry replaced (`TurnRecord.retries`, summed)
 
 
 @dataclass
@@ -115,7 +148,7 @@ class _Rollout:
     requests: int = 0
     malformed_tool_calls: int = 0
     generation_s: float = 0.0
-    last_activity: float = field(default_factory=time.monotonic)
+    last_activity: float = field(default_factory=time.monotonic)  # the latest request's start or end
     closed: bool = False
     serving: asyncio.Task | None = None  # the request being served, cancelled when the rollout closes
 
@@ -132,13 +165,16 @@ class _HTTPError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.code = status, message, kind, code
 
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.code}}
+
 
 def _json_response(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
 def _error_response(status: int, message: str, kind: str, code: str | None = None) -> web.Response:
-    return _json_response({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
+    return _json_response(_HTTPError(status, message, kind, code).body(), status)
 
 
 @web.middleware
@@ -165,6 +201,8 @@ class InterceptionServer:
     `policy` is read when each generation starts: the request names its model, and its version is
     recorded with the tokens it produces (so a weight sync mid-rollout is honest about which policy
     produced what). `last_request_at` is the `time.monotonic()` of the latest request of any rollout.
+    `keepalive_s`: how often a streaming answer sends an SSE keep-alive comment while generating, and how
+    soon an agent's disconnection is noticed.
     """
 
     def __init__(
@@ -179,6 +217,7 @@ class InterceptionServer:
         public_base_url: str | None = None,
         policy: Callable[[], Policy] = Policy,
         chat_template_kwargs: dict[str, Any] | None = None,
+        keepalive_s: float = 5.0,
     ):
         self.generator = generator
         self.template = TrainingTemplate(tokenizer, **(chat_template_kwargs or {}))
@@ -188,10 +227,12 @@ class InterceptionServer:
         self.host, self.port = host, port
         self._public_base_url = public_base_url
         self.policy = policy
+        self.keepalive_s = keepalive_s
         self.last_request_at = time.monotonic()
         self._rollouts: dict[str, _Rollout] = {}
         self._closed: OrderedDict[str, str] = OrderedDict()  # rollout_id -> token
         self._runner: web.AppRunner | None = None
+        self._threads: ThreadPoolExecutor | None = None
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -212,6 +253,7 @@ class InterceptionServer:
         # otherwise shows as latency spikes of hundreds of ms under many concurrent rollouts. (Undone by
         # stop(), so that what was frozen can be freed at exit.)
         gc.freeze()
+        self._threads = ThreadPoolExecutor(_TURN_THREADS, thread_name_prefix="interception-turn")
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, backlog=2048)
@@ -227,6 +269,9 @@ class InterceptionServer:
             await self._runner.cleanup()
             self._runner = None
             gc.unfreeze()
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
 
     async def __aenter__(self) -> InterceptionServer:
         return await self.start()
@@ -276,11 +321,14 @@ class InterceptionServer:
             malformed_tool_calls=rollout.malformed_tool_calls,
             generation_s=rollout.generation_s,
             messages=rollout.chain.messages,
+            retries=sum(t.retries for t in rollout.chain.turns),
         )
 
     def last_activity(self, rollout_id: str) -> float:
-        """`time.monotonic()` of the rollout's latest request (for stall watchdogs)."""
-        return self._rollouts[rollout_id].last_activity
+        """For stall watchdogs: now while one of the rollout's requests is being served (a generation in
+        flight is activity), else the `time.monotonic()` at which its latest request started or ended."""
+        rollout = self._rollouts[rollout_id]
+        return time.monotonic() if rollout.serving is not None else rollout.last_activity
 
     def oldest_version(self, rollout_id: str) -> int | None:
         """The oldest policy version that produced any of the rollout's tokens; None before its first
@@ -329,21 +377,28 @@ class InterceptionServer:
         if not isinstance(stream, bool) or not isinstance(stream_options, dict):
             raise _HTTPError(400, "'stream' must be a boolean and 'stream_options' an object")
         params = self._sampling(body, rollout.sampling)
+        answer = _Answer(request, stream, bool(stream_options.get("include_usage")), rollout.endpoint.model)
         async with rollout.lock:
             if rollout.closed:
                 raise _HTTPError(410, "rollout is closed")
             rollout.requests += 1
             rollout.last_activity = self.last_request_at = time.monotonic()
             rollout.serving = asyncio.current_task()
+            turn_index = len(rollout.chain.turns)
             try:
-                record, parsed = await self._turn(rollout, body, params)
+                return await self._turn(rollout, body, params, answer)
+            except _HTTPError as e:
+                return await answer.fail(e)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a bug, or a failure nobody named: recorded, never a bare 500
+                log.exception("rollout %s turn %d: internal error", rollout.endpoint.rollout_id, turn_index)
+                message = f"{type(e).__name__}: {e}"
+                self._record(rollout, "internal", message, turn_index)
+                return await answer.fail(_HTTPError(500, f"internal error: {message}", "server_error"))
             finally:
                 rollout.serving = None
                 rollout.last_activity = self.last_request_at = time.monotonic()
-        reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), rollout.endpoint.model, parsed, record)
-        if not stream:
-            return _json_response(reply.completion())
-        return await reply.stream(request, bool(stream_options.get("include_usage")))
 
     async def _json_body(self, request: web.Request) -> dict[str, Any]:
         try:
@@ -365,20 +420,50 @@ class InterceptionServer:
             raise _HTTPError(400, "'max_tokens' must be a positive integer")
         return replace(base, max_tokens=min(limit, base.max_tokens or limit))
 
+    async def _off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """`fn(*args)` in the turn thread pool (the caller holds its rollout's lock: order is kept)."""
+        return await asyncio.get_running_loop().run_in_executor(self._threads, functools.partial(fn, *args))
+
     async def _turn(
-        self, rollout: _Rollout, body: dict[str, Any], params: SamplingParams
-    ) -> tuple[TurnRecord, ParsedResponse]:
+        self, rollout: _Rollout, body: dict[str, Any], params: SamplingParams, answer: _Answer
+    ) -> web.StreamResponse:
+        """One turn, as a transaction: nothing reaches the chain until the reply was delivered."""
         chain = rollout.chain
         turn_index = len(chain.turns)
         try:
-            turn = chain.prepare(body.get("messages"), body.get("tools"))
+            turn = await self._off_loop(chain.prepare, body.get("messages"), body.get("tools"))
         except MessageFormatError as e:
             self._record(rollout, "bad_request", str(e), turn_index)
             raise _HTTPError(400, str(e)) from None
+        await answer.start()
         policy = self.policy()
+        generation = await self._generate(rollout, turn, params, rollout.model or policy.model, answer)
+        delivered = generation is not None and await answer.send(
+            await self._off_loop(self._reply, chain, turn, generation), len(turn.prompt_ids), len(generation.token_ids)
+        )
+        if not delivered:
+            self._record(rollout, "client_disconnected", "the agent went away before its reply was sent", turn_index)
+            return answer.abandoned()
+        parsed = answer.parsed
+        chain.commit(
+            turn, generation.token_ids, generation.log_probs, policy.version, parsed.message, parsed.finish_reason
+        )
+        rollout.malformed_tool_calls += parsed.malformed_tool_calls
+        return answer.response
+
+    async def _generate(
+        self, rollout: _Rollout, turn: PreparedTurn, params: SamplingParams, model: str | None, answer: _Answer
+    ) -> Generation | None:
+        """The generation for `turn`, keeping the agent's connection alive meanwhile; None when the agent
+        went away (the generation is then abandoned: cancelling it makes vLLM abort the request)."""
+        turn_index = len(rollout.chain.turns)
         started = time.monotonic()
+        generating = asyncio.ensure_future(self.generator.generate(turn.prompt_ids, params, model))
         try:
-            generation = await self.generator.generate(turn.prompt_ids, params, rollout.model or policy.model)
+            while not (await asyncio.wait({generating}, timeout=self.keepalive_s))[0]:
+                if not await answer.keep_alive():
+                    return None
+            generation = generating.result()
         except ContextOverflowError as e:
             self._record(rollout, "context_overflow", str(e), turn_index)
             raise _HTTPError(400, str(e), "invalid_request_error", "context_length_exceeded") from None
@@ -388,19 +473,29 @@ class InterceptionServer:
         except VLLMError as e:  # BadResponseError and anything else the client raises
             self._record(rollout, "bad_response", str(e), turn_index)
             raise _HTTPError(502, f"generation backend error: {e}", "server_error") from None
-        except Exception as e:
-            self._record(rollout, "internal", f"{type(e).__name__}: {e}", turn_index)
-            raise
         finally:
             rollout.generation_s += time.monotonic() - started
+            if not generating.done():
+                generating.cancel()
+                await asyncio.wait({generating})
         if rollout.closed:
             raise _HTTPError(410, "rollout was closed during generation")
-        parsed = self.parser.parse(generation.token_ids, turn.prompt_ids, generation.finish_reason, turn.tools)
-        rollout.malformed_tool_calls += parsed.malformed_tool_calls
-        record = chain.commit(
-            turn, generation.token_ids, generation.log_probs, policy.version, parsed.message, parsed.finish_reason
-        )
-        return record, parsed
+        return generation
+
+    def _reply(self, chain: TokenChain, turn: PreparedTurn, generation: Generation) -> ParsedResponse:
+        """The generation as the reply to send: parsed, and validated as the chain will hold it. A parse
+        the chain cannot hold (tool-call arguments that are not a JSON object, a message the template
+        refuses) degrades to plain text, its calls counted as malformed. Runs in the thread pool."""
+        ids, finish = generation.token_ids, generation.finish_reason
+        parsed = self.parser.parse(ids, turn.prompt_ids, finish, turn.tools)
+        try:
+            chain.reply_message(turn, parsed.message)
+        except MessageFormatError as e:
+            calls = len(parsed.message.get("tool_calls") or [])
+            log.info("reply degraded to plain text (%d tool calls counted as malformed): %s", calls, e)
+            parsed = self.parser.plain_text(ids, finish, parsed.malformed_tool_calls + calls)
+            chain.reply_message(turn, parsed.message)
+        return parsed
 
     @staticmethod
     def _record(rollout: _Rollout, kind: str, message: str, turn: int) -> None:
@@ -416,10 +511,11 @@ class _Reply:
     created: int
     model: str
     parsed: ParsedResponse
-    record: TurnRecord
+    prompt_tokens: int
+    completion_tokens: int
 
     def _usage(self) -> dict[str, int]:
-        prompt, completion = self.record.prompt_tokens, self.record.output_tokens
+        prompt, completion = self.prompt_tokens, self.completion_tokens
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -453,13 +549,70 @@ class _Reply:
             out.append({**self._envelope("chat.completion.chunk", []), "usage": self._usage()})
         return out
 
-    async def stream(self, request: web.Request, include_usage: bool) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        payload = b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in self.chunks(include_usage))
+
+def _sse(event: Any) -> bytes:
+    return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+class _Answer:
+    """The agent's side of one chat completion. Streaming: headers at `start`, keep-alive comments while
+    generating, then the reply's chunks, or an SSE error event. Not streaming: the JSON reply, or an error
+    with its HTTP status, sent whole. Every write to a connection the agent closed is reported, not raised."""
+
+    def __init__(self, request: web.Request, stream: bool, include_usage: bool, model: str):
+        self.request, self.stream, self.include_usage, self.model = request, stream, include_usage, model
+        self.response: web.StreamResponse | None = None
+        self.parsed: ParsedResponse | None = None  # the reply that was sent
+
+    def _gone(self) -> bool:
+        transport = self.request.transport
+        return transport is None or transport.is_closing()
+
+    async def _write(self, data: bytes = b"", eof: bool = False) -> bool:
+        """Send the headers if not yet sent, then `data`; False when the agent's connection is gone."""
+        if self._gone():
+            return False
         try:
-            await response.prepare(request)
-            await response.write(payload + b"data: [DONE]\n\n")
-            await response.write_eof()
-        except ConnectionResetError:  # the agent went away (killed, timed out); the turn is recorded
-            log.info("agent disconnected before reply %s was sent", self.id)
-        return response
+            await self.response.prepare(self.request)  # once; later calls return at once
+            if data:
+                await self.response.write(data)
+            if eof:
+                await self.response.write_eof()
+        except ConnectionResetError:
+            return False
+        return True
+
+    async def start(self) -> None:
+        """Send the response headers now (streaming only)."""
+        if self.stream:
+            self.response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await self._write()
+
+    async def keep_alive(self) -> bool:
+        """An SSE comment (streaming), or just a look at the connection; False when the agent is gone."""
+        return await self._write(b": keep-alive\n\n") if self.stream else not self._gone()
+
+    async def send(self, parsed: ParsedResponse, prompt_tokens: int, completion_tokens: int) -> bool:
+        """Send the reply; True when it was written whole to the agent's connection."""
+        reply = _Reply(
+            f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model, parsed, prompt_tokens, completion_tokens
+        )
+        self.parsed = parsed
+        if self.stream:
+            return await self._write(b"".join(map(_sse, reply.chunks(self.include_usage))) + b"data: [DONE]\n\n", True)
+        self.response = web.Response(body=orjson.dumps(reply.completion()), content_type="application/json")
+        return await self._write(eof=True)
+
+    async def fail(self, error: _HTTPError) -> web.StreamResponse:
+        """Answer with `error`: an error response, or an SSE error event when the headers are out."""
+        if self.response is None:
+            return _error_response(error.status, error.message, error.kind, error.code)
+        if self.parsed is None:  # else the reply went out whole: nothing more can be said
+            await self._write(_sse(error.body()), eof=True)
+        return self.response
+
+    def abandoned(self) -> web.StreamResponse:
+        """What the handler returns for an agent that went away (aiohttp drops it)."""
+        return self.response or web.Response(status=499, reason="Client Closed Request")

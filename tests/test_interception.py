@@ -5,20 +5,28 @@ failures ending as recorded, named errors."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import psutil
 import pytest
-from conftest import SERVED_NAME
-from pi_shapes import PiConversation, scripted_output, tool_call
+from conftest import SERVED_NAME, tiny_tokenizer
+from pi_shapes import SYSTEM_PROMPT, PiConversation, scripted_output, tool_call
 
 from swe_grpo.chain import TrainingTemplate, normalize_message
 from swe_grpo.interception import InterceptionServer, RolloutEndpoint
-from swe_grpo.vllm_client import Generation, SamplingParams, VLLMClient
+from swe_grpo.vllm_client import (
+    ContextOverflowError,
+    Generation,
+    SamplingParams,
+    ServerUnavailableError,
+    VLLMClient,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -47,10 +55,18 @@ async def post_chat(http, endpoint: RolloutEndpoint, body: Any, headers=None, **
     return await http.post(f"{endpoint.base_url}/{CHAT}", data=data, headers=headers or auth(endpoint), **kwargs)
 
 
-def sse_events(raw: str) -> list[Any]:
-    assert raw.endswith("data: [DONE]\n\n")
-    events = [block.removeprefix("data: ") for block in raw.strip().split("\n\n")]
-    return [json.loads(e) for e in events[:-1]]
+async def read_chat(http, endpoint: RolloutEndpoint, body: Any) -> bytes:
+    """A whole chat completion's body (raises if the connection is cut before its end)."""
+    async with await post_chat(http, endpoint, body) as r:
+        return await r.read()
+
+
+def sse_events(raw: str, done: bool = True) -> list[Any]:
+    """The data events of an SSE body, as OpenAI clients read it (comment lines such as keep-alives skipped);
+    `done`: the stream must end with `data: [DONE]`."""
+    assert raw.endswith("data: [DONE]\n\n") == done, raw[-200:]
+    blocks = [b for b in raw.strip().split("\n\n") if not b.startswith(":")]
+    return [json.loads(b.removeprefix("data: ")) for b in blocks if b != "data: [DONE]"]
 
 
 async def test_health_is_open_and_says_nothing_else(server, http) -> None:
@@ -231,11 +247,16 @@ async def test_context_overflow_is_answered_and_recorded(vllm_server, tokenizer,
     small = VLLMClient(vllm_server.url, SERVED_NAME, max_model_len=200)
     async with small, InterceptionServer(small, tokenizer) as srv:
         endpoint = srv.open_rollout()
-        async with await post_chat(http, endpoint, PiConversation().request(stream=True)) as r:
+        async with await post_chat(http, endpoint, PiConversation().request(stream=False)) as r:
             assert r.status == 400
             assert (await r.json())["error"]["code"] == "context_length_exceeded"
+        # Streaming: the headers went out before generation, so the error is an SSE error event.
+        async with await post_chat(http, endpoint, PiConversation().request(stream=True)) as r:
+            assert r.status == 200
+            (event,) = sse_events(await r.text(), done=False)
+        assert event["error"]["code"] == "context_length_exceeded"
         record = srv.close_rollout(endpoint.rollout_id)
-    assert [e.kind for e in record.errors] == ["context_overflow"]
+    assert [e.kind for e in record.errors] == ["context_overflow"] * 2
     assert record.turns == [] and record.rows == []
 
 
@@ -281,19 +302,21 @@ def test_rollout_ids_are_validated_and_unique(server) -> None:
 
 async def test_agent_disconnecting_mid_generation_is_harmless(vllm_client, tokenizer, caplog) -> None:
     probe = ConcurrencyProbe(vllm_client)  # holds each generation for 0.2 s
-    async with InterceptionServer(probe, tokenizer, sampling=SamplingParams(max_tokens=8)) as srv:
+    async with InterceptionServer(probe, tokenizer, sampling=SamplingParams(max_tokens=8), keepalive_s=0.05) as srv:
         endpoint = srv.open_rollout()
         convo = PiConversation()
         async with aiohttp.ClientSession() as session:
             with pytest.raises(asyncio.TimeoutError):
                 await post_chat(session, endpoint, convo.request(), timeout=aiohttp.ClientTimeout(total=0.05))
-        await asyncio.sleep(0.5)  # the generation finishes with nobody listening
-        # The agent retries the same request: the chain forks instead of extending a reply never seen.
+        await asyncio.sleep(0.5)  # the server notices, and abandons the generation
+        assert sum(probe.in_flight.values()) == 0
+        # The agent retries the same request: the only turn is the one it received.
         async with aiohttp.ClientSession() as session, await post_chat(session, endpoint, convo.request()) as r:
             assert r.status == 200
             await r.read()
         record = srv.close_rollout(endpoint.rollout_id)
-    assert [t.kind for t in record.turns] == ["clean", "fork"]
+    assert [t.kind for t in record.turns] == ["clean"] and record.turns[0].retries == 0
+    assert [e.kind for e in record.errors] == ["client_disconnected"]
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
@@ -302,10 +325,10 @@ async def test_closing_a_rollout_mid_generation_abandons_it(vllm_client, tokeniz
     async with InterceptionServer(probe, tokenizer, sampling=SamplingParams(max_tokens=8)) as srv:
         endpoint = srv.open_rollout()
         async with aiohttp.ClientSession() as session:
-            request = asyncio.create_task(post_chat(session, endpoint, PiConversation().request()))
+            request = asyncio.create_task(read_chat(session, endpoint, PiConversation().request()))
             await asyncio.sleep(0.1)
             record = srv.close_rollout(endpoint.rollout_id)
-            with pytest.raises(aiohttp.ClientError):  # the agent is cut off, not answered
+            with pytest.raises(aiohttp.ClientError):  # the agent is cut off mid-stream, not answered
                 await request
         assert sum(probe.in_flight.values()) == 0  # the generation was cancelled
     assert record.rows == [] and record.turns == []
@@ -325,7 +348,7 @@ async def test_stop_does_not_wait_for_a_stuck_generation(tokenizer) -> None:
     srv = await InterceptionServer(NeverReturns(), tokenizer).start()
     endpoint = srv.open_rollout()
     async with aiohttp.ClientSession() as session:
-        request = asyncio.create_task(post_chat(session, endpoint, PiConversation().request()))
+        request = asyncio.create_task(read_chat(session, endpoint, PiConversation().request()))
         await asyncio.sleep(0.3)
         await asyncio.wait_for(srv.stop(), timeout=10)
         with pytest.raises(aiohttp.ClientError):
@@ -333,15 +356,33 @@ async def test_stop_does_not_wait_for_a_stuck_generation(tokenizer) -> None:
 
 
 class ScriptedGenerator:
-    """SCRIPTED outputs: each generation is the template's own rendering of the next recorded reply."""
+    """A STUB generator with SCRIPTED outputs: each generation returns the next of `outputs` (token ids;
+    the last one repeats) after `delay_s`. Records the prompts it was given and the generations cancelled."""
 
     max_model_len = 32768
 
-    def __init__(self, template: TrainingTemplate, replies: list[dict]):
-        self.outputs = [scripted_output(template, normalize_message(r)) for r in replies]
+    def __init__(self, outputs: list[list[int]], delay_s: float = 0.0):
+        self.outputs, self.delay_s = list(outputs), delay_s
+        self.prompts: list[list[int]] = []
+        self.cancelled = 0
+
+    @classmethod
+    def replies(cls, template: TrainingTemplate, replies: list[dict], delay_s: float = 0.0) -> ScriptedGenerator:
+        """Outputs that are the template's own rendering of each recorded reply."""
+        return cls([scripted_output(template, normalize_message(r)) for r in replies], delay_s)
+
+    @classmethod
+    def texts(cls, template: TrainingTemplate, texts: list[str], delay_s: float = 0.0) -> ScriptedGenerator:
+        return cls([template.encode(t) for t in texts], delay_s)
 
     async def generate(self, prompt_ids, params, model=None) -> Generation:
-        ids = self.outputs.pop(0)
+        self.prompts.append(prompt_ids)
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        ids = self.outputs.pop(0) if len(self.outputs) > 1 else self.outputs[0]
         return Generation(ids, [-0.25] * len(ids), "stop", model or "")
 
 
@@ -358,7 +399,7 @@ async def test_replaying_a_recorded_conversation_is_clean(tokenizer, http) -> No
         },
         {"role": "assistant", "content": "Done."},
     ]
-    generator = ScriptedGenerator(TrainingTemplate(tokenizer), replies)
+    generator = ScriptedGenerator.replies(TrainingTemplate(tokenizer), replies)
     recorded = PiConversation()
     requests = []
     for i, reply in enumerate(replies):
@@ -384,5 +425,244 @@ async def test_replaying_a_recorded_conversation_is_clean(tokenizer, http) -> No
     assert [t.kind for t in record.turns] == ["clean"] * 3
     assert len(record.rows) == 1
     assert sum(record.rows[0].completion_mask) == sum(
-        len(o) for o in ScriptedGenerator(TrainingTemplate(tokenizer), replies).outputs
+        len(o) for o in ScriptedGenerator.replies(TrainingTemplate(tokenizer), replies).outputs
     )
+
+
+# --------------------------------------------------------------------------- off the happy path (stub generators)
+
+
+@contextlib.asynccontextmanager
+async def stub_server(template: str, generator, **kwargs) -> AsyncIterator[InterceptionServer]:
+    """An InterceptionServer on the real tiny tokenizer of `template`, answered by a STUB generator."""
+    async with InterceptionServer(generator, tiny_tokenizer(template), **kwargs) as srv:
+        yield srv
+
+
+def training(template: str) -> TrainingTemplate:
+    return TrainingTemplate(tiny_tokenizer(template))
+
+
+def sent_call(name: str, **arguments: Any) -> dict[str, Any]:
+    """A tool call as the agent sends it back: arguments as a JSON string."""
+    return {**tool_call(name), "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+async def test_tool_call_arguments_that_are_not_an_object_come_back_as_plain_text(http) -> None:
+    """`"arguments": "ls -la"` used to commit the row, then fail normalising it: a 500, nothing recorded,
+    a corrupted row. It is plain text now, counted as malformed, and the conversation goes on cleanly."""
+    text = '<tool_call>\n{"name": "bash", "arguments": "ls -la"}\n</tool_call>'
+    generator = ScriptedGenerator.texts(training("qwen3"), [text + "<|im_end|>", "Done.<|im_end|>"])
+    async with stub_server("qwen3", generator) as srv:
+        endpoint = srv.open_rollout()
+        convo = PiConversation()
+        async with await post_chat(http, endpoint, convo.request(stream=False)) as r:
+            assert r.status == 200, await r.text()
+            reply = await r.json()
+        message = reply["choices"][0]["message"]
+        assert "tool_calls" not in message and reply["choices"][0]["finish_reason"] == "stop"
+        assert message["content"] == text
+        convo.add_reply(message)
+        convo.messages.append({"role": "user", "content": "go on"})
+        async with await post_chat(http, endpoint, convo.request()) as r:
+            assert r.status == 200
+            await r.read()
+        record = srv.close_rollout(endpoint.rollout_id)
+    assert record.malformed_tool_calls == 1 and record.errors == []
+    assert [t.kind for t in record.turns] == ["clean", "clean"] and len(record.rows) == 1
+    assert record.rows[0].input_ids.tolist() == generator.prompts[-1] + generator.outputs[-1]
+
+
+async def test_a_reply_the_template_would_refuse_comes_back_as_plain_text(http) -> None:
+    """Llama 3.2's template raises on an assistant message with two tool calls (the hermes fallback can
+    parse two). Such a reply used to be sent, and the agent's next request was an unrecorded 500."""
+    calls = "".join(
+        f'<tool_call>{{"name": "read", "arguments": {{"path": "{p}"}}}}</tool_call>' for p in ("a.py", "b.py")
+    )
+    generator = ScriptedGenerator.texts(training("llama3_2"), [calls + "<|eot_id|>", "Done.<|eot_id|>"])
+    async with stub_server("llama3_2", generator) as srv:
+        endpoint = srv.open_rollout()
+        convo = PiConversation()
+        async with await post_chat(http, endpoint, convo.request()) as r:
+            assert r.status == 200
+            events = sse_events(await r.text())
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+        assert not any("tool_calls" in d for d in deltas)
+        content = "".join(d.get("content") or "" for d in deltas)
+        assert content == calls
+        convo.add_reply({"role": "assistant", "content": content})
+        convo.messages.append({"role": "user", "content": "go on"})
+        async with await post_chat(http, endpoint, convo.request()) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+        record = srv.close_rollout(endpoint.rollout_id)
+    assert record.malformed_tool_calls == 2 and record.errors == []
+    assert [t.kind for t in record.turns] == ["clean", "clean"]
+
+
+async def test_a_request_the_template_refuses_is_a_recorded_400(http) -> None:
+    generator = ScriptedGenerator.texts(training("llama3_2"), ["Done.<|eot_id|>"])
+    async with stub_server("llama3_2", generator) as srv:
+        endpoint = srv.open_rollout()
+        convo = PiConversation()
+        convo.add_reply(
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [sent_call("read", path="a"), sent_call("bash", command="ls")],
+            }
+        )
+        async with await post_chat(http, endpoint, convo.request()) as r:
+            assert r.status == 400
+            error = (await r.json())["error"]
+        record = srv.close_rollout(endpoint.rollout_id)
+    assert "single tool-calls" in error["message"] and error["type"] == "invalid_request_error"
+    assert [e.kind for e in record.errors] == ["bad_request"] and "single tool-calls" in record.errors[0].message
+    assert record.turns == [] and generator.prompts == []
+
+
+class Failing:
+    """A STUB generator that raises `error` after `delay_s`."""
+
+    max_model_len = 32768
+
+    def __init__(self, error: Exception, delay_s: float = 0.0):
+        self.error, self.delay_s = error, delay_s
+
+    async def generate(self, prompt_ids, params, model=None) -> Generation:
+        await asyncio.sleep(self.delay_s)
+        raise self.error
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(
+    ("error", "kind", "status", "code"),
+    [
+        (RuntimeError("a bug"), "internal", 500, None),
+        (ContextOverflowError("prompt too long"), "context_overflow", 400, "context_length_exceeded"),
+        (ServerUnavailableError("vLLM is gone"), "server_unavailable", 503, None),
+    ],
+)
+async def test_every_failure_in_a_turn_is_recorded_and_answered_in_openai_shape(
+    http, stream: bool, error: Exception, kind: str, status: int, code: str | None
+) -> None:
+    """Streaming: the headers went out before generation, so a failure is an SSE error event (which the
+    OpenAI clients raise as APIError); not streaming: an HTTP error status with an OpenAI error body."""
+    async with stub_server("qwen3", Failing(error, delay_s=0.2), keepalive_s=0.05) as srv:
+        endpoint = srv.open_rollout()
+        async with await post_chat(http, endpoint, PiConversation().request(stream=stream)) as r:
+            if stream:
+                assert r.status == 200
+                (event,) = sse_events(await r.text(), done=False)
+                body = event
+            else:
+                assert r.status == status and r.content_type == "application/json"
+                body = await r.json()
+        record = srv.close_rollout(endpoint.rollout_id)
+    assert body["error"]["code"] == code and str(error) in body["error"]["message"]
+    assert [e.kind for e in record.errors] == [kind] and record.turns == [] and record.rows == []
+
+
+async def test_a_retry_replaces_the_turn_the_agent_never_received(http) -> None:
+    """The agent sends the same request again (its client timed out, or the reply was lost): the server
+    generates again from the same prompt and the new reply REPLACES the first, instead of forking."""
+    template = training("qwen3")
+    generator = ScriptedGenerator.texts(template, ["First.<|im_end|>", "Second.<|im_end|>", "Third.<|im_end|>"])
+    async with stub_server("qwen3", generator) as srv:
+        endpoint = srv.open_rollout()
+        convo = PiConversation()
+        for _ in range(2):  # the second is a retry of the first
+            async with await post_chat(http, endpoint, convo.request(stream=False)) as r:
+                reply = await r.json()
+        assert reply["choices"][0]["message"]["content"] == "Second."
+        convo.add_reply(reply["choices"][0]["message"])
+        convo.messages.append({"role": "user", "content": "go on"})
+        async with await post_chat(http, endpoint, convo.request(stream=False)) as r:
+            assert (await r.json())["choices"][0]["message"]["content"] == "Third."
+        record = srv.close_rollout(endpoint.rollout_id)
+    assert generator.prompts[0] == generator.prompts[1]
+    assert [(t.kind, t.retries) for t in record.turns] == [("clean", 1), ("clean", 0)]
+    assert record.retries == 1 and len(record.rows) == 1
+    text = template.tokenizer.decode(record.rows[0].input_ids)
+    assert "Second." in text and "First." not in text
+
+
+async def test_a_client_that_disconnects_before_its_reply_leaves_no_turn() -> None:
+    generator = ScriptedGenerator.texts(training("qwen3"), ["Done.<|im_end|>"], delay_s=1.0)
+    async with stub_server("qwen3", generator, keepalive_s=0.05) as srv:
+        endpoint = srv.open_rollout()
+        for stream in (True, False):
+            async with aiohttp.ClientSession() as session:
+                with pytest.raises(asyncio.TimeoutError):
+                    async with await post_chat(
+                        session,
+                        endpoint,
+                        PiConversation().request(stream=stream),
+                        timeout=aiohttp.ClientTimeout(total=0.3),
+                    ) as r:
+                        await r.read()
+            await asyncio.sleep(0.3)
+            assert generator.cancelled == (1 if stream else 2)  # the server noticed and stopped generating
+        record = srv.close_rollout(endpoint.rollout_id)
+    assert record.turns == [] and record.rows == []
+    assert [e.kind for e in record.errors] == ["client_disconnected"] * 2
+
+
+async def test_headers_at_once_and_keepalives_during_a_long_generation(http) -> None:
+    """Pi 1.x abandons a request after 300 s without response headers and sends it again; the server sends
+    headers before generating, then an SSE comment every `keepalive_s` until the answer."""
+    generator = ScriptedGenerator.texts(training("qwen3"), ["Done.<|im_end|>"], delay_s=1.5)
+    async with stub_server("qwen3", generator, keepalive_s=0.1) as srv:
+        endpoint = srv.open_rollout()
+        started = time.monotonic()
+        r = await asyncio.wait_for(post_chat(http, endpoint, PiConversation().request()), timeout=0.5)
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), timeout=0.5)
+        assert first == b": keep-alive\n\n"
+        assert time.monotonic() - started < 1.0
+        rest = (first + await r.read()).decode()
+        r.release()
+        record = srv.close_rollout(endpoint.rollout_id)
+    assert rest.count(": keep-alive\n\n") >= 5 and rest.index("data: ") > rest.rindex(": keep-alive")
+    assert sse_events(rest)[-2]["choices"][0]["finish_reason"] == "stop"
+    assert len(record.turns) == 1
+
+
+async def test_the_stall_watchdog_counts_a_generation_in_flight_as_activity(http) -> None:
+    generator = ScriptedGenerator.texts(training("qwen3"), ["Done.<|im_end|>"], delay_s=1.5)
+    async with stub_server("qwen3", generator) as srv:
+        endpoint = srv.open_rollout()
+        request = asyncio.create_task(post_chat(http, endpoint, PiConversation().request(stream=False)))
+        await asyncio.sleep(1.0)
+        assert time.monotonic() - srv.last_activity(endpoint.rollout_id) < 0.2
+        async with await request as r:
+            assert r.status == 200
+        await asyncio.sleep(0.5)
+        assert time.monotonic() - srv.last_activity(endpoint.rollout_id) >= 0.5  # idle again
+        srv.close_rollout(endpoint.rollout_id)
+
+
+async def test_a_big_request_does_not_stall_other_rollouts(http) -> None:
+    """Rendering and tokenising a 2 MB tool output takes about a second; it runs off the event loop, so
+    another rollout's request is answered meanwhile (benchmarks/p5_big_requests.py measures this)."""
+    generator = ScriptedGenerator.texts(training("qwen3"), ["Done.<|im_end|>"])
+    async with stub_server("qwen3", generator) as srv:
+        big, small = srv.open_rollout(), srv.open_rollout()
+        convo = PiConversation()
+        convo.add_reply(
+            {"role": "assistant", "content": "", "tool_calls": [sent_call("bash", command="cat big.log")]},
+            tool_outputs=[(SYSTEM_PROMPT * 2_000)[:2_000_000]],
+        )
+
+        async def timed(endpoint: RolloutEndpoint, body: dict) -> float:
+            started = time.monotonic()
+            async with await post_chat(http, endpoint, body) as r:
+                assert r.status == 200
+                await r.read()
+            return time.monotonic() - started
+
+        big_request = asyncio.create_task(timed(big, convo.request()))
+        await asyncio.sleep(0.2)  # the big request is being tokenised
+        small_s = await timed(small, PiConversation().request())
+        big_s = await big_request
+    assert small_s < 0.3 < big_s, (small_s, big_s)
