@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import psutil
 import pytest
-from conftest import SERVED_NAME, tiny_tokenizer
+from conftest import SERVED_NAME, TEMPLATES, tiny_tokenizer
 from pi_shapes import SYSTEM_PROMPT, PiConversation, scripted_output, tool_call
 
 from swe_grpo.chain import TrainingTemplate, normalize_message
@@ -666,3 +666,25 @@ async def test_a_big_request_does_not_stall_other_rollouts(http) -> None:
         small_s = await timed(small, PiConversation().request())
         big_s = await big_request
     assert small_s < 0.3 < big_s, (small_s, big_s)
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+async def test_the_arguments_the_agent_receives_are_the_generated_ones(http, template: str) -> None:
+    """What the agent executes is what the tokens say: through the server, as Pi reads the SSE stream,
+    the arguments keep their whitespace and string types exactly; echoed back, they extend the chain."""
+    arguments = {"path": "007", "oldText": "\n    x = 1\n\n", "newText": '  {"nested": [1, "2"]}\t'}
+    reply = {"role": "assistant", "content": "", "tool_calls": [tool_call("edit", **arguments)]}
+    generator = ScriptedGenerator.replies(training(template), [reply, {"role": "assistant", "content": "Done."}])
+    async with stub_server(template, generator) as srv:
+        endpoint = srv.open_rollout()
+        convo = PiConversation()
+        async with await post_chat(http, endpoint, convo.request()) as r:
+            events = sse_events(await r.text())
+        (call,) = [c for e in events if e["choices"] for c in e["choices"][0]["delta"].get("tool_calls", [])]
+        assert call["function"]["name"] == "edit"
+        assert json.loads(call["function"]["arguments"]) == arguments
+        convo.add_reply({"role": "assistant", "content": None, "tool_calls": [call]})
+        async with await post_chat(http, endpoint, convo.request()) as r:
+            await r.read()
+        record = srv.close_rollout(endpoint.rollout_id)
+    assert [t.kind for t in record.turns] == ["clean", "clean"] and record.malformed_tool_calls == 0
