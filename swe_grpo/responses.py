@@ -300,9 +300,14 @@ class ResponseParser:
                 [user, {"role": "assistant", "content": "", "tool_calls": [call]}], tools=tools, tokenize=False
             )
         except Exception as e:  # a template that cannot write a tool call at all
-            raise UnsupportedTemplateError(f"the chat template cannot render a tool call: {e}") from e
+            raise UnsupportedTemplateError(
+                f"the chat template cannot render a tool call to read back exactly: {e}"
+            ) from e
         if not full.startswith(prompt):
-            raise UnsupportedTemplateError("the chat template renders a reply differently from its generation prompt")
+            raise UnsupportedTemplateError(
+                "cannot check that tool calls read back exactly: the chat template renders a reply that does not "
+                "start with its own generation prompt"
+            )
         written = full[len(prompt) :]
         eos = self.tokenizer.eos_token
         written = written[: written.rfind(eos) + len(eos)] if eos and eos in written else written
