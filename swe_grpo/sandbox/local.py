@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -88,6 +89,8 @@ _GITCONFIG = "[safe]\n\tdirectory = *\n[user]\n\tname = swe-sandbox\n\temail = s
 _REAPER = ["sh", "-c", '"$@"; exit $?', "sh"]
 _PREFIX = "swe-grpo-"  # of per-sandbox host directories: `swe-grpo-<pid of the owning process>-<random>`
 _KILL_WAIT_S = 10.0
+_libc = ctypes.CDLL(None, use_errno=True)
+_MNT_DETACH = 2  # umount2 flag: lazy unmount
 
 
 CGROUP_PARENT = "swe-grpo"  # under each hierarchy's root; a sandbox's cgroup is named as its host_dir
@@ -491,7 +494,7 @@ class LocalBackend(SandboxBackend):
         daemon when there is one. With a disk limit, all of it is on a tmpfs of that size."""
         if (size := self.limits.disk_bytes) is not None:
             options = f"size={size},nr_inodes={max(size // 4096, 1024)},mode=0711"
-            await _host("mount", "-t", "tmpfs", "-o", options, "swe-grpo-sandbox", str(host_dir))
+            _mount("tmpfs", "swe-grpo-sandbox", host_dir, options)
         host_dir.chmod(0o711)
         tmp = host_dir / "tmp"
         (tmp / "home").mkdir(parents=True)
@@ -636,7 +639,7 @@ async def _mount_cow(method: CowMethod, lower: Path, host_dir: Path) -> asyncio.
         raise SandboxError(f"overlay paths must not contain ',', ':' or '\\': {lower}, {upper}")
     opts = f"lowerdir={lower},upperdir={upper},workdir={work}"
     if method == "overlay":
-        await _host("mount", "-t", "overlay", "overlay", "-o", opts, str(testbed))
+        _mount("overlay", "overlay", testbed, opts)
         return None
     # In the foreground, so the daemon is our child and teardown can wait for it. allow_other: the
     # sandbox user must see a mount made by root.
@@ -656,12 +659,24 @@ async def _mount_cow(method: CowMethod, lower: Path, host_dir: Path) -> asyncio.
     return fuse
 
 
+def _mount(fstype: str, source: str, target: Path, options: str) -> None:
+    """mount(2) itself: running mount(8) costs a process start per mount, felt in every sandbox's start."""
+    if _libc.mount(source.encode(), bytes(target), fstype.encode(), 0, options.encode()) != 0:
+        raise SandboxError(f"cannot mount {fstype} ({options}) on {target}: {os.strerror(ctypes.get_errno())}")
+
+
 async def _umount(target: Path) -> None:
-    try:
-        await _host("umount", str(target))
-    except SandboxError as e:  # busy: a host process is in there. Detach it; it goes when they leave.
-        log.warning("%s; detaching it lazily", e)
-        await _host("umount", "-l", str(target))
+    if not (error := await asyncio.to_thread(_umount2, target, 0)):
+        return
+    # Busy: a host process is in there. Detach it; it goes when they leave.
+    log.warning("cannot unmount %s (%s); detaching it lazily", target, os.strerror(error))
+    if detach_error := await asyncio.to_thread(_umount2, target, _MNT_DETACH):
+        raise SandboxError(f"cannot unmount {target}: {os.strerror(error)}; detaching: {os.strerror(detach_error)}")
+
+
+def _umount2(target: Path, flags: int) -> int:
+    """umount2(2); 0 or the errno (read in the calling thread: ctypes keeps errno per thread)."""
+    return 0 if _libc.umount2(bytes(target), flags) == 0 else ctypes.get_errno()
 
 
 async def _detect_cow_method(run_dir: Path) -> CowMethod:
@@ -674,7 +689,7 @@ async def _detect_cow_method(run_dir: Path) -> CowMethod:
         for method in methods:
             try:
                 fuse = await _mount_cow(method, probe / "lower", probe)
-                await _host("umount", str(probe / "testbed"))
+                await _umount(probe / "testbed")
                 if fuse is not None:
                     await _wait_or_kill(fuse)
                 return method
