@@ -125,7 +125,7 @@ def instrument(probe: Probe, server: InterceptionServer) -> None:
     server.template.render = probe.timed("render", server.template.render)  # type: ignore[method-assign]
     server.template.encode = probe.timed("encode", server.template.encode)  # type: ignore[method-assign]
     server.parser.parse = probe.timed("parse", server.parser.parse)  # type: ignore[method-assign]
-    interception._Reply.stream = probe.timed_async("sse", interception._Reply.stream)  # type: ignore[method-assign]
+    interception._Answer.send = probe.timed_async("sse", interception._Answer.send)  # type: ignore[method-assign]
 
 
 @dataclass

@@ -194,7 +194,9 @@ def report(timeline: Timeline, server: ServerReport, big_started: float, args: a
             f"{server.forks} of {server.turns} turns).",
             "- Target (0 errors, added p99 while a big request is in flight <= 50 ms): "
             f"**{'met' if met else 'NOT met'}**.",
-            f"- Machine: {os.cpu_count()} CPUs; load average (1, 5, 15 min) after the run: "
+            f"- Machine: {os.cpu_count()} CPUs; load average (1, 5, 15 min) before the run "
+            + ", ".join(f"{x:.2f}" for x in args.load_before)
+            + ", after it "
             + ", ".join(f"{x:.2f}" for x in os.getloadavg())
             + f"; {args.placement}.",
         ]
@@ -215,6 +217,7 @@ def main() -> int:
     parser.add_argument("--baseline-s", type=float, default=10.0, help="seconds before the first big request")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    args.load_before = os.getloadavg()
     cpus = sorted(os.sched_getaffinity(0))
     args.placement = "no CPU pinning"
     if len(cpus) >= 2:  # the agents never take more than one core from the server

@@ -55,9 +55,9 @@ async def post_chat(http, endpoint: RolloutEndpoint, body: Any, headers=None, **
     return await http.post(f"{endpoint.base_url}/{CHAT}", data=data, headers=headers or auth(endpoint), **kwargs)
 
 
-async def read_chat(http, endpoint: RolloutEndpoint, body: Any) -> bytes:
+async def read_chat(http, endpoint: RolloutEndpoint, body: Any, **kwargs) -> bytes:
     """A whole chat completion's body (raises if the connection is cut before its end)."""
-    async with await post_chat(http, endpoint, body) as r:
+    async with await post_chat(http, endpoint, body, **kwargs) as r:
         return await r.read()
 
 
@@ -307,7 +307,7 @@ async def test_agent_disconnecting_mid_generation_is_harmless(vllm_client, token
         convo = PiConversation()
         async with aiohttp.ClientSession() as session:
             with pytest.raises(asyncio.TimeoutError):
-                await post_chat(session, endpoint, convo.request(), timeout=aiohttp.ClientTimeout(total=0.05))
+                await read_chat(session, endpoint, convo.request(), timeout=aiohttp.ClientTimeout(total=0.05))
         await asyncio.sleep(0.5)  # the server notices, and abandons the generation
         assert sum(probe.in_flight.values()) == 0
         # The agent retries the same request: the only turn is the one it received.
@@ -592,15 +592,10 @@ async def test_a_client_that_disconnects_before_its_reply_leaves_no_turn() -> No
     async with stub_server("qwen3", generator, keepalive_s=0.05) as srv:
         endpoint = srv.open_rollout()
         for stream in (True, False):
+            body = PiConversation().request(stream=stream)
             async with aiohttp.ClientSession() as session:
                 with pytest.raises(asyncio.TimeoutError):
-                    async with await post_chat(
-                        session,
-                        endpoint,
-                        PiConversation().request(stream=stream),
-                        timeout=aiohttp.ClientTimeout(total=0.3),
-                    ) as r:
-                        await r.read()
+                    await read_chat(session, endpoint, body, timeout=aiohttp.ClientTimeout(total=0.3))
             await asyncio.sleep(0.3)
             assert generator.cancelled == (1 if stream else 2)  # the server noticed and stopped generating
         record = srv.close_rollout(endpoint.rollout_id)
