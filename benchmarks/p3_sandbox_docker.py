@@ -1,13 +1,15 @@
 """P3: how fast the `docker` backend makes and removes sandboxes of a ~100 MB repository.
 
 What. Per sandbox: `create()` (container created and started from the task's prepared image), ready
-(`create()` plus the first `exec("true")` answered: the sandbox can be used), the first `git status`
-in /testbed (git refreshes its index once per sandbox: agents pay it on their first git command) and
-`destroy()` (container killed and removed). Target: create-to-ready <= 1 s. Also timed: 8 sandboxes
-created at once (a rollout group). Reported separately, as they happen once: starting a private dockerd
-(when no engine runs), building the base image (when missing), `start()` (connect + reap), and
-building the task's prepared image (export the repository at its base commit, copy it into a container
-of the base image, check and chown it, commit), which the first `create()` of a task pays.
+(`create()` plus the first `exec("true")` answered: the sandbox can be used), the first `git status` in
+/testbed (git refreshes its index once per sandbox: agents pay it on their first git command) and
+`destroy()` (container killed and removed). Target: create-to-ready <= 1 s. With the default limits
+(`DockerLimits()`: memory, pids, CPU; no disk limit). Also timed: create-to-ready of a sandbox without
+network (`network=False`, as grading creates them), and 8 sandboxes created at once (a rollout group).
+Reported separately, as they happen once: starting a private dockerd (when no engine runs), building the
+base image (when missing), `start()` (connect + reap), and building the task's prepared image (export
+the repository at its base commit, copy it into a container of the base image, check and chown it,
+commit), which the first `create()` of a task pays.
 
 Repository. Generated deterministically (seeded) and cached under `cache_root()/bench/repo-100mb`: 3,000
 text files of ~20 KB in 60 directories (~60 MB) plus 8 random 5 MB blobs (40 MB), committed, and a
@@ -81,6 +83,15 @@ async def measure(url: str, repo: Path, iterations: int, one_time: dict[str, flo
         status.append(t3 - t2)
         destroy.append(t4 - t3)
 
+    offline = []
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        sandbox = await backend.create(task, network=False)
+        result = await sandbox.exec("true", timeout_s=60)
+        offline.append(time.perf_counter() - t0)
+        assert result.exit_code == 0, result
+        await sandbox.destroy()
+
     t = time.perf_counter()
     group = await asyncio.gather(*(backend.create(task) for _ in range(8)))
     await asyncio.gather(*(s.exec("true", timeout_s=60) for s in group))
@@ -99,6 +110,7 @@ async def measure(url: str, repo: Path, iterations: int, one_time: dict[str, flo
         for name, xs in (
             ("create()", create),
             ("create() to ready (first exec answered)", ready),
+            ("create() to ready, `network=False` (grading)", offline),
             ("first `git status` in the sandbox", status),
             ("destroy()", destroy),
         )

@@ -380,8 +380,9 @@ class LocalSandbox(Sandbox):
 
 class LocalBackend(SandboxBackend):
     """bubblewrap sandboxes over cached checkouts. Needs root (for mounts and to switch to `user`),
-    `bwrap`, `setpriv` and `prlimit` (util-linux), `git`, and `fuse-overlayfs` where kernel overlayfs is
-    not allowed. `run_dir` must be traversable by `user` (bwrap, running as that user, binds from it);
+    `bwrap`, `setpriv` and `prlimit` (util-linux), `git`, `fuse-overlayfs` where kernel overlayfs is
+    not allowed, and the memory and pids cgroup controllers (v1 or v2) unless `limits` sets neither
+    `memory_bytes` nor `pids`. `run_dir` must be traversable by `user` (bwrap, running as that user, binds from it);
     `method` forces a copy-on-write method instead of detecting one."""
 
     name = "local"
