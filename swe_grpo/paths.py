@@ -13,7 +13,8 @@ def cache_root() -> Path:
     return Path(os.environ.get("SWE_GRPO_CACHE", Path.home() / ".cache" / "swe_grpo"))
 
 
-def pi_bundle_dir() -> Path:
-    """The portable Node + Pi install made by `scripts/setup.sh`: `$SWE_GRPO_PI_DIR`, else `.deps/pi`
-    in this checkout."""
-    return Path(os.environ.get("SWE_GRPO_PI_DIR", _CHECKOUT / ".deps" / "pi"))
+def pi_bundle_dir(version: str | None = None) -> Path:
+    """A portable Node + Pi install made by `scripts/setup.sh`. The default one: `$SWE_GRPO_PI_DIR`,
+    else `.deps/pi` in this checkout; another supported `version`: `pi-VERSION` beside it."""
+    default = Path(os.environ.get("SWE_GRPO_PI_DIR", _CHECKOUT / ".deps" / "pi"))
+    return default if version is None else default.with_name(f"pi-{version}")

@@ -162,7 +162,7 @@ async def run_rollout(
         timings["sandbox_create"] = time.monotonic() - start
         try:
             pi = await run_pi(
-                sandbox, endpoint, task.problem_statement, config.pi, lambda: server.last_activity(rollout_id)
+                sandbox, bundle, endpoint, task.problem_statement, config.pi, lambda: server.last_activity(rollout_id)
             )
             timings["agent"] = pi.wall_s
             exhausted = await sandbox.exhausted()

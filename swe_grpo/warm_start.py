@@ -211,6 +211,7 @@ async def _capture_one(
             async with await backend.create(task, mounts=[bundle.mount()]) as sandbox:
                 pi = await run_pi(
                     sandbox,
+                    bundle,
                     proxied,
                     task.problem_statement,
                     config,
@@ -290,8 +291,7 @@ async def capture_pi_requests(
             first = first or turn1
             entries.append({**asdict(candidate), "outcome": outcome, "then": _canonical_ids(turn2[len(turn1) :])})
         captured.append({"instance_id": task.instance_id, "messages": first, "candidates": entries})
-    package = bundle.root / Path(bundle.cli_path()).parent.parent / "package.json"
-    return {"pi_version": json.loads(package.read_text())["version"], "tools": tools, "tasks": captured}
+    return {"pi_version": bundle.version, "tools": tools, "tasks": captured}
 
 
 def load_capture(path: Path = CAPTURE_PATH) -> dict[str, Any]:
@@ -740,13 +740,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     async def capture() -> dict[str, Any]:
         from transformers import AutoTokenizer
 
-        from swe_grpo.agents.pi import PiBundle
+        from swe_grpo.agents.pi import DEMO_PI_VERSION, PiBundle
         from swe_grpo.sandbox.local import LocalBackend
 
         backend = LocalBackend()
         await backend.start()
         tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
-        return await capture_pi_requests(tokenizer, backend, PiBundle.default())
+        return await capture_pi_requests(tokenizer, backend, PiBundle.installed(DEMO_PI_VERSION))
 
     CAPTURE_PATH.write_text(json.dumps(asyncio.run(capture()), indent=1, ensure_ascii=False) + "\n")
     print(CAPTURE_PATH)

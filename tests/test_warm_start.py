@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from swe_grpo.agents.pi import PiConfig
+from swe_grpo.agents.pi import DEMO_PI_VERSION, PiBundle, PiConfig
 from swe_grpo.interception import InterceptionServer
 from swe_grpo.rollout import RolloutConfig, run_rollout
 from swe_grpo.sandbox.local import LocalBackend
@@ -138,6 +138,12 @@ def test_build_is_cached(warm_policy_dir: Path) -> None:
 
 
 # --------------------------------------------------------------------------- with the real Pi
+
+
+@pytest.fixture(scope="module")
+def pi_bundle() -> PiBundle:
+    """The Pi the shipped capture was made with, which the demo runs too (not the default Pi)."""
+    return PiBundle.installed(DEMO_PI_VERSION)
 
 
 @pytest.fixture

