@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -148,8 +149,11 @@ async def run_rollout(
     bundle: PiBundle,
     config: RolloutConfig,
     rollout_id: str | None = None,
+    on_grading: Callable[[Trajectory], None] | None = None,
 ) -> Trajectory:
-    """Run Pi on `task` in a sandbox, grade its diff in a fresh one, and return the Trajectory."""
+    """Run Pi on `task` in a sandbox, grade its diff in a fresh one, and return the Trajectory.
+    `on_grading` is called as grading starts, with the trajectory so far (its rows are final): the
+    worker's hook to track, and cancel as stale, rollouts whose agent session is already closed."""
     rollout_id = rollout_id or f"{task.instance_id.replace('/', '_')[:64]}-{uuid.uuid4().hex[:12]}"
     timings: dict[str, float] = {}
     start = time.monotonic()
@@ -203,6 +207,8 @@ async def run_rollout(
     elif unpatchable is not None and not error:
         trajectory.outcome, trajectory.reward, trajectory.error = unpatchable.outcome, 0.0, str(unpatchable)
     elif not error:  # a sandbox failure at any point (even after Pi ran) is infra_error, never a graded 0
+        if on_grading is not None:
+            on_grading(trajectory)
         result = await grade(task, patch, backend, timeout_s=config.grade_timeout_s)
         trajectory.grade = result
         trajectory.outcome, trajectory.reward, trajectory.error = result.outcome, result.reward, result.error

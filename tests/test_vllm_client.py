@@ -76,6 +76,26 @@ async def test_unknown_model_is_a_clear_error(vllm_server) -> None:
         await VLLMClient(vllm_server.url, "no-such-model").start()
 
 
+async def test_a_generation_naming_a_model_vllm_does_not_serve_is_a_404_not_retried(vllm_client, tokenizer) -> None:
+    assert "trl-policy-v9" not in await vllm_client.served_models()
+    with pytest.raises(BadResponseError, match="HTTP 404"):  # what a LoRA-mode vLLM says after a restart
+        await vllm_client.generate(prompt(tokenizer), SamplingParams(max_tokens=2), model="trl-policy-v9")
+
+
+async def test_vllm_applies_the_trainers_sampling_settings(vllm_client, tokenizer) -> None:
+    """min_p, top_k and repetition_penalty reach vLLM's sampler, not only its request parser."""
+    ids = prompt(tokenizer)
+    greedy = (await vllm_client.generate(ids, SamplingParams(temperature=0.0, max_tokens=16))).token_ids
+    # min_p=1 keeps only the most likely token, as top_k=1 does: greedy decoding at temperature 1.
+    for params in (SamplingParams(min_p=1.0, max_tokens=16), SamplingParams(top_k=1, max_tokens=16)):
+        assert (await vllm_client.generate(ids, params)).token_ids == greedy
+    penalised = await vllm_client.generate(ids, SamplingParams(temperature=0.0, repetition_penalty=1.5, max_tokens=16))
+    assert penalised.token_ids and len(penalised.log_probs) == len(penalised.token_ids)
+    for bad in (SamplingParams(min_p=2.0), SamplingParams(repetition_penalty=0.0)):
+        with pytest.raises(BadResponseError, match=r"min_p|repetition_penalty"):
+            await vllm_client.generate(ids, bad)
+
+
 async def test_dead_server_raises_after_bounded_retries() -> None:
     client = VLLMClient("http://127.0.0.1:9", "x", max_model_len=100, max_retries=2, backoff_s=0.05)
     await client.start()

