@@ -26,7 +26,7 @@ from test_pi_integration import RecordingClient
 from swe_grpo.agents.pi import PiConfig
 from swe_grpo.interception import InterceptionServer
 from swe_grpo.rollout import RolloutConfig, run_rollout
-from swe_grpo.sandbox.base import BaseCommitLost, PatchTooLarge, Sandbox, SandboxBackend
+from swe_grpo.sandbox.base import BaseCommitLost, PatchTooLarge, Sandbox, SandboxBackend, SandboxError
 from swe_grpo.sandbox.docker import DockerBackend
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.tasks import Task, demo_tasks
@@ -86,6 +86,7 @@ printf 'x\n' > 'new dir/lines
 and "quotes" \ tab	.txt'
 printf 'y\n' > -rf
 printf 'z\n' > pkg/sub/ünï.py
+printf 'n\n' > "$(printf 'not\377utf8')"
 printf 'A\r\nB\r\nC\r\n' > crlf.txt
 printf 'caf\xe9 cr\xe8me\n' > latin1.txt
 head -c 3000 /dev/urandom > logo.bin
@@ -299,6 +300,12 @@ async def test_lost_base_objects_are_a_named_error(destroy: str, sandbox: Sandbo
     with pytest.raises(BaseCommitLost, match=task.base_commit):
         await sandbox.diff(task.base_commit)
     await assert_no_hostile_code_ran(sandbox)
+
+
+async def test_a_symlink_target_that_is_not_utf8_is_a_named_error(sandbox: Sandbox, task: Task) -> None:
+    await run_ok(sandbox, "ln -s \"$(printf 'not\\377utf8')\" badlink")
+    with pytest.raises(SandboxError, match="no text form"):
+        await sandbox.diff(task.base_commit)
 
 
 @pytest.mark.integration

@@ -139,7 +139,8 @@ class Sandbox(ABC):
 
         Raises `PatchTooLarge` when the patch is over `max_bytes` (it is never returned cut; when a file
         needs the binary form, the all-binary rendering it is taken from must fit too), `BaseCommitLost`
-        (above), `SandboxError` when git or the sandbox fails or `timeout_s` passes (per git run)."""
+        (above), `SandboxError` when git or the sandbox fails, `timeout_s` passes (per git run), or a
+        symlink's target is not UTF-8 (git writes it raw even in a binary patch: no `str` can carry it)."""
         scratch = f"/tmp/swe-grpo-diff-{uuid.uuid4().hex}"
         try:
             text = await self._render_patch(scratch, base_commit, "text", max_bytes, timeout_s)
@@ -256,7 +257,10 @@ fi
 # Highest-precedence attributes: no content conversion at all; diff as text unless style is binary.
 if [ "$style" = text ]; then diff='!diff'; else diff='-diff'; fi
 echo "* $diff !text !eol !crlf !ident !filter !working-tree-encoding" > "$GIT_DIR/info/attributes"
-if [ "$style" = text ]; then g add -A >&2 || exit 1; fi
+# The refresh hashes the files the base commit has without writing objects; then `add` writes only the
+# changed and new ones (writing an object the repository has makes git touch its pack: a copy-up of the
+# whole pack on overlay filesystems, ~1 s per 100 MB).
+if [ "$style" = text ]; then g update-index -q --refresh > /dev/null; g add -A >&2 || exit 1; fi
 g diff --cached --binary --full-index --no-renames --no-color --no-ext-diff --no-textconv \
   --src-prefix=a/ --dst-prefix=b/ "$base" -- | head -c $((limit + 1)) > "$scratch/patch"
 status="${PIPESTATUS[*]}"
