@@ -268,7 +268,7 @@ class DockerSandbox(Sandbox):
         self._container.reload()
         state = self._container.attrs["State"]
         layout = self._backend.cgroups
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, KeyError):  # e.g. an engine in another pid or cgroup namespace
             if layout is not None and state.get("Pid") and self.id in Path(f"/proc/{state['Pid']}/cgroup").read_text():
                 return layout.exhausted(*layout.of_process(state["Pid"]))
         return "memory" if state.get("OOMKilled") else None
