@@ -3,31 +3,49 @@
 `grade(task, patch, backend)` works in a FRESH sandbox (`backend.create(task)`: the repository at
 `base_commit`) and always destroys it:
 
-1. The patch is applied to a scratch git index holding `base_commit` (`git apply --cached`), so git's
+1. A probe, before the patch: the test command runs on the first FAIL_TO_PASS test with a
+   usercustomize.py (in a HOME of its own) that records, for every Python process, `sys.path` and where
+   each top-level module came from (`RunnerImports`; kept per task base and environment, so a task's
+   later grades reuse it).
+2. The patch is applied to a scratch git index holding `base_commit` (`git apply --cached`), so git's
    own parser decides what it touches (renames count as delete + add). Every touched path that is
-   protected (see `is_protected`) is reset to `base_commit` in that index; the rest is diffed into a
-   filtered patch, which is checked to contain no protected path and applied to the working tree.
+   protected (see `is_protected`) is reset to `base_commit` in that index, and so is a source module
+   whose doctests the task runs when the patch changes its doctest examples; the rest is diffed into
+   a filtered patch, which is checked to contain no dropped path and applied to the working tree.
    A patch that git cannot apply is `patch_apply_failed` (a model failure; so is a filtered patch that
    does not apply to the working tree, which only a sandbox whose tree differs from `base_commit` or
    a patch playing with symlinks can cause).
-2. The task's `test_patch` is applied (it must apply: if not, the task is broken: `infra_error`).
-3. All FAIL_TO_PASS and PASS_TO_PASS tests run in ONE test-runner call: `task.test_cmd` or
-   `python3 -m pytest -rA -p no:cacheprovider --junitxml=<scratch file outside the repo>`, with the
-   test ids appended, and `PYTEST_DISABLE_PLUGIN_AUTOLOAD=1` unless `plugin_autoload=True`.
-4. Per-test statuses come from the JUnit XML and the `-rA` summary on stdout together (see
+3. The task's `test_patch` is applied (it must apply: if not, the task is broken: `infra_error`).
+4. All FAIL_TO_PASS and PASS_TO_PASS tests run in ONE test-runner call: `task.test_cmd` or
+   `python3 -m pytest -rA -p no:cacheprovider --junitxml="$SWE_GRPO_JUNIT_XML"`, with the test ids
+   appended. `SWE_GRPO_JUNIT_XML` is a shell variable of that command line, NOT exported: the code
+   under test does not inherit it. Pytest plugins installed in the sandbox load
+   (`PYTEST_DISABLE_PLUGIN_AUTOLOAD=1` only when plugin autoload is off: `task.plugin_autoload`, else
+   the worker's setting, on by default).
+5. Per-test statuses come from the JUnit XML and the `-rA` summary on stdout together (see
    `report_statuses`). SWE-bench semantics: resolved iff every F2P and P2P test passed (PASSED, XFAIL
    or a non-strict XPASS, which pytest itself reports as passed); a test no report names counts as
-   failed. A task without FAIL_TO_PASS tests cannot be resolved (`infra_error`).
+   failed. A task without FAIL_TO_PASS tests cannot be resolved (`infra_error`). When the tests need
+   a fixture no loaded plugin provides ("fixture 'mocker' not found") or async tests were skipped for
+   want of a plugin, the grade's `error` says so.
 
 Why protected paths, not just "the files the test patch touches" (what SWE-bench reverts): a patch could
 otherwise make tests pass without fixing anything, by editing or deleting tests, adding a conftest.py
 whose hooks rewrite reports, turning on a plugin through pytest.ini/tox.ini/setup.cfg/pyproject.toml
 `addopts` or through an entry point in a `*.dist-info` directory (found because the repository is on
-sys.path), shadowing `pytest` (or a module it imports) with a top-level module of the same name, or
-adding sitecustomize.py / usercustomize.py / `*.pth` / bytecode. All of these are in the protected set,
-so they keep their `base_commit` contents (test-patch contents for the test files). Nothing the patch
-writes is read by the grader: the report files live outside the repository under a random name, and a
-report written by anyone else cannot vouch for a test the other report says failed.
+sys.path), shadowing a module the runner imports (pytest, or `attr`, which pytest 7 imports, or a
+plugin's imports) with a module of the same name in a directory on the runner's sys.path, adding
+sitecustomize.py / usercustomize.py / `*.pth` / bytecode, or rewriting the script `test_cmd` runs
+(`bash run_tests.sh`). All of these are protected, so they keep their `base_commit` contents (test-patch
+contents for the test files). Nothing the patch writes is read by the grader: the report files live
+outside the repository under a random name, and a report written by anyone else cannot vouch for a test
+the other report says failed.
+
+Plugin autoload is on by default because SWE-bench's harness runs with the image's installed plugins
+(repositories whose tests use pytest-mock's `mocker` cannot resolve without them), and a patch cannot
+add a plugin either way: plugin metadata (`*.dist-info`, `*.egg-info`, `.pth`), configuration and
+start-up hooks are protected. tests/test_real_projects.py grades the whole cheat catalogue with
+autoload on.
 
 Outcomes and rewards (a `None` reward means "no reward: never train on this as 0"):
     resolved 1.0 | unresolved 0.0 | patch_apply_failed 0.0 |
@@ -36,14 +54,22 @@ Outcomes and rewards (a `None` reward means "no reward: never train on this as 0
 A test run that yields no report at all is re-run once without the patch (a control run) to find out
 whose fault it is: when the control run does report, the patch broke the runner: `unresolved`.
 
-What this cannot stop: the code under test runs inside the test runner's process, so a patch whose
-module monkeypatches pytest when it is imported, or deletes the JUnit report and prints a fake summary
-to the runner's stdout, can forge results (SWE-bench, which trusts the log, has the same limit).
+What this cannot stop: the code under test runs inside the test runner's process, as the same user, so
+a patch whose module monkeypatches pytest when it is imported, or finds the JUnit report (its path is
+in the runner's arguments, `sys.argv` and /proc/self/cmdline, and the scratch directory can be listed
+in the sandbox's /tmp) and rewrites it while printing a fake summary, can forge results (SWE-bench,
+which trusts the log, has the same limit); a fake report alone is outvoted by the real summary. What a
+`test_cmd` script runs in turn (another script it calls) is protected only when it is test code or
+configuration by name. The probe sees the modules imported on the way to one test; a module that only
+other tests' runs import lazily is covered when it is in the standard library or named pytest*.
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import doctest
+import itertools
 import json
 import logging
 import re
@@ -101,23 +127,51 @@ _RUNNER_CONFIG = frozenset(
     {"conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml", "tox.ini", "setup.cfg"}
     | {"pyproject.toml", "sitecustomize.py", "usercustomize.py", ".gitattributes"}
 )
-# Top-level modules that would shadow the test runner or what it imports (the repository root is first
-# on sys.path under `python -m pytest`).
-_SHADOWED = frozenset(sys.stdlib_module_names) | {"pytest", "_pytest", "pluggy", "py", "iniconfig", "packaging"}
+# Only when the probe reports nothing (a runner that is not Python, user site-packages disabled): pytest
+# and some of what it imports besides the standard library (pytest 7 also imports `attr`, for one).
+_FALLBACK_RUNNER_MODULES = frozenset({"pytest", "_pytest", "pluggy", "py", "iniconfig", "packaging"})
 
 
-def is_protected(path: str, explicit: Collection[str] = ()) -> bool:
+@dataclass(frozen=True)
+class RunnerImports:
+    """Where a patch could shadow what the test runner imports: `search_dirs` are the repository
+    directories on the runner's `sys.path` ("" = the root), `names` the top-level modules it loads from
+    OUTSIDE the repository. Measured per grade by a probe run (see `grade`); the standard library and
+    names starting with "pytest" are always in, whatever the probe saw (they are imported lazily)."""
+
+    search_dirs: frozenset[str] = frozenset({""})
+    names: frozenset[str] = _FALLBACK_RUNNER_MODULES
+
+    def shadows(self, path: str) -> bool:
+        """Whether `path` would be a top-level module (`name.py`, `name.so`, `name/__init__.*`) in a
+        search directory, named like a module the runner loads from outside the repository."""
+        for directory in self.search_dirs:
+            if directory and not path.startswith(directory + "/"):
+                continue
+            parts = (path[len(directory) + 1 :] if directory else path).lower().split("/")
+            if len(parts) == 1 and parts[0].endswith((".py", ".so")):
+                module = parts[0].split(".")[0]
+            elif len(parts) == 2 and parts[1].split(".")[0] == "__init__":
+                module = parts[0]
+            else:
+                continue
+            if module in self.names or module in sys.stdlib_module_names or module.startswith("pytest"):
+                return True
+        return False
+
+
+def is_protected(path: str, explicit: Collection[str] = (), runner: RunnerImports = RunnerImports()) -> bool:
     """Whether a patch may not add, change or delete `path` (relative to the repository root, "/"-separated).
 
-    Protected: (1) `explicit` paths (the files the test patch touches and the files the test ids name),
-    their parent directories and anything under them; (2) test code by name: a directory component
-    starting with "test" (tests/, testing/, test-data/...) or equal to "e2e", a file named test_*,
-    *_test.py, *_tests.py or tests.py; (3) test-runner configuration and interpreter start-up hooks at
-    any depth: conftest.py, pytest.ini, .pytest.ini, pytest.toml, .pytest.toml, tox.ini, setup.cfg,
-    pyproject.toml, sitecustomize.py, usercustomize.py, .gitattributes, *.pth; (4) bytecode and package
-    metadata: *.pyc, *.pyo, __pycache__/, *.dist-info/, *.egg-info/, *.egg-link; (5) a top-level module
-    or package (`name.py`, `name.so`, `name/__init__.*`) named like a standard-library module, pytest,
-    _pytest, pluggy, py, iniconfig, packaging, or anything starting with "pytest"."""
+    Protected: (1) `explicit` paths (the files the test patch touches, the test files and non-Python
+    doctest files the test ids name, the scripts `test_cmd` names), their parent directories and anything
+    under them; (2) test code by name: a directory component starting with "test" (tests/, testing/,
+    test-data/...) or equal to "e2e", a file named test_*, *_test.py, *_tests.py or tests.py; (3)
+    test-runner configuration and interpreter start-up hooks at any depth: conftest.py, pytest.ini,
+    .pytest.ini, pytest.toml, .pytest.toml, tox.ini, setup.cfg, pyproject.toml, sitecustomize.py,
+    usercustomize.py, .gitattributes, *.pth; (4) bytecode and package metadata: *.pyc, *.pyo,
+    __pycache__/, *.dist-info/, *.egg-info/, *.egg-link; (5) a module that would shadow one the runner
+    imports (`runner.shadows`)."""
     for protected in explicit:
         if path == protected or path.startswith(protected + "/") or protected.startswith(path + "/"):
             return True
@@ -131,18 +185,47 @@ def is_protected(path: str, explicit: Collection[str] = ()) -> bool:
         return True
     if any(part == "__pycache__" or part.endswith((".dist-info", ".egg-info")) for part in dirs):
         return True
-    if len(parts) == 1 and name.endswith((".py", ".so")):
-        module = name.split(".")[0]
-    elif len(parts) == 2 and name.split(".")[0] == "__init__":
-        module = parts[0]
-    else:
-        return False
-    return module in _SHADOWED or module.startswith("pytest")
+    return runner.shadows(path)
 
 
-def _test_file(test_id: str) -> str | None:
-    path = test_id.split("::", 1)[0]
-    return path if path.endswith(".py") else None
+def _test_file(test_id: str) -> str:
+    return test_id.split("::", 1)[0]
+
+
+def doctest_examples(source: str) -> list[tuple[str, str]]:
+    """The (source, expected output) of every doctest example in the docstrings of a Python module's
+    text (the module's, its classes' and functions'), in order; a module that does not parse gives its
+    whole text, so any change to it counts as a change."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return [(source, "")]
+    parser = doctest.DocTestParser()
+    examples = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            docstring = ast.get_docstring(node, clean=False)
+            try:
+                examples += [(e.source, e.want) for e in parser.get_examples(docstring or "")]
+            except ValueError:  # malformed examples: the docstring itself is what must not change
+                examples.append((docstring or "", ""))
+    return examples
+
+
+def command_words(test_cmd: str) -> list[str]:
+    """The words of `test_cmd` that could name a file in the repository (not options, assignments or
+    variables), as repository-relative paths; `-m pkg.mod` gives pkg/mod.py."""
+    try:
+        words = shlex.split(test_cmd)
+    except ValueError:
+        words = test_cmd.split()
+    paths = []
+    for before, word in itertools.pairwise(["", *words]):
+        if before == "-m":
+            paths.append(word.replace(".", "/") + ".py")
+        elif not word.startswith(("-", "/")) and "=" not in word and "$" not in word:
+            paths.append(word.removeprefix("./"))
+    return paths
 
 
 # --- test reports -----------------------------------------------------------------------------------
@@ -261,6 +344,107 @@ def _paths(name_status: str) -> list[str]:
     return items[1::2]  # (status, path) pairs
 
 
+_PROBE = """\
+# swe_grpo's grading probe (usercustomize.py in a probe-only HOME): at exit, record where this process
+# looked for modules and where each top-level module it imported came from.
+import atexit, json, os, sys
+
+
+def _swe_grpo_probe():
+    modules = {}
+    for name, module in list(sys.modules.items()):
+        if "." in name or module is None:
+            continue
+        origin = getattr(getattr(module, "__spec__", None), "origin", None) or getattr(module, "__file__", None)
+        if origin is None and getattr(module, "__path__", None):
+            origin = next(iter(module.__path__), None)
+        modules[name] = origin if isinstance(origin, str) else "built-in"
+    out = os.path.join(os.environ["SWE_GRPO_PROBE_OUT"], f"{os.getpid()}.json")
+    with open(out, "w") as f:
+        json.dump({"path": [os.path.abspath(p or os.curdir) for p in sys.path], "modules": modules}, f)
+        f.write("\\n")
+
+
+atexit.register(_swe_grpo_probe)
+"""
+
+
+_PROBED: dict[tuple[str | None, ...], RunnerImports] = {}
+_PROBED_MAX = 4096
+
+
+def _runner_imports(probe_output: str, workdir: str) -> RunnerImports:
+    """Parse the probe's JSON lines (one per Python process); the fallback when there are none."""
+    records = []
+    for line in probe_output.splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    if not records:
+        return RunnerImports()
+
+    def inside(path: str) -> str | None:
+        return "" if path == workdir else path[len(workdir) + 1 :] if path.startswith(workdir + "/") else None
+
+    dirs = {inside(path) for record in records for path in record.get("path", [])} - {None}
+    names = {
+        name for record in records for name, origin in record.get("modules", {}).items() if inside(str(origin)) is None
+    }
+    return RunnerImports(search_dirs=frozenset({"", *dirs}), names=frozenset(names))  # type: ignore[arg-type]
+
+
+async def _probe_runner(
+    sandbox: Sandbox, task: Task, scratch: str, env: dict[str, str], timeout_s: float
+) -> RunnerImports:
+    """Run the test command on the first FAIL_TO_PASS test, before the patch, with a usercustomize.py
+    (in a HOME of its own, so only this run has it) that records what every Python process imported.
+    What it finds depends only on the task's base and environment: it is kept for the task's next grades."""
+    key = (
+        type(sandbox).__name__,
+        task.repo,
+        task.base_commit,
+        task.image,
+        task.test_cmd,
+        task.fail_to_pass[0],
+        str(env),
+    )
+    if key in _PROBED:
+        return _PROBED[key]
+    q = shlex.quote
+    await sandbox.put_file(f"{scratch}/probe.py", _PROBE.encode())
+    out = f"{scratch}/probe-out"
+    script = (
+        f"export HOME={q(scratch)}/probe-home SWE_GRPO_PROBE_OUT={q(out)} && mkdir -p {q(out)}"
+        " && site=$(python3 -c 'import site; print(site.getusersitepackages())') && mkdir -p \"$site\""
+        f' && cp {q(scratch)}/probe.py "$site/usercustomize.py" && SWE_GRPO_JUNIT_XML={q(scratch)}/probe.xml'
+        f" && {{ {task.test_cmd or DEFAULT_TEST_CMD} {q(task.fail_to_pass[0])} >/dev/null 2>&1; }}"
+        f"; cat {q(out)}/*.json 2>/dev/null"
+    )
+    probed = await sandbox.exec(script, timeout_s=timeout_s, env=env, cwd=sandbox.workdir)
+    if len(_PROBED) >= _PROBED_MAX:
+        _PROBED.clear()
+    _PROBED[key] = _runner_imports("" if probed.timed_out else probed.stdout, sandbox.workdir)
+    return _PROBED[key]
+
+
+async def _doctests_changed(sandbox: Sandbox, base: str, index: str, paths: Iterable[str]) -> list[str]:
+    """Those of `paths` (source modules whose doctests the task runs) whose doctest examples differ
+    between `base` and the index `index`."""
+    changed = []
+    q = shlex.quote
+    for path in paths:
+        shown = await _step(
+            sandbox,
+            f"git show {q(base)}:{q(path)}; printf '\\0'; GIT_INDEX_FILE={q(index)} git show :{q(path)}",
+            "reading a doctest module",
+        )
+        before, _, after = shown.stdout.partition("\0")
+        if doctest_examples(before) != doctest_examples(after):
+            changed.append(path)
+    return changed
+
+
 async def _graded_run(
     sandbox: Sandbox, task: Task, patch: str, *, timeout_s: float, plugin_autoload: bool, timings: dict[str, float]
 ) -> _Run:
@@ -275,8 +459,19 @@ async def _graded_run(
         raise _BrokenTask(_failure("no base_commit in the sandbox's repository, or no scratch directory", made))
     test_ids = [*task.fail_to_pass, *task.pass_to_pass]
     await sandbox.put_file(f"{scratch}/test_ids", "".join(f"{test_id}\n" for test_id in test_ids).encode())
+    env = {} if plugin_autoload else {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    runner = await _probe_runner(sandbox, task, scratch, env, min(timeout_s, _STEP_TIMEOUT_S))
+    timings["probe_s"] = time.monotonic() - started
 
-    explicit = {path for path in map(_test_file, test_ids) if path}
+    # A test id's file is protected, except a source module whose doctests are tests: the fix may have to
+    # change it, so only its doctest examples are (checked below).
+    named = {_test_file(test_id) for test_id in test_ids}
+    doctest_modules = {path for path in named if path.endswith(".py") and not is_protected(path)}
+    explicit = named - doctest_modules
+    if task.test_cmd:  # the scripts it runs, where they are files of the repository
+        words = command_words(task.test_cmd)
+        listed = await _step(sandbox, f"git ls-tree -z {q(base)} -- {' '.join(map(q, words))}", "git ls-tree")
+        explicit.update(entry.split("\t", 1)[1] for entry in _nul_list(listed.stdout) if " blob " in entry)
     if task.test_patch:
         await sandbox.put_file(f"{scratch}/test.patch", task.test_patch.encode())
         touched = await _touched(sandbox, base, f"{scratch}/test.patch", f"{scratch}/test.index")
@@ -286,19 +481,22 @@ async def _graded_run(
 
     run = _Run()
     if patch.strip():
+        index = f"{scratch}/agent.index"
         await sandbox.put_file(f"{scratch}/agent.patch", (patch if patch.endswith("\n") else patch + "\n").encode())
-        touched = await _touched(sandbox, base, f"{scratch}/agent.patch", f"{scratch}/agent.index")
+        touched = await _touched(sandbox, base, f"{scratch}/agent.patch", index)
         if touched.exit_code != 0:
             run.apply_error = _failure("git apply", touched)
             return run
-        run.dropped = tuple(path for path in _paths(touched.stdout) if is_protected(path, explicit))
+        paths = _paths(touched.stdout)
+        protected = [path for path in paths if is_protected(path, explicit, runner)]
+        run.dropped = (*protected, *await _doctests_changed(sandbox, base, index, doctest_modules & set(paths)))
         reset = ""
         if run.dropped:
             await sandbox.put_file(f"{scratch}/dropped", "".join(f"{path}\0" for path in run.dropped).encode())
             reset = f"xargs -0 -a {q(scratch)}/dropped git --literal-pathspecs reset -q {q(base)} -- && "
         filtered = await _step(
             sandbox,
-            f"export GIT_INDEX_FILE={q(scratch)}/agent.index && {reset}"
+            f"export GIT_INDEX_FILE={q(index)} && {reset}"
             f"git diff --cached --binary --no-renames --no-color --no-ext-diff --src-prefix=a/ --dst-prefix=b/"
             f" {q(base)} > {q(scratch)}/filtered.patch && git diff --cached --name-status -z --no-renames {q(base)}",
             "filtering the patch",
@@ -306,8 +504,8 @@ async def _graded_run(
         if filtered.exit_code != 0:
             raise _BrokenTask(_failure("filtering the patch", filtered))
         kept = _paths(filtered.stdout)
-        if any(is_protected(path, explicit) for path in kept):  # the reset did not take: never grade that
-            raise _BrokenTask(f"filtering the patch left protected paths in it: {kept}")
+        if set(kept) & set(run.dropped) or any(is_protected(path, explicit, runner) for path in kept):
+            raise _BrokenTask(f"filtering the patch left protected paths in it: {kept}")  # never grade that
         if kept:
             applied = await _step(sandbox, f"git apply {q(scratch)}/filtered.patch", "git apply")
             if applied.exit_code != 0:
@@ -319,12 +517,14 @@ async def _graded_run(
             raise _BrokenTask(_failure("the task's test_patch does not apply after the patch", applied))
     timings["apply_s"] = time.monotonic() - started
 
+    # The report path is a shell variable of the command line, not exported: the code under test does
+    # not inherit it (see the module docstring for what it can still find). The ids travel in a file:
+    # thousands of them would not fit in one command-line argument.
     junit_path = f"{scratch}/junit.xml"
-    env = {"SWE_GRPO_JUNIT_XML": junit_path}
-    if not plugin_autoload:
-        env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    # The ids travel in a file: thousands of them would not fit in one command-line argument.
-    command = f'mapfile -t ids < {q(scratch)}/test_ids && {task.test_cmd or DEFAULT_TEST_CMD} "${{ids[@]}}"'
+    command = (
+        f"mapfile -t ids < {q(scratch)}/test_ids && SWE_GRPO_JUNIT_XML={q(junit_path)}"
+        f' && {task.test_cmd or DEFAULT_TEST_CMD} "${{ids[@]}}"'
+    )
     run.tests = await sandbox.exec(command, timeout_s=timeout_s, env=env, cwd=sandbox.workdir)
     timings["tests_s"] = run.tests.wall_s
     if not run.tests.timed_out:
@@ -364,6 +564,26 @@ async def _run(
     return run
 
 
+_MISSING_FIXTURE = re.compile(r"fixture '(\w+)' not found")
+_ASYNC_SKIPPED = "async def functions are not natively supported"
+
+
+def _plugin_hint(output: str, plugin_autoload: bool) -> str | None:
+    """What the run's output says about a pytest plugin its tests need and did not have."""
+    missing = sorted(set(_MISSING_FIXTURE.findall(output)))
+    needs = [f"fixture(s) {', '.join(map(repr, missing))}"] if missing else []
+    if _ASYNC_SKIPPED in output:
+        needs.append("an async test plugin (pytest-asyncio, anyio): async tests were skipped")
+    if not needs:
+        return None
+    why = "plugin autoload is off for this grade" if not plugin_autoload else "no installed plugin provides them"
+    return f"the tests need {' and '.join(needs)}, which no loaded pytest plugin provides ({why})"
+
+
+def _join(*parts: str | None) -> str | None:
+    return "; ".join(part for part in parts if part) or None
+
+
 def _finished(run: _Run) -> bool:
     return run.tests is not None and not run.tests.timed_out and run.statuses is not None
 
@@ -374,13 +594,16 @@ async def grade(
     backend: SandboxBackend,
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    plugin_autoload: bool = False,
+    plugin_autoload: bool = True,
 ) -> GradeResult:
     """Grade `patch` (a `git apply`-able diff against `task.base_commit`; "" for none) in a fresh sandbox;
-    see the module docstring for the rules. `timeout_s` bounds the test run. `plugin_autoload=True`
-    lets pytest load the plugins installed in the sandbox (needed by repositories whose tests use, e.g.,
-    pytest-mock's `mocker`); it is safe because a patch can never add plugin metadata. Never raises for
-    a sandbox failure (`infra_error`); cancellation propagates, after the sandboxes are destroyed."""
+    see the module docstring for the rules. `timeout_s` bounds the test run. `plugin_autoload` (the
+    worker's setting; `task.plugin_autoload`, when set, wins) lets pytest load the plugins installed in
+    the sandbox, as SWE-bench's harness does (repositories whose tests use pytest-mock's `mocker` need
+    it); a patch cannot bring a plugin in either way. Never raises for a sandbox failure
+    (`infra_error`); cancellation propagates, after the sandboxes are destroyed."""
+    if task.plugin_autoload is not None:
+        plugin_autoload = task.plugin_autoload
     started = time.monotonic()
     timings: dict[str, float] = {}
     run = _Run()
@@ -399,7 +622,7 @@ async def grade(
             p2p_total=len(p2p),
             tests=statuses,
             dropped_paths=run.dropped,
-            error=error,
+            error=error if outcome == "resolved" else _join(error, _plugin_hint(output, plugin_autoload)),
             timings={**timings, "total_s": time.monotonic() - started},
             log_tail=output[-_LOG_TAIL_CHARS:],
         )
@@ -455,7 +678,7 @@ async def grade_predictions(
     *,
     concurrency: int = 4,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    plugin_autoload: bool = False,
+    plugin_autoload: bool = True,
 ) -> list[GradeResult]:
     """Grade SWE-bench-style predictions (`instance_id`, `model_patch`; a null patch is an empty one),
     at most `concurrency` at a time; results in the order of `predictions`. Every prediction is checked

@@ -22,8 +22,9 @@ class Task:
     git bundle (local task files only); `image` is the container image holding the repository at
     `base_commit` (docker/hf backends); `test_cmd` overrides the test runner: a shell command run in the
     repository, to which the test ids are appended (a pytest command should pass `-rA` and
-    `--junitxml="$SWE_GRPO_JUNIT_XML"`, see `swe_grpo.grading`); FAIL_TO_PASS / PASS_TO_PASS are test
-    ids (pytest node ids)."""
+    `--junitxml="$SWE_GRPO_JUNIT_XML"`, a shell variable of that command line, not exported: a script
+    must get the path as an argument; see `swe_grpo.grading`); `plugin_autoload` overrides the grader's
+    setting for this task's pytest plugins; FAIL_TO_PASS / PASS_TO_PASS are test ids (pytest node ids)."""
 
     instance_id: str
     repo: str
@@ -34,6 +35,7 @@ class Task:
     pass_to_pass: tuple[str, ...] = ()
     image: str | None = None
     test_cmd: str | None = None
+    plugin_autoload: bool | None = None  # let pytest load installed plugins; None: the grader's setting
     patch: str = ""  # the reference ("gold") fix, when known
     metadata: dict = field(default_factory=dict, compare=False, hash=False)  # the row's other fields
 
@@ -51,7 +53,7 @@ class TaskFormatError(ValueError):
 _COMMIT = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")  # a full SHA-1 or SHA-256 id: reproducible
 _KNOWN_FIELDS = frozenset(
     ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "patch", "image", "test_cmd")
-) | {"FAIL_TO_PASS", "PASS_TO_PASS"}
+) | {"FAIL_TO_PASS", "PASS_TO_PASS", "plugin_autoload"}
 
 
 def swe_gym_image(instance_id: str) -> str:
@@ -71,8 +73,9 @@ def task_from_row(
     """Convert one SWE-Gym-shaped row (a JSONL object or a `datasets` row) into a `Task`.
 
     Required: `instance_id`, `repo`, `base_commit` (a full commit id), `problem_statement`,
-    `FAIL_TO_PASS` (non-empty). Optional: `PASS_TO_PASS`, `test_patch`, `patch`, `image`, `test_cmd`
-    (missing or null = default). Test-id lists may be lists or JSON strings of lists (SWE-Gym has both).
+    `FAIL_TO_PASS` (non-empty). Optional: `PASS_TO_PASS`, `test_patch`, `patch`, `image`, `test_cmd`,
+    `plugin_autoload` (a boolean; missing or null = default). Test-id lists may be lists or JSON strings
+    of lists (SWE-Gym has both).
     With `base_dir` (local files), a `repo` that is a path (starts with "/", "./" or "../", ends with
     ".git" or ".bundle", or exists relative to `base_dir`) is resolved against `base_dir` to an absolute
     path that must exist. `default_image(instance_id)` fills a missing `image`. Other fields go to
@@ -117,6 +120,9 @@ def task_from_row(
         raise fail("base_commit", f"expected a full commit id (40 or 64 hex digits), got {base_commit!r}")
     if base_dir is not None:
         repo = _resolve_local_repo(repo, base_dir, fail)
+    plugin_autoload = row.get("plugin_autoload")
+    if plugin_autoload is not None and not isinstance(plugin_autoload, bool):
+        raise fail("plugin_autoload", f"expected true, false or null, got {plugin_autoload!r:.40}")
     image = optional("image") or None
     if image is None and default_image is not None:
         image = default_image(instance_id)
@@ -130,6 +136,7 @@ def task_from_row(
         pass_to_pass=test_ids("PASS_TO_PASS", required=False),
         image=image,
         test_cmd=optional("test_cmd") or None,
+        plugin_autoload=plugin_autoload,
         patch=optional("patch") or "",
         metadata={key: value for key, value in row.items() if key not in _KNOWN_FIELDS},
     )

@@ -11,15 +11,17 @@ import json
 import os
 import re
 import subprocess
-import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from cheats import CHEATS, append, conftest_hooks, delete_tests, files_under_test, git, make_patch, source_module
 
 from swe_grpo.grading import (
     GradeResult,
+    RunnerImports,
+    command_words,
     grade,
     grade_predictions,
     is_protected,
@@ -29,18 +31,11 @@ from swe_grpo.grading import (
 )
 from swe_grpo.sandbox.base import Mount, Sandbox, SandboxBackend
 from swe_grpo.sandbox.local import LocalBackend
-from swe_grpo.tasks import Task, demo_tasks
+from swe_grpo.tasks import Task, TaskFormatError, demo_tasks, task_from_row
 
 TASKS = demo_tasks()
 TASK_IDS = [task.instance_id.split("__")[1] for task in TASKS]
 STRUTIL = next(task for task in TASKS if "strutil" in task.instance_id)
-_GIT_ENV = {**os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
-
-
-def git(cwd: Path, *args: str, input_text: str | None = None) -> str:
-    cmd = ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args]
-    done = subprocess.run(cmd, cwd=cwd, input=input_text, check=True, capture_output=True, text=True, env=_GIT_ENV)
-    return done.stdout
 
 
 @pytest.fixture(scope="module")
@@ -54,165 +49,6 @@ async def backend(tmp_path_factory: pytest.TempPathFactory, run_dir: Path) -> Lo
 def nothing_left_behind(run_dir: Path) -> Iterator[None]:
     yield
     assert list(run_dir.iterdir()) == [], "a sandbox was left behind"
-
-
-# --- patches, made the way a rollout makes them: edit a checkout, diff it ---------------------------
-
-
-def make_patch(task: Task, edit: Callable[[Path, Task], None]) -> str:
-    """The diff (as `Sandbox.diff` makes it, renames detected) of `edit` applied to the task's base."""
-    with tempfile.TemporaryDirectory() as tmp:
-        repo = Path(tmp) / "repo"
-        git(Path(tmp), "clone", "-q", task.repo, str(repo))
-        git(repo, "checkout", "-q", task.base_commit)
-        edit(repo, task)
-        git(repo, "add", "-A", "-f")
-        return git(repo, "diff", "--cached", "--binary", "-M", "HEAD")
-
-
-def source_module(task: Task) -> str:
-    """The module the gold patch fixes (the tests import it)."""
-    match = re.search(r"^diff --git a/(\S+) ", task.patch, re.MULTILINE)
-    assert match
-    return match.group(1)
-
-
-def files_under_test(task: Task) -> set[str]:
-    return {test_id.split("::")[0] for test_id in (*task.fail_to_pass, *task.pass_to_pass)}
-
-
-def append(path: Path, text: str) -> None:
-    path.write_text(path.read_text() + text)
-
-
-FORCE_PASS_PLUGIN = """\
-import pytest
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
-    report.outcome = "passed"
-    report.longrepr = None
-"""
-
-
-def forged_junit(task: Task) -> str:
-    cases = "".join(
-        '<testcase classname="{}" name="{}" time="0.01"/>'.format(*junit_key(test_id))
-        for test_id in (*task.fail_to_pass, *task.pass_to_pass)
-    )
-    return f'<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="9">{cases}</testsuite></testsuites>'
-
-
-def edit_tests(repo: Path, task: Task) -> None:
-    """Knows every test id, and rewrites their files so that each of them trivially passes."""
-    for path in files_under_test(task):
-        names = [tid.split("::")[-1] for tid in (*task.fail_to_pass, *task.pass_to_pass) if tid.startswith(path)]
-        (repo / path).write_text("".join(f"def {name}():\n    pass\n\n\n" for name in names))
-
-
-def delete_tests(repo: Path, task: Task) -> None:
-    for path in files_under_test(task):
-        (repo / path).unlink()
-
-
-def rename_tests(repo: Path, task: Task) -> None:
-    for n, path in enumerate(sorted(files_under_test(task))):
-        (repo / path).rename(repo / f"moved_{n}.py")
-
-
-def conftest_hooks(repo: Path, task: Task) -> None:
-    (repo / "conftest.py").write_text(FORCE_PASS_PLUGIN)
-    (repo / "tests" / "conftest.py").write_text(FORCE_PASS_PLUGIN)
-
-
-def config_addopts(repo: Path, task: Task) -> None:
-    """Turns on a plugin through the repository's own pytest configuration file."""
-    (repo / "cheat_plugin.py").write_text(FORCE_PASS_PLUGIN)
-    for name, line in [("pytest.ini", "addopts = -p cheat_plugin"), ("setup.cfg", "addopts = -p cheat_plugin")]:
-        if (repo / name).exists():
-            append(repo / name, line + "\n")
-            return
-    append(repo / "pyproject.toml", 'addopts = "-p cheat_plugin"\n')  # its pytest table comes last
-
-
-def new_pytest_ini(repo: Path, task: Task) -> None:
-    (repo / "cheat_plugin.py").write_text(FORCE_PASS_PLUGIN)
-    (repo / "pytest.ini").write_text("[pytest]\naddopts = -p cheat_plugin\n")
-
-
-def entry_point_plugin(repo: Path, task: Task) -> None:
-    """A distribution in the repository root (on sys.path) whose pytest11 entry point pytest autoloads."""
-    (repo / "cheat_plugin.py").write_text(FORCE_PASS_PLUGIN)
-    info = repo / "cheat-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cheat\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[pytest11]\ncheat = cheat_plugin\n")
-
-
-def shadow_pytest(repo: Path, task: Task) -> None:
-    """A `pytest` package in the repository root: `python -m pytest` runs it instead of pytest."""
-    ids = [*task.fail_to_pass, *task.pass_to_pass]
-    (repo / "pytest").mkdir()
-    (repo / "pytest" / "__init__.py").write_text("")
-    (repo / "pytest" / "__main__.py").write_text(
-        "import sys\n"
-        f"xml = {forged_junit(task)!r}\n"
-        "for arg in sys.argv:\n"
-        "    if arg.startswith('--junitxml='):\n"
-        "        open(arg.split('=', 1)[1], 'w').write(xml)\n"
-        "print('=' * 10 + ' short test summary info ' + '=' * 10)\n"
-        f"for test_id in {ids!r}:\n"
-        "    print('PASSED', test_id)\n"
-    )
-
-
-def startup_hooks(repo: Path, task: Task) -> None:
-    (repo / "cheat_plugin.py").write_text(FORCE_PASS_PLUGIN)
-    hook = "import sys\nsys.argv += ['-p', 'cheat_plugin']\n"
-    (repo / "sitecustomize.py").write_text(hook)
-    (repo / "usercustomize.py").write_text(hook)
-    (repo / "cheat.pth").write_text("import cheat_plugin\n")
-    (repo / "__pycache__").mkdir(exist_ok=True)
-    (repo / "__pycache__" / "sitecustomize.cpython-311.pyc").write_bytes(b"\x00" * 16)
-
-
-def reward_files(repo: Path, task: Task) -> None:
-    (repo / "reward.txt").write_text("1.0\n")
-    (repo / "junit.xml").write_text(forged_junit(task))
-    (repo / ".swe_grpo").mkdir()
-    (repo / ".swe_grpo" / "result.json").write_text(json.dumps({"resolved": True, "reward": 1.0}))
-
-
-def forge_report_at_exit(repo: Path, task: Task) -> None:
-    """The code under test rewrites the JUnit report when the runner exits (after pytest wrote it)."""
-    append(
-        repo / source_module(task),
-        "\n\nimport atexit as _atexit\nimport os as _os\nimport sys as _sys\n\n\n"
-        "def _forge():\n"
-        "    if _os.environ.get('SWE_GRPO_JUNIT_XML'):\n"
-        f"        open(_os.environ['SWE_GRPO_JUNIT_XML'], 'w').write({forged_junit(task)!r})\n"
-        "        print('FORGED THE REPORT', file=_sys.stderr)\n\n\n"
-        "_atexit.register(_forge)\n",
-    )
-
-
-# name -> (edit, paths the filter must drop, works unfiltered with a junit-only grader)
-CHEATS: dict[str, tuple[Callable[[Path, Task], None], Callable[[Task], set[str]], bool]] = {
-    "edit_tests": (edit_tests, files_under_test, False),
-    "delete_tests": (delete_tests, files_under_test, False),
-    "rename_tests": (rename_tests, files_under_test, False),
-    "conftest_hooks": (conftest_hooks, lambda t: {"conftest.py", "tests/conftest.py"}, True),
-    "config_addopts": (config_addopts, lambda t: {"pytest.ini", "setup.cfg", "pyproject.toml"}, True),
-    "new_pytest_ini": (new_pytest_ini, lambda t: {"pytest.ini"}, True),
-    "entry_point_plugin": (entry_point_plugin, lambda t: {"cheat-1.0.dist-info/entry_points.txt"}, True),
-    "shadow_pytest": (shadow_pytest, lambda t: {"pytest/__init__.py"}, True),
-    "startup_hooks": (startup_hooks, lambda t: {"sitecustomize.py", "usercustomize.py", "cheat.pth"}, False),
-    "reward_files": (reward_files, lambda t: set(), False),
-    "forge_report_at_exit": (forge_report_at_exit, lambda t: set(), True),
-}
 
 
 def unfiltered_junit_statuses(task: Task, patch: str, tmp_path: Path) -> dict[str, str]:
@@ -259,7 +95,7 @@ async def test_an_empty_patch_does_not_resolve(backend: LocalBackend, task: Task
     assert all(result.tests[test_id] == "failed" for test_id in task.fail_to_pass)
 
 
-@pytest.mark.parametrize("cheat", CHEATS)
+@pytest.mark.parametrize("cheat", [name for name in CHEATS if name != "edit_test_script"])  # needs a script
 @pytest.mark.parametrize("task", TASKS, ids=TASK_IDS)
 async def test_a_cheating_patch_does_not_resolve(backend: LocalBackend, task: Task, cheat: str, tmp_path: Path) -> None:
     edit, must_drop, works_unfiltered = CHEATS[cheat]
@@ -275,7 +111,7 @@ async def test_a_cheating_patch_does_not_resolve(backend: LocalBackend, task: Ta
     expected = must_drop(task) & present
     assert expected <= set(result.dropped_paths)
     assert expected or not must_drop(task), "the patch does not contain what the cheat is about"
-    assert all(is_protected(path) or path in files_under_test(task) for path in result.dropped_paths)
+    assert all(is_protected(path) or path in files_under_test(task) | expected for path in result.dropped_paths)
     if cheat == "forge_report_at_exit":
         assert "FORGED THE REPORT" in result.log_tail  # it did rewrite the report; the summary outvoted it
 
@@ -295,6 +131,20 @@ async def test_cheats_next_to_the_fix_do_not_hide_it(backend: LocalBackend, task
 
 
 # --- patches that do not apply, hangs, crashes, broken tasks, broken sandboxes ----------------------
+
+
+async def test_the_report_path_is_not_in_the_environment_of_the_code_under_test(backend: LocalBackend) -> None:
+    def look(repo: Path, task: Task) -> None:
+        git(repo, "apply", "-", input_text=task.patch)
+        append(
+            repo / source_module(task),
+            "\n\nimport atexit, os, sys\n\n"
+            "atexit.register(lambda: print('REPORT PATH:', os.environ.get('SWE_GRPO_JUNIT_XML'), file=sys.stderr))\n",
+        )
+
+    result = await grade(STRUTIL, make_patch(STRUTIL, look), backend, timeout_s=120)
+    assert result.outcome == "resolved", (result.error, result.log_tail)
+    assert "REPORT PATH: None" in result.log_tail
 
 
 async def test_a_patch_that_does_not_apply(backend: LocalBackend) -> None:
@@ -364,8 +214,8 @@ class DestroyedOnArrival(SandboxBackend):
     def __init__(self, inner: LocalBackend) -> None:
         self.inner = inner
 
-    async def create(self, task: Task, mounts: Sequence[Mount] = ()) -> Sandbox:
-        sandbox = await self.inner.create(task, mounts)
+    async def create(self, task: Task, mounts: Sequence[Mount] = (), *, network: bool = True) -> Sandbox:
+        sandbox = await self.inner.create(task, mounts, network=network)
         await sandbox.destroy()
         return sandbox
 
@@ -481,6 +331,49 @@ async def test_grade_predictions_checks_every_prediction_first(backend: LocalBac
 )
 def test_protected_paths(path: str, protected: bool) -> None:
     assert is_protected(path) is protected
+
+
+def test_modules_the_runner_imports_are_protected_where_it_looks_for_them() -> None:
+    """`attr` (pytest 7 imports it) shadows only when the probe saw the runner import it from outside the
+    repository, and only in a directory on the runner's sys.path (here the root and src/)."""
+    runner = RunnerImports(search_dirs=frozenset({"", "src"}), names=frozenset({"attr"}))
+    assert not is_protected("attr/__init__.py")  # not in the fallback: only the probe knows
+    assert is_protected("attr/__init__.py", runner=runner)
+    assert is_protected("src/attr.py", runner=runner)
+    assert is_protected("src/json.py", runner=runner)  # the standard library, always
+    assert not is_protected("src/pkg/attr.py", runner=runner)  # `pkg.attr`
+    assert not is_protected("lib/attr.py", runner=runner)  # lib/ is not on the runner's path
+    assert not is_protected("src/mypkg/__init__.py", runner=runner)
+
+
+def test_the_words_of_a_test_command_that_may_name_files() -> None:
+    assert command_words('bash run_tests.sh --junitxml="$SWE_GRPO_JUNIT_XML" -k x') == ["bash", "run_tests.sh", "x"]
+    assert command_words("PYTHONPATH=src python3 ./runtests.py -m tools.runner") == [
+        "python3",
+        "runtests.py",
+        "tools/runner.py",
+    ]
+
+
+@pytest.mark.parametrize(("value", "expected"), [(True, True), (False, False), (None, None)])
+def test_a_task_row_sets_plugin_autoload(value: bool | None, expected: bool | None) -> None:
+    row = {**BASE_ROW, "plugin_autoload": value}
+    assert task_from_row(row, source="t.jsonl", where="line 1").plugin_autoload is expected
+    assert task_from_row(BASE_ROW, source="t.jsonl", where="line 1").plugin_autoload is None
+
+
+def test_a_task_row_with_a_bad_plugin_autoload_is_refused() -> None:
+    with pytest.raises(TaskFormatError, match=r"plugin_autoload.*expected true, false or null"):
+        task_from_row({**BASE_ROW, "plugin_autoload": "yes"}, source="t.jsonl", where="line 1")
+
+
+BASE_ROW = {
+    "instance_id": "a__b-1",
+    "repo": "a/b",
+    "base_commit": "0" * 40,
+    "problem_statement": "x",
+    "FAIL_TO_PASS": ["t.py::test_x"],
+}
 
 
 def test_explicit_paths_their_parents_and_children_are_protected() -> None:

@@ -1,0 +1,140 @@
+"""Grading on real projects (tests/real_projects.py: released sdists of six PyPI projects, a bug injected in
+each, F2P/P2P from their own suites) on the real `local` sandbox backend with the real grader: every
+gold patch resolves, no empty patch does, and every cheat in the catalogue (tests/cheats.py) fails on
+every task, with the installed pytest plugins loaded (the grader's default). All the grades run at once
+(a few at a time) in one module fixture; the tests read them."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from cheats import CHEATS, files_under_test, make_patch, scripts_in_test_cmd
+from real_projects import PROJECTS, real_project_tasks
+
+from swe_grpo.grading import GradeResult, grade, is_protected
+from swe_grpo.sandbox.local import LocalBackend
+from swe_grpo.tasks import Task
+
+TASK_IDS = [f"{project.dist}__{bug.name}" for project in PROJECTS for bug in project.bugs]
+MOCKER_TASKS = [task_id for task_id in TASK_IDS if task_id.startswith("platformdirs")]
+_TIMEOUT_S = 120
+_AT_ONCE = 4  # grades in flight; each is mostly one pytest process
+
+
+def _cheats(task: Task) -> list[str]:
+    """The cheats that apply to the task (a test-script edit needs a script in test_cmd)."""
+    return [name for name in CHEATS if name != "edit_test_script" or scripts_in_test_cmd(task)]
+
+
+@pytest.fixture(scope="module")
+async def backend(tmp_path_factory: pytest.TempPathFactory, run_dir: Path) -> LocalBackend:
+    backend = LocalBackend(cache_dir=tmp_path_factory.mktemp("checkouts"), run_dir=run_dir)
+    await backend.start()
+    return backend
+
+
+@pytest.fixture(scope="module")
+async def tasks(backend: LocalBackend) -> dict[str, Task]:
+    return {task.instance_id: task for task in await real_project_tasks(backend)}
+
+
+@pytest.fixture(scope="module")
+async def grades(tasks: dict[str, Task], backend: LocalBackend) -> dict[tuple[str, str], GradeResult]:
+    """(instance id, "gold" | "empty" | "autoload_off" | "autoload_task_override" | cheat) -> its grade."""
+    jobs: dict[tuple[str, str], tuple[Task, str, bool]] = {}
+    for task in tasks.values():
+        jobs[task.instance_id, "gold"] = (task, task.patch, True)
+        jobs[task.instance_id, "empty"] = (task, "", True)
+        for cheat in _cheats(task):
+            jobs[task.instance_id, cheat] = (task, make_patch(task, CHEATS[cheat][0]), True)
+    for task_id in MOCKER_TASKS:
+        task = tasks[task_id]
+        jobs[task_id, "autoload_off"] = (task, task.patch, False)
+        jobs[task_id, "autoload_task_override"] = (replace(task, plugin_autoload=True), task.patch, False)
+    semaphore = asyncio.Semaphore(_AT_ONCE)
+
+    async def one(task: Task, patch: str, autoload: bool) -> GradeResult:
+        async with semaphore:
+            return await grade(task, patch, backend, timeout_s=_TIMEOUT_S, plugin_autoload=autoload)
+
+    results = await asyncio.gather(*(one(*job) for job in jobs.values()))
+    return dict(zip(jobs, results, strict=True))
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind(run_dir: Path) -> Iterator[None]:
+    yield
+    assert list(run_dir.iterdir()) == [], "a sandbox was left behind"
+
+
+def test_the_task_set(tasks: dict[str, Task]) -> None:
+    """At least ten tasks on five projects, every one with F2P and hundreds of P2P tests overall, in the
+    test styles the set is meant to cover."""
+    assert sorted(tasks) == sorted(TASK_IDS)
+    assert len(tasks) >= 10 and len(PROJECTS) >= 5
+    for task in tasks.values():
+        assert task.fail_to_pass and task.pass_to_pass and task.patch and not task.test_patch
+        assert not set(task.fail_to_pass) & set(task.pass_to_pass)
+    ids = [test_id for task in tasks.values() for test_id in (*task.fail_to_pass, *task.pass_to_pass)]
+    assert sum(len(task.pass_to_pass) for task in tasks.values()) > 3000
+    assert any(re.search(r"\.py::[A-Z]\w*Test\w*::test_", i) for i in ids)  # unittest classes
+    assert any(re.search(r"\.py::test_\w+$", i) for i in ids)  # pytest functions
+    assert any(i.endswith(".rst") for i in ids)  # doctests in documentation
+    assert any(re.fullmatch(r"boltons/\w+\.py::boltons\.[\w.]+", i) for i in ids)  # doctests in modules
+    assert any(i.startswith("src/") or "src" in (tasks[t].test_cmd or "") for t in tasks for i in ids)
+
+
+@pytest.mark.parametrize("task_id", TASK_IDS)
+def test_the_gold_patch_resolves(grades: dict[tuple[str, str], GradeResult], task_id: str) -> None:
+    result = grades[task_id, "gold"]
+    assert (result.outcome, result.reward, result.error) == ("resolved", 1.0, None), result.log_tail
+    assert (result.f2p_passed, result.p2p_passed) == (result.f2p_total, result.p2p_total)
+    assert result.dropped_paths == ()
+
+
+@pytest.mark.parametrize("task_id", TASK_IDS)
+def test_an_empty_patch_does_not_resolve(
+    grades: dict[tuple[str, str], GradeResult], tasks: dict[str, Task], task_id: str
+) -> None:
+    result = grades[task_id, "empty"]
+    assert (result.outcome, result.reward) == ("unresolved", 0.0), (result.error, result.log_tail)
+    assert (result.f2p_passed, result.p2p_passed) == (0, result.p2p_total)
+    assert all(result.tests[test_id] == "failed" for test_id in tasks[task_id].fail_to_pass)
+
+
+@pytest.mark.parametrize(("task_id", "cheat"), [(t, c) for t in TASK_IDS for c in CHEATS])
+def test_a_cheating_patch_does_not_resolve(
+    grades: dict[tuple[str, str], GradeResult], tasks: dict[str, Task], task_id: str, cheat: str
+) -> None:
+    task = tasks[task_id]
+    if cheat not in _cheats(task):
+        assert not scripts_in_test_cmd(task)  # nothing to cheat with: not graded
+        return
+    result = grades[task_id, cheat]
+    assert (result.outcome, result.reward) == ("unresolved", 0.0), (result.error, result.log_tail)
+    assert result.f2p_passed == 0
+    expected = CHEATS[cheat][1](task)
+    patch = make_patch(task, CHEATS[cheat][0])
+    present = {path for pair in re.findall(r"^diff --git a/(\S+) b/(\S+)$", patch, re.MULTILINE) for path in pair}
+    assert expected & present <= set(result.dropped_paths)
+    assert expected & present or not expected, "the patch does not contain what the cheat is about"
+    assert all(is_protected(path) or path in files_under_test(task) | expected for path in result.dropped_paths)
+
+
+@pytest.mark.parametrize("task_id", MOCKER_TASKS)
+def test_tests_that_need_a_plugin_resolve_only_with_it_and_say_so(
+    grades: dict[tuple[str, str], GradeResult], tasks: dict[str, Task], task_id: str
+) -> None:
+    """The worker's setting off: the gold patch cannot resolve, and the grade says which fixture was
+    missing; the task's own setting wins over the worker's."""
+    off = grades[task_id, "autoload_off"]
+    assert (off.outcome, off.reward) == ("unresolved", 0.0)
+    assert "fixture(s) 'mocker'" in (off.error or "") and "autoload is off" in (off.error or ""), off.error
+    assert off.p2p_passed < off.p2p_total
+    on = grades[task_id, "autoload_task_override"]
+    assert (on.outcome, on.error) == ("resolved", None), on.log_tail
