@@ -24,6 +24,7 @@ from sandbox_helpers import git
 from test_pi_integration import RecordingClient
 
 from swe_grpo.agents.pi import PiConfig
+from swe_grpo.grading import grade
 from swe_grpo.interception import InterceptionServer
 from swe_grpo.rollout import RolloutConfig, run_rollout
 from swe_grpo.sandbox.base import BaseCommitLost, PatchTooLarge, Sandbox, SandboxBackend, SandboxError
@@ -306,6 +307,20 @@ async def test_a_symlink_target_that_is_not_utf8_is_a_named_error(sandbox: Sandb
     await run_ok(sandbox, "ln -s \"$(printf 'not\\377utf8')\" badlink")
     with pytest.raises(SandboxError, match="no text form"):
         await sandbox.diff(task.base_commit)
+
+
+async def test_a_patch_over_the_exec_output_cap_is_graded_whole(run_dir: Path, tmp_path: Path) -> None:
+    """A demo task's gold fix taken as a 6 MB patch (with a large new file beside it) from a real local
+    sandbox, graded in a fresh one: resolved (a cut patch would not apply)."""
+    task = demo_tasks()[0]
+    backend = LocalBackend(cache_dir=tmp_path / "checkouts", run_dir=run_dir)
+    async with await backend.create(task) as sandbox:
+        await sandbox.put_file("/tmp/gold.patch", task.patch.encode())
+        await run_ok(sandbox, "git apply /tmp/gold.patch && " + CASES["large"])
+        patch = await sandbox.diff(task.base_commit)
+    assert len(patch.encode()) > 4 << 20
+    result = await grade(task, patch, backend, timeout_s=120)
+    assert result.outcome == "resolved", result.error
 
 
 @pytest.mark.integration
