@@ -23,7 +23,7 @@ from sandbox_helpers import CALC, git, host_pids, marker, wait_for_pids
 
 from swe_grpo.sandbox._common import CgroupLayout
 from swe_grpo.sandbox.base import WORKDIR, Mount, SandboxError
-from swe_grpo.sandbox.local import CGROUP_PARENT, CowMethod, LocalBackend, LocalLimits, LocalSandbox
+from swe_grpo.sandbox.local import CGROUP_PARENT, CowMethod, LocalBackend, LocalLimits, LocalSandbox, _Cgroup
 from swe_grpo.tasks import Task
 
 SANDBOX_UID = 999
@@ -445,3 +445,31 @@ async def test_start_refuses_a_run_dir_the_sandbox_user_cannot_reach(backend: Lo
             await unreachable.start()
     finally:
         shutil.rmtree(private)
+
+
+def test_cgroup_v2_files_read_and_written(tmp_path: Path) -> None:
+    """cgroup v2 cannot run here with controllers (every one is bound to a v1 hierarchy), so this one test
+    uses a FAKE v2 hierarchy, a plain directory: it checks which files the code reads and writes for v2,
+    not what the kernel does with them (tests/test_containment.py does that, on v1)."""
+    root = tmp_path / "unified"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpuset cpu io memory hugetlb pids\n")
+    hybrid = "32 31 0:29 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n"
+    layout = CgroupLayout.parse(hybrid + f"35 31 0:34 / {root} rw - cgroup2 cgroup2 rw,nsdelegate\n")
+    assert layout == CgroupLayout(2, root, root)
+    cgroup = _Cgroup(layout, "swe-grpo-1-x")
+    (root / CGROUP_PARENT).mkdir()
+    cgroup.make(LocalLimits(memory_bytes=300 << 20, pids=77))
+    assert cgroup.dirs == [root / CGROUP_PARENT / "swe-grpo-1-x"]
+    files = {f.name: f.read_text() for f in cgroup.dirs[0].iterdir()}
+    # The kernel would have made memory.swap.max; the fake has none, and that file alone may be missing.
+    assert files == {"memory.max": str(300 << 20), "pids.max": "77"}
+    (cgroup.dirs[0] / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 0\noom_kill 0\n")
+    (cgroup.dirs[0] / "pids.events").write_text("max 0\n")
+    assert cgroup.exhausted() is None
+    (cgroup.dirs[0] / "pids.events").write_text("max 2\n")
+    assert cgroup.exhausted() == "pids"
+    (cgroup.dirs[0] / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    assert cgroup.exhausted() == "memory"
+    with pytest.raises(SandboxError, match="no memory and pids cgroup controllers"):
+        CgroupLayout.parse(hybrid)

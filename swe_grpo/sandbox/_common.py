@@ -82,17 +82,21 @@ class CgroupLayout:
     @staticmethod
     def detect() -> CgroupLayout:
         """The controllers as mounted here; `SandboxError` naming what is missing when there are none."""
+        return CgroupLayout.parse(Path("/proc/self/mountinfo").read_text())
+
+    @staticmethod
+    def parse(mountinfo: str) -> CgroupLayout:
+        """The controllers as a /proc/PID/mountinfo text mounts them (see `detect`)."""
         v1: dict[str, Path] = {}
         v2: Path | None = None
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                fields, (fstype, _source, options) = left.split(), right.split()[:3]
-                if fstype == "cgroup":
-                    for controller in set(options.split(",")) & {"memory", "pids"}:
-                        v1.setdefault(controller, Path(fields[4]))
-                elif fstype == "cgroup2" and v2 is None:
-                    v2 = Path(fields[4])
+        for line in mountinfo.splitlines():
+            left, _, right = line.partition(" - ")
+            fields, (fstype, _source, options) = left.split(), right.split()[:3]
+            if fstype == "cgroup":
+                for controller in set(options.split(",")) & {"memory", "pids"}:
+                    v1.setdefault(controller, Path(fields[4]))
+            elif fstype == "cgroup2" and v2 is None:
+                v2 = Path(fields[4])
         if "memory" in v1 and "pids" in v1:
             return CgroupLayout(1, v1["memory"], v1["pids"])
         if v2 is not None and {"memory", "pids"} <= set((v2 / "cgroup.controllers").read_text().split()):

@@ -135,7 +135,9 @@ class _Cgroup:
         for d in self.dirs:
             d.mkdir()
         for path, value in files.items():
-            if path.exists():  # no memsw / swap file where the kernel does not account swap
+            # Only the swap files may be missing (a kernel that does not account swap); any other missing
+            # file fails the write: a limit is never skipped silently.
+            if path.exists() or path.name not in ("memory.memsw.limit_in_bytes", "memory.swap.max"):
                 path.write_text(value)
 
     def exhausted(self) -> Exhaustion | None:
