@@ -34,7 +34,10 @@ sandbox that exhausts its own cannot make another fail:
   writes (the overlay's upper layer, `/tmp`) is bounded; beyond it writes fail with ENOSPC. With the
   `copy` method the copy of the checkout lives there too and counts against it. With `fuse-overlayfs`
   the upper layer is written by the daemon (the backend's cgroup), so it counts against the disk limit
-  but not the sandbox's memory.
+  but not the sandbox's memory. Keep `disk_bytes` well below `memory_bytes` (the defaults: 2 and 4
+  GiB): files the sandbox wrote stay charged to its memory, so a sandbox whose files reach its memory
+  limit can start nothing more (each new process is OOM-killed): it has exhausted its memory, and only
+  `destroy()` frees it.
 - per process (rlimits): CPU seconds and file size.
 `exhausted()` tells which limit a sandbox hit: "memory" (an OOM kill in its cgroup), "pids" (a fork
 refused at its limit), both from kernel counters that never go down, or "disk" (its tmpfs found full,
