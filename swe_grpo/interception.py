@@ -14,7 +14,8 @@ rollout -> 404, closed rollout -> 410, malformed body or messages the chat templ
 errors are JSON in OpenAI's shape. Requests of one rollout are served one at a time, in order (the chain
 is sequential); rollouts run concurrently. The CPU-heavy part of a turn (normalising, rendering and
 tokenising the request; parsing and validating the reply) runs in a thread pool, so one rollout's
-megabyte-sized tool output does not stall the others (the tokenizer releases the GIL).
+megabyte-sized tool output does not stall the others (the tokenizer releases the GIL); a request that brings
+more than `_BULK_BYTES` of new content is prepared in threads of lower CPU priority (benchmark P5).
 
 A turn is a transaction: prepare -> generate -> parse -> validate the reply completely (normalised, and
 rendered by the training template) -> deliver it -> commit it to the chain. A reply that fails validation
@@ -45,6 +46,7 @@ import functools
 import gc
 import hmac
 import logging
+import os
 import re
 import secrets
 import time
@@ -83,9 +85,13 @@ log = logging.getLogger(__name__)
 
 _ROLLOUT_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _CLOSED_REMEMBERED = 100_000  # closed rollouts answer 410 (not 404) while remembered
-# Threads for the CPU-heavy part of turns: enough that a few rollouts tokenising megabytes at once never
-# queue the others' small turns behind them.
-_TURN_THREADS = 32
+# Threads for the CPU-heavy part of turns (normalising, rendering, tokenising, parsing).
+_TURN_THREADS = 16
+# A request that brings more new bytes than this (a big tool output, or a rollout's first request with a
+# big history) is rendered and tokenised in the low-priority bulk threads.
+_BULK_BYTES = 256 * 1024
+_BULK_THREADS = 4
+_BULK_NICE = 10
 _T = TypeVar("_T")
 
 
@@ -151,6 +157,7 @@ class _Rollout:
     last_activity: float = field(default_factory=time.monotonic)  # the latest request's start or end
     closed: bool = False
     serving: asyncio.Task | None = None  # the request being served, cancelled when the rollout closes
+    body_bytes: int = 0  # the size of its latest request
 
     def close(self) -> None:
         """Refuse further requests and abandon the one in flight: cancelling its handler cancels the
@@ -233,6 +240,7 @@ class InterceptionServer:
         self._closed: OrderedDict[str, str] = OrderedDict()  # rollout_id -> token
         self._runner: web.AppRunner | None = None
         self._threads: ThreadPoolExecutor | None = None
+        self._bulk: ThreadPoolExecutor | None = None
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -254,6 +262,9 @@ class InterceptionServer:
         # stop(), so that what was frozen can be freed at exit.)
         gc.freeze()
         self._threads = ThreadPoolExecutor(_TURN_THREADS, thread_name_prefix="interception-turn")
+        # Linux nice values are per thread: the bulk threads yield the CPU to the event loop and to the
+        # other rollouts' turns, so a big request takes longer instead of slowing everyone down.
+        self._bulk = ThreadPoolExecutor(_BULK_THREADS, "interception-bulk", initializer=os.nice, initargs=(_BULK_NICE,))
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, backlog=2048)
@@ -269,9 +280,10 @@ class InterceptionServer:
             await self._runner.cleanup()
             self._runner = None
             gc.unfreeze()
-        if self._threads is not None:
-            self._threads.shutdown(wait=False, cancel_futures=True)
-            self._threads = None
+        for pool in (self._threads, self._bulk):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._threads = self._bulk = None
 
     async def __aenter__(self) -> InterceptionServer:
         return await self.start()
@@ -385,8 +397,11 @@ class InterceptionServer:
             rollout.last_activity = self.last_request_at = time.monotonic()
             rollout.serving = asyncio.current_task()
             turn_index = len(rollout.chain.turns)
+            # Agents re-send the whole history: what a request brings is, roughly, how much it grew.
+            size = len(await request.read())  # the body `_json_body` read, cached
+            bulk, rollout.body_bytes = size - rollout.body_bytes > _BULK_BYTES, size
             try:
-                return await self._turn(rollout, body, params, answer)
+                return await self._turn(rollout, body, params, answer, bulk)
             except _HTTPError as e:
                 return await answer.fail(e)
             except asyncio.CancelledError:
@@ -420,18 +435,20 @@ class InterceptionServer:
             raise _HTTPError(400, "'max_tokens' must be a positive integer")
         return replace(base, max_tokens=min(limit, base.max_tokens or limit))
 
-    async def _off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """`fn(*args)` in the turn thread pool (the caller holds its rollout's lock: order is kept)."""
-        return await asyncio.get_running_loop().run_in_executor(self._threads, functools.partial(fn, *args))
+    async def _off_loop(self, fn: Callable[..., _T], *args: Any, bulk: bool = False) -> _T:
+        """`fn(*args)` in a turn thread (the caller holds its rollout's lock: order is kept)."""
+        pool = self._bulk if bulk else self._threads
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
 
     async def _turn(
-        self, rollout: _Rollout, body: dict[str, Any], params: SamplingParams, answer: _Answer
+        self, rollout: _Rollout, body: dict[str, Any], params: SamplingParams, answer: _Answer, bulk: bool
     ) -> web.StreamResponse:
-        """One turn, as a transaction: nothing reaches the chain until the reply was delivered."""
+        """One turn, as a transaction: nothing reaches the chain until the reply was delivered. `bulk`: the
+        request brings so much new content that it is prepared in the low-priority threads."""
         chain = rollout.chain
         turn_index = len(chain.turns)
         try:
-            turn = await self._off_loop(chain.prepare, body.get("messages"), body.get("tools"))
+            turn = await self._off_loop(chain.prepare, body.get("messages"), body.get("tools"), bulk=bulk)
         except MessageFormatError as e:
             self._record(rollout, "bad_request", str(e), turn_index)
             raise _HTTPError(400, str(e)) from None
