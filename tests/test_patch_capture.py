@@ -36,7 +36,9 @@ from swe_grpo.worker import SWERolloutWorker
 
 # Attributes that turn off every content conversion, for the host's checkout the patch is applied to.
 NEUTRAL_ATTRIBUTES = "* !text !eol !crlf !ident !filter !working-tree-encoding\n"
-IGNORED = ("junk.log", "build")  # ignored by the base commit's .gitignore; the agent makes them in cases
+# What git leaves out of a tree, at any depth: repositories, and what the base commit's .gitignore ignores
+# of what the agent makes in the cases.
+NOT_IN_TREE = (".git", "junk.log", "build")
 
 # A hostile git set-up the agent leaves behind: anything of it that runs touches /tmp/pwned-<name>, and
 # anything of it that is obeyed changes the patch (filters upper-case, excludes hide every new file,
@@ -126,6 +128,11 @@ CASES = {
     " && printf 'garbage\\n' > .git/HEAD",
     "tree_gitattributes": "printf '* filter=evil diff=evil text eol=crlf ident\\n' > .gitattributes"
     " && printf 'lf\\n$Id: x $\\n' > a.txt && printf 'crlf\\r\\n' > b.txt",
+    "nested_repos": "mkdir -p vendor/empty/src ./-lib && printf 'e\\n' > vendor/empty/src/e.py"
+    " && git -C vendor/empty init -q && git -C ./-lib init -q && printf 'l\\n' > ./-lib/l.py"
+    " && git -C ./-lib add -A && git -C ./-lib commit -qm l && printf 'no\\n' > ./-lib/junk.log",
+    "file_dir_swap": "rm old.txt && mkdir old.txt && printf 'in\\n' > old.txt/inner"
+    " && rm -r pkg && printf 'file now\\n' > pkg",
     "large": "yes 'a line of text that makes the patch grow beyond four MiB' | head -c 6000000 > big.txt",
 }
 
@@ -196,7 +203,7 @@ Tree = dict[str, tuple[str, object]]
 
 async def sandbox_tree(sandbox: Sandbox) -> Tree:
     """The sandbox's /testbed as git sees a tree: files (content, executable bit) and symlinks."""
-    excludes = " ".join(f"--exclude=./{name}" for name in (".git", *IGNORED))
+    excludes = " ".join(f"--exclude={name}" for name in NOT_IN_TREE)
     await run_ok(sandbox, f"tar -C /testbed {excludes} -cf /tmp/tree.tar .")
     tree: Tree = {}
     with tarfile.open(fileobj=io.BytesIO(await sandbox.get_file("/tmp/tree.tar"))) as tar:

@@ -118,8 +118,9 @@ class Sandbox(ABC):
         detached HEAD, a deleted or corrupted index all give the same patch for the same tree. Work the
         agent stashed (`git stash`) or reset away is not in the tree, so it is not in the patch. The patch
         holds every change git can record: modified, new (in new directories too) and deleted files,
-        binary files, the executable bit, symlinks, any file name; not empty directories, and not the
-        files the tree's own `.gitignore` files ignore unless the base commit tracks them (as `git add -A`).
+        binary files, the executable bit, symlinks, any file name, the files of a repository the agent
+        made inside the tree (not its `.git`); not empty directories, and not the files the tree's own
+        `.gitignore` files ignore unless the base commit tracks them (as `git add -A`).
         It is UTF-8 text: a file whose diff is not (non-UTF-8 text, a NUL byte) is a git binary patch.
 
         How: a scratch git directory and index under /tmp with a configuration of our own (no system,
@@ -227,7 +228,7 @@ scratch=$1 tree=$2 base=$3 style=$4 limit=$5
 for name in $(compgen -e); do case $name in GIT_*) unset "$name" ;; esac; done
 export GIT_DIR="$scratch/git" GIT_INDEX_FILE="$scratch/index" GIT_WORK_TREE="$tree" HOME="$scratch" \
   XDG_CONFIG_HOME="$scratch" GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null GIT_ATTR_NOSYSTEM=1 \
-  GIT_NO_REPLACE_OBJECTS=1 GIT_TERMINAL_PROMPT=0 GIT_OPTIONAL_LOCKS=0
+  GIT_NO_REPLACE_OBJECTS=1 GIT_TERMINAL_PROMPT=0 GIT_OPTIONAL_LOCKS=0 LC_ALL=C  # C: file names are bytes
 g() { git -c safe.directory='*' "$@"; }
 cd "$tree" || exit 1
 if [ "$style" = text ]; then
@@ -257,10 +258,23 @@ fi
 # Highest-precedence attributes: no content conversion at all; diff as text unless style is binary.
 if [ "$style" = text ]; then diff='!diff'; else diff='-diff'; fi
 echo "* $diff !text !eol !crlf !ident !filter !working-tree-encoding" > "$GIT_DIR/info/attributes"
-# The refresh hashes the files the base commit has without writing objects; then `add` writes only the
-# changed and new ones (writing an object the repository has makes git touch its pack: a copy-up of the
-# whole pack on overlay filesystems, ~1 s per 100 MB).
-if [ "$style" = text ]; then g update-index -q --refresh > /dev/null; g add -A >&2 || exit 1; fi
+if [ "$style" = text ]; then
+  # The refresh hashes the files the base commit has without writing objects, so only changed and new
+  # files are written (writing an object the repository has makes git touch its pack: on an overlay
+  # filesystem a copy-up of the whole pack, ~1 s per 100 MB).
+  g update-index -q --refresh > /dev/null
+  g add -u >&2 || exit 1
+  # Untracked files. A directory holding its own repository is listed as "dir/" (`git add -A` would
+  # record it as a bare gitlink, or fail on one without a commit): its files count as any others.
+  g ls-files -z -o --exclude-standard > "$scratch/new" || exit 1
+  grep -zv '/$' "$scratch/new" | g update-index -z --add --replace --stdin || exit 1
+  grep -z '/$' "$scratch/new" | while IFS= read -r -d '' dir; do
+    find "./$dir" -name .git -prune -o \( -type f -o -type l \) -print0
+  done | g check-ignore -z -v -n --stdin | while IFS= read -r -d '' source && IFS= read -r -d '' _ &&
+    IFS= read -r -d '' _ && IFS= read -r -d '' path; do
+    [ -n "$source" ] || printf '%s\0' "$path"
+  done | g update-index -z --add --replace --stdin || exit 1
+fi
 g diff --cached --binary --full-index --no-renames --no-color --no-ext-diff --no-textconv \
   --src-prefix=a/ --dst-prefix=b/ "$base" -- | head -c $((limit + 1)) > "$scratch/patch"
 status="${PIPESTATUS[*]}"
