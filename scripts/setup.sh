@@ -25,7 +25,7 @@ stamp_ok() { [[ -f "$1" && "$(cat "$1")" == "$2" ]]; }
 # --- system packages and the sandbox user ----------------------------------------------------------
 # bubblewrap + fuse-overlayfs: the `local` sandbox; python3-pytest + git: what sandboxed task tests run
 # with; docker.io + debootstrap: the `docker` sandbox and its offline base image.
-APT_PACKAGES=(bubblewrap fuse-overlayfs git python3 python3-pytest docker.io debootstrap shellcheck)
+APT_PACKAGES=(bubblewrap fuse-overlayfs git python3 python3-pytest python3-pytest-mock docker.io debootstrap shellcheck)
 if [[ $(id -u) -eq 0 ]]; then SUDO=""; else SUDO="sudo"; fi
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -74,7 +74,7 @@ async def run_rollouts(args: argparse.Namespace) -> list:
             timeout_s=args.agent_timeout,
             stall_timeout_s=args.stall_timeout,
         )
-        config = RolloutConfig(pi=pi, grade_timeout_s=args.grade_timeout)
+        config = RolloutConfig(pi=pi, grade_timeout_s=args.grade_timeout, plugin_autoload=args.plugin_autoload)
         await backend.start()
         jobs = [task for task in tasks for _ in range(args.num_rollouts)]
         semaphore = asyncio.Semaphore(args.concurrency)
@@ -155,7 +155,12 @@ def cmd_grade(args: argparse.Namespace) -> int:
             predictions = load_predictions(args.predictions)
             tasks = load_tasks(args.tasks, args.split, sorted({p["instance_id"] for p in predictions}))
             return await grade_predictions(
-                tasks, predictions, backend, concurrency=args.concurrency, timeout_s=args.timeout
+                tasks,
+                predictions,
+                backend,
+                concurrency=args.concurrency,
+                timeout_s=args.timeout,
+                plugin_autoload=args.plugin_autoload,
             )
         finally:
             await backend.close()
@@ -270,6 +275,9 @@ def cmd_build_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+_AUTOLOAD_HELP = "pytest plugin autoload when grading (default: on; a task's plugin_autoload wins)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from swe_grpo.sandbox import BACKENDS
 
@@ -302,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--agent-timeout", type=float, default=1800.0)
     rollout.add_argument("--stall-timeout", type=float, default=300.0)
     rollout.add_argument("--grade-timeout", type=float, default=1800.0)
+    rollout.add_argument("--plugin-autoload", action=argparse.BooleanOptionalAction, default=True, help=_AUTOLOAD_HELP)
     rollout.add_argument("--host", default="127.0.0.1", help="InterceptionServer bind address")
     rollout.add_argument("--port", type=int, default=0)
     rollout.add_argument("--public-url", help="the InterceptionServer's address as sandboxes reach it")
@@ -315,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--output", required=True)
     grade.add_argument("--concurrency", type=int, default=4)
     grade.add_argument("--timeout", type=float, default=1800.0)
+    grade.add_argument("--plugin-autoload", action=argparse.BooleanOptionalAction, default=True, help=_AUTOLOAD_HELP)
     grade.set_defaults(func=cmd_grade)
 
     serve = sub.add_parser(

@@ -120,6 +120,7 @@ class Trajectory:
 class RolloutConfig:
     pi: PiConfig
     grade_timeout_s: float = DEFAULT_TIMEOUT_S
+    plugin_autoload: bool = True  # pytest plugin autoload when grading; a task's own setting wins
     max_patch_bytes: int = MAX_PATCH_BYTES
 
 
@@ -209,7 +210,9 @@ async def run_rollout(
     elif not error:  # a sandbox failure at any point (even after Pi ran) is infra_error, never a graded 0
         if on_grading is not None:
             on_grading(trajectory)
-        result = await grade(task, patch, backend, timeout_s=config.grade_timeout_s)
+        result = await grade(
+            task, patch, backend, timeout_s=config.grade_timeout_s, plugin_autoload=config.plugin_autoload
+        )
         trajectory.grade = result
         trajectory.outcome, trajectory.reward, trajectory.error = result.outcome, result.reward, result.error
     timings["total"] = time.monotonic() - start

@@ -140,6 +140,7 @@ class WorkerConfig:
     agent_timeout_s: float = 1800.0
     stall_timeout_s: float = 300.0
     grade_timeout_s: float = DEFAULT_TIMEOUT_S
+    plugin_autoload: bool = True  # pytest plugin autoload when grading; a task's own setting wins
     adapter_prefix: str = "trl-policy"  # what AsyncGRPOTrainer names the adapters it publishes
     adapter_dir: str | None = None
     host: str = "127.0.0.1"  # the InterceptionServer's bind; sandboxes reach it at public_base_url
@@ -395,7 +396,7 @@ class SWERolloutWorker:
             timeout_s=c.agent_timeout_s,
             stall_timeout_s=c.stall_timeout_s,
         )
-        rollout_config = RolloutConfig(pi=pi, grade_timeout_s=c.grade_timeout_s)
+        rollout_config = RolloutConfig(pi=pi, grade_timeout_s=c.grade_timeout_s, plugin_autoload=c.plugin_autoload)
         try:
             await self.backend.start()
             async with server:

@@ -336,7 +336,7 @@ _PASSED = re.compile(r"^PASSED (\S.*)$", re.MULTILINE)
 async def _passing(backend: SandboxBackend, task: Task, patch: str, ids: list[str] | None = None) -> set[str]:
     """The ids of the tests that pass at `task.base_commit` + `patch`: of the whole suite, or of `ids`
     run as the grader runs them (in one call, in that order)."""
-    sandbox = await backend.create(task)
+    sandbox = await backend.create(task, network=False)  # as the grader's
     try:
         if patch:
             await sandbox.put_file("/tmp/gold.patch", patch.encode())

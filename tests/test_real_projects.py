@@ -7,6 +7,7 @@ every task, with the installed pytest plugins loaded (the grader's default). All
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Iterator
 from dataclasses import replace
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import pytest
 from cheats import CHEATS, files_under_test, make_patch, scripts_in_test_cmd
-from real_projects import PROJECTS, real_project_tasks
+from real_projects import PROJECTS, real_project_tasks, tasks_dir
 
+from swe_grpo import cli
 from swe_grpo.grading import GradeResult, grade, is_protected
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.tasks import Task
@@ -138,3 +140,19 @@ def test_tests_that_need_a_plugin_resolve_only_with_it_and_say_so(
     assert off.p2p_passed < off.p2p_total
     on = grades[task_id, "autoload_task_override"]
     assert (on.outcome, on.error) == ("resolved", None), on.log_tail
+
+
+def test_the_grade_command_takes_the_plugin_autoload_setting(tasks: dict[str, Task], tmp_path: Path) -> None:
+    """`swe-grpo grade --no-plugin-autoload` reaches the grader (and the default is on)."""
+    task = tasks[MOCKER_TASKS[0]]
+    predictions = tmp_path / "predictions.jsonl"
+    predictions.write_text(json.dumps({"instance_id": task.instance_id, "model_patch": task.patch}) + "\n")
+    outcomes = {}
+    for flag in ("--plugin-autoload", "--no-plugin-autoload"):
+        output = tmp_path / f"{flag}.jsonl"
+        args = ["grade", "--tasks", str(tasks_dir() / "tasks.jsonl"), "--predictions", str(predictions)]
+        assert cli.main([*args, "--output", str(output), "--timeout", "120", flag]) == 0
+        outcomes[flag] = json.loads(output.read_text())["outcome"], json.loads(output.read_text())["error"]
+    assert outcomes["--plugin-autoload"] == ("resolved", None)
+    assert outcomes["--no-plugin-autoload"][0] == "unresolved"
+    assert "'mocker'" in outcomes["--no-plugin-autoload"][1]
