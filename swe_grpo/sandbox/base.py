@@ -9,6 +9,11 @@ Guarantees every backend gives:
   process tree inside is killed before it returns/raises. It never raises for a non-zero exit.
 - `destroy` is idempotent and safe in `finally`; after it nothing of the sandbox remains (processes,
   mounts, containers, temporary directories).
+- `get_file` returns the whole file, never a cut one (there is no output cap as on `exec`; `hf` refuses
+  files over huggingface_hub's 512 MiB in-memory read limit with `SandboxError`).
+- `diff(base_commit)` is the agent's work against the base commit whatever the agent did to git, read
+  through a file, never cut; what the agent's doing makes untakeable raises a named `PatchError`
+  (`PatchTooLarge`, `BaseCommitLost`). Written once here, on `exec` and `get_file` only.
 - Failures of the sandbox machinery itself raise `SandboxError` (an infrastructure failure, never a
   model failure), with the cause.
 """
@@ -203,6 +208,9 @@ class SandboxBackend(ABC):
     `create()` per sandbox, `close()` at the end."""
 
     name: str
+    #: Whether a mount is the host directory itself, live (a unix socket in it can be connected to from
+    #: inside), not a copy: what an agent's door (`swe_grpo.door`) needs.
+    live_mounts: bool = True
 
     async def start(self) -> None:  # noqa: B027  (optional hook)
         """Prepare the backend (check the engine, reap leftovers)."""
