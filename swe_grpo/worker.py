@@ -94,7 +94,7 @@ from swe_grpo.grading import DEFAULT_TIMEOUT_S
 from swe_grpo.interception import InterceptionServer, Policy
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
 from swe_grpo.sandbox import make_backend
-from swe_grpo.sandbox.base import SandboxBackend
+from swe_grpo.sandbox.base import MAX_PATCH_BYTES, SandboxBackend
 from swe_grpo.tasks import Task, tasks_from_dataset
 from swe_grpo.vllm_client import SamplingParams, VLLMClient, VLLMError
 
@@ -141,6 +141,7 @@ class WorkerConfig:
     stall_timeout_s: float = 300.0
     grade_timeout_s: float = DEFAULT_TIMEOUT_S
     plugin_autoload: bool = True  # pytest plugin autoload when grading; a task's own setting wins
+    max_patch_bytes: int = MAX_PATCH_BYTES  # a larger patch ends the rollout patch_too_large (reward 0.0)
     adapter_prefix: str = "trl-policy"  # what AsyncGRPOTrainer names the adapters it publishes
     adapter_dir: str | None = None
     host: str = "127.0.0.1"  # the InterceptionServer's bind; sandboxes reach it at public_base_url
@@ -396,7 +397,12 @@ class SWERolloutWorker:
             timeout_s=c.agent_timeout_s,
             stall_timeout_s=c.stall_timeout_s,
         )
-        rollout_config = RolloutConfig(pi=pi, grade_timeout_s=c.grade_timeout_s, plugin_autoload=c.plugin_autoload)
+        rollout_config = RolloutConfig(
+            pi=pi,
+            grade_timeout_s=c.grade_timeout_s,
+            plugin_autoload=c.plugin_autoload,
+            max_patch_bytes=c.max_patch_bytes,
+        )
         try:
             await self.backend.start()
             async with server:
