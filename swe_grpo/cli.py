@@ -74,7 +74,12 @@ async def run_rollouts(args: argparse.Namespace) -> list:
             timeout_s=args.agent_timeout,
             stall_timeout_s=args.stall_timeout,
         )
-        config = RolloutConfig(pi=pi, grade_timeout_s=args.grade_timeout, plugin_autoload=args.plugin_autoload)
+        config = RolloutConfig(
+            pi=pi,
+            grade_timeout_s=args.grade_timeout,
+            plugin_autoload=args.plugin_autoload,
+            max_patch_bytes=args.max_patch_bytes,
+        )
         await backend.start()
         jobs = [task for task in tasks for _ in range(args.num_rollouts)]
         semaphore = asyncio.Semaphore(args.concurrency)
@@ -280,6 +285,7 @@ _AUTOLOAD_HELP = "pytest plugin autoload when grading (default: on; a task's plu
 
 def build_parser() -> argparse.ArgumentParser:
     from swe_grpo.sandbox import BACKENDS
+    from swe_grpo.sandbox.base import MAX_PATCH_BYTES
 
     parser = argparse.ArgumentParser(prog="swe-grpo", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -311,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--stall-timeout", type=float, default=300.0)
     rollout.add_argument("--grade-timeout", type=float, default=1800.0)
     rollout.add_argument("--plugin-autoload", action=argparse.BooleanOptionalAction, default=True, help=_AUTOLOAD_HELP)
+    rollout.add_argument(
+        "--max-patch-bytes", type=int, default=MAX_PATCH_BYTES, help="a larger patch ends the rollout patch_too_large"
+    )
     rollout.add_argument("--host", default="127.0.0.1", help="InterceptionServer bind address")
     rollout.add_argument("--port", type=int, default=0)
     rollout.add_argument("--public-url", help="the InterceptionServer's address as sandboxes reach it")
