@@ -9,13 +9,17 @@ answered as OpenAI JSON or SSE. Routes:
     POST /rollout/{rollout_id}/v1/chat/completions  stream true (SSE) or false (JSON)
     GET  /rollout/{rollout_id}/v1/models
 
+A rollout may also be served on a door of its own (`open_door`: a unix socket for a sandbox without a
+network, `swe_grpo.door`); a request that comes through a door reaches only that rollout's two routes
+(anything else: 403), with its token checked as over TCP.
+
 Every rollout route checks the rollout's own token (constant-time): no or wrong token -> 401, unknown
 rollout -> 404, closed rollout -> 410, malformed body or messages the chat template refuses -> 400; all
 errors are JSON in OpenAI's shape. Requests of one rollout are served one at a time, in order (the chain
-is sequential); rollouts run concurrently. The CPU-heavy part of a turn (normalising, rendering and
-tokenising the request; parsing and validating the reply) runs in a thread pool, so one rollout's
-megabyte-sized tool output does not stall the others (the tokenizer releases the GIL); a request that brings
-more than `_BULK_BYTES` of new content is prepared in threads of lower CPU priority (benchmark P5).
+is sequential); rollouts run concurrently. A request that brings more than `_BULK_BYTES` of new content
+(a big tool output) is prepared (normalised, rendered, tokenised) in a thread pool of lower CPU priority,
+so that one rollout's megabyte-sized tool output does not stall the others (the tokenizer releases the
+GIL; benchmark P5); smaller ones are cheaper on the event loop than a thread hop.
 
 A turn is a transaction: prepare -> generate -> parse -> validate the reply completely (normalised, and
 rendered by the training template) -> deliver it -> commit it to the chain. A reply that fails validation
@@ -55,7 +59,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -71,6 +75,7 @@ from swe_grpo.chain import (
     TurnRecord,
     oldest_version,
 )
+from swe_grpo.door import Door
 from swe_grpo.responses import ParsedResponse, ResponseParser
 from swe_grpo.vllm_client import (
     ContextOverflowError,
@@ -85,14 +90,12 @@ log = logging.getLogger(__name__)
 
 _ROLLOUT_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _CLOSED_REMEMBERED = 100_000  # closed rollouts answer 410 (not 404) while remembered
-# Threads for the CPU-heavy part of turns (normalising, rendering, tokenising, parsing).
-_TURN_THREADS = 16
 # A request that brings more new bytes than this (a big tool output, or a rollout's first request with a
-# big history) is rendered and tokenised in the low-priority bulk threads.
-_BULK_BYTES = 256 * 1024
+# long history) is prepared in the low-priority bulk threads. Tokenising 32 KiB takes ~20 ms; below that
+# the two thread hops cost more, on a loaded machine, than they save.
+_BULK_BYTES = 32 * 1024
 _BULK_THREADS = 4
 _BULK_NICE = 10
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -239,8 +242,8 @@ class InterceptionServer:
         self._rollouts: dict[str, _Rollout] = {}
         self._closed: OrderedDict[str, str] = OrderedDict()  # rollout_id -> token
         self._runner: web.AppRunner | None = None
-        self._threads: ThreadPoolExecutor | None = None
         self._bulk: ThreadPoolExecutor | None = None
+        self._doors: dict[str, tuple[Door, web.UnixSite]] = {}  # socket path -> the door and its site
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -249,7 +252,7 @@ class InterceptionServer:
         return (self._public_base_url or f"http://{self.host}:{self.port}").rstrip("/")
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors_as_json], client_max_size=256 * 1024**2)
+        app = web.Application(middlewares=[_errors_as_json, self._door_guard], client_max_size=256 * 1024**2)
         app.router.add_get("/health", self._health)
         app.router.add_post("/rollout/{rollout_id}/v1/chat/completions", self._chat_completions)
         app.router.add_get("/rollout/{rollout_id}/v1/models", self._models)
@@ -261,7 +264,6 @@ class InterceptionServer:
         # otherwise shows as latency spikes of hundreds of ms under many concurrent rollouts. (Undone by
         # stop(), so that what was frozen can be freed at exit.)
         gc.freeze()
-        self._threads = ThreadPoolExecutor(_TURN_THREADS, thread_name_prefix="interception-turn")
         # Linux nice values are per thread: the bulk threads yield the CPU to the event loop and to the
         # other rollouts' turns, so a big request takes longer instead of slowing everyone down.
         self._bulk = ThreadPoolExecutor(_BULK_THREADS, "interception-bulk", initializer=os.nice, initargs=(_BULK_NICE,))
@@ -276,14 +278,16 @@ class InterceptionServer:
     async def stop(self) -> None:
         for rollout in self._rollouts.values():  # a generation that never returns must not block shutdown
             rollout.close()
+        for door, _ in self._doors.values():  # their sites stop with the runner
+            door.remove()
+        self._doors.clear()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
             gc.unfreeze()
-        for pool in (self._threads, self._bulk):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
-        self._threads = self._bulk = None
+        if self._bulk is not None:
+            self._bulk.shutdown(wait=False, cancel_futures=True)
+            self._bulk = None
 
     async def __aenter__(self) -> InterceptionServer:
         return await self.start()
@@ -335,6 +339,45 @@ class InterceptionServer:
             messages=rollout.chain.messages,
             retries=sum(t.retries for t in rollout.chain.turns),
         )
+
+    # ----------------------------------------------------------------- doors (swe_grpo.door)
+
+    async def open_door(self, rollout_id: str) -> Door:
+        """Serve the open rollout `rollout_id` also on a unix socket of its own, which answers only that
+        rollout's routes (for a sandbox whose only way out it is: `swe_grpo.door`). `close_door` ends it."""
+        if rollout_id not in self._rollouts:
+            raise ValueError(f"rollout {rollout_id!r} is not open")
+        if self._runner is None:
+            raise RuntimeError("the InterceptionServer is not started")
+        door = Door.make(rollout_id)
+        site = web.UnixSite(self._runner, str(door.socket))
+        try:
+            await site.start()
+            door.socket.chmod(0o666)  # the sandbox's user connects; the rollout's token still guards it
+        except BaseException:
+            await site.stop()
+            door.remove()
+            raise
+        self._doors[str(door.socket)] = (door, site)
+        return door
+
+    async def close_door(self, door: Door) -> None:
+        """Stop serving `door`'s socket and remove its directory; idempotent, and safe after `stop()`.
+        The directory goes first, so a cancelled caller leaves none behind."""
+        entry = self._doors.pop(str(door.socket), None)
+        door.remove()
+        if entry is not None:
+            await entry[1].stop()
+
+    @web.middleware
+    async def _door_guard(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        """A request that came through a door (any unix socket) reaches only that door's rollout's routes."""
+        sockname = request.transport.get_extra_info("sockname") if request.transport else None
+        if isinstance(sockname, str):
+            door = self._doors.get(sockname)
+            if door is None or request.match_info.get("rollout_id") != door[0].rollout_id:
+                raise _HTTPError(403, "this door serves only its own rollout's routes", "permission_error")
+        return await handler(request)
 
     def last_activity(self, rollout_id: str) -> float:
         """For stall watchdogs: now while one of the rollout's requests is being served (a generation in
@@ -435,11 +478,6 @@ class InterceptionServer:
             raise _HTTPError(400, "'max_tokens' must be a positive integer")
         return replace(base, max_tokens=min(limit, base.max_tokens or limit))
 
-    async def _off_loop(self, fn: Callable[..., _T], *args: Any, bulk: bool = False) -> _T:
-        """`fn(*args)` in a turn thread (the caller holds its rollout's lock: order is kept)."""
-        pool = self._bulk if bulk else self._threads
-        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
-
     async def _turn(
         self, rollout: _Rollout, body: dict[str, Any], params: SamplingParams, answer: _Answer, bulk: bool
     ) -> web.StreamResponse:
@@ -447,8 +485,9 @@ class InterceptionServer:
         request brings so much new content that it is prepared in the low-priority threads."""
         chain = rollout.chain
         turn_index = len(chain.turns)
-        try:
-            turn = await self._off_loop(chain.prepare, body.get("messages"), body.get("tools"), bulk=bulk)
+        prepare = functools.partial(chain.prepare, body.get("messages"), body.get("tools"))
+        try:  # in a bulk thread, the rollout's lock still held: its requests stay in order
+            turn = await asyncio.get_running_loop().run_in_executor(self._bulk, prepare) if bulk else prepare()
         except MessageFormatError as e:
             self._record(rollout, "bad_request", str(e), turn_index)
             raise _HTTPError(400, str(e)) from None
@@ -456,7 +495,7 @@ class InterceptionServer:
         policy = self.policy()
         generation = await self._generate(rollout, turn, params, rollout.model or policy.model, answer)
         delivered = generation is not None and await answer.send(
-            await self._off_loop(self._reply, chain, turn, generation), len(turn.prompt_ids), len(generation.token_ids)
+            self._reply(chain, turn, generation), len(turn.prompt_ids), len(generation.token_ids)
         )
         if not delivered:
             self._record(rollout, "client_disconnected", "the agent went away before its reply was sent", turn_index)
@@ -502,7 +541,7 @@ class InterceptionServer:
     def _reply(self, chain: TokenChain, turn: PreparedTurn, generation: Generation) -> ParsedResponse:
         """The generation as the reply to send: parsed, and validated as the chain will hold it. A parse
         the chain cannot hold (tool-call arguments that are not a JSON object, a message the template
-        refuses) degrades to plain text, its calls counted as malformed. Runs in the thread pool."""
+        refuses) degrades to plain text, its calls counted as malformed."""
         ids, finish = generation.token_ids, generation.finish_reason
         parsed = self.parser.parse(ids, turn.prompt_ids, finish, turn.tools)
         try:
