@@ -41,6 +41,7 @@ from typing import Any
 
 from swe_grpo.agents.pi import PiBundle, PiConfig, PiResult, run_pi
 from swe_grpo.chain import Message, TrainingRow, TurnRecord, oldest_version
+from swe_grpo.door import Door
 from swe_grpo.grading import DEFAULT_TIMEOUT_S, GradeResult, grade
 from swe_grpo.interception import InterceptionServer, RequestError
 from swe_grpo.sandbox.base import MAX_PATCH_BYTES, PatchError, SandboxBackend, SandboxError
@@ -122,6 +123,10 @@ class RolloutConfig:
     grade_timeout_s: float = DEFAULT_TIMEOUT_S
     plugin_autoload: bool = True  # pytest plugin autoload when grading; a task's own setting wins
     max_patch_bytes: int = MAX_PATCH_BYTES
+    # The agent's sandbox has no network but its one door to its own endpoint (`swe_grpo.door`); False:
+    # it shares the backend's network. Backends whose mounts are copies (`hf`) cannot have a door: their
+    # agents reach the server's public, token-authenticated endpoint.
+    door: bool = True
 
 
 def _agent_outcome(pi: PiResult, errors: list[RequestError], turns: int) -> tuple[str, str] | None:
@@ -162,12 +167,22 @@ async def run_rollout(
     pi: PiResult | None = None
     patch, error, exhausted = "", None, None
     unpatchable: PatchError | None = None
+    door: Door | None = None
     try:
-        sandbox = await backend.create(task, mounts=[bundle.mount()])
+        if config.door and backend.live_mounts:
+            door = await server.open_door(rollout_id)
+        mounts = [bundle.mount(), *([door.mount()] if door else [])]
+        sandbox = await backend.create(task, mounts=mounts, network=door is None)
         timings["sandbox_create"] = time.monotonic() - start
         try:
             pi = await run_pi(
-                sandbox, bundle, endpoint, task.problem_statement, config.pi, lambda: server.last_activity(rollout_id)
+                sandbox,
+                bundle,
+                endpoint,
+                task.problem_statement,
+                config.pi,
+                lambda: server.last_activity(rollout_id),
+                door=door,
             )
             timings["agent"] = pi.wall_s
             exhausted = await sandbox.exhausted()
@@ -181,6 +196,8 @@ async def run_rollout(
     except SandboxError as e:
         error = f"sandbox: {e}"
     finally:
+        if door is not None:
+            await server.close_door(door)
         record = server.close_rollout(rollout_id)
         timings["generation"] = record.generation_s
 

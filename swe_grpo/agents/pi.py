@@ -37,9 +37,10 @@ import re
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from swe_grpo.door import Door
 from swe_grpo.interception import RolloutEndpoint
 from swe_grpo.paths import pi_bundle_dir
 from swe_grpo.sandbox.base import Mount, Sandbox
@@ -208,19 +209,23 @@ async def run_pi(
     task_text: str,
     config: PiConfig,
     last_activity: Callable[[], float],
+    door: Door | None = None,
 ) -> PiResult:
     """Run Pi on `task_text` in `sandbox` (which must mount `bundle.mount()`) until it exits, the
     wall-clock limit passes, or `last_activity()` (a `time.monotonic()` stamp of the rollout's latest
     intercepted request) is older than the stall limit. Pi's whole process tree is killed on every
-    path out, cancellation included."""
+    path out, cancellation included. With `door` (the sandbox mounts `door.mount()`), Pi runs behind
+    the door's forwarder and reaches its endpoint through it (`swe_grpo.door`)."""
+    command = bundle.command(endpoint.model)
+    if door is not None:
+        endpoint = replace(endpoint, base_url=door.base_url)
+        command = door.wrap(f"{PI_MOUNT}/{NODE_PATH}", command)
     for name, data in config_files(endpoint, config).items():
         await sandbox.put_file(f"{_AGENT_DIR}/{name}", data)
     await sandbox.put_file(_TASK_FILE, task_text.encode())
     env = {"PI_CODING_AGENT_DIR": _AGENT_DIR, "PI_OFFLINE": "1", API_KEY_ENV: endpoint.token}
     start = time.monotonic()
-    run = asyncio.create_task(
-        sandbox.exec(bundle.command(endpoint.model), timeout_s=config.timeout_s, env=env, cwd=sandbox.workdir)
-    )
+    run = asyncio.create_task(sandbox.exec(command, timeout_s=config.timeout_s, env=env, cwd=sandbox.workdir))
     stalled = False
     try:
         while not run.done():

@@ -186,6 +186,7 @@ class HFBackend(SandboxBackend):
     (tests pass a fake); `token`/`namespace` as in huggingface_hub."""
 
     name = "hf"
+    live_mounts = False  # mounts are uploaded copies: no door, the agent reaches the public endpoint
 
     def __init__(
         self,

@@ -1,0 +1,181 @@
+"""The agent's one door (`swe_grpo.door`) on real sandboxes and a real InterceptionServer: from inside an
+agent sandbox its own rollout's endpoint answers (and still wants the token), while the server's other
+routes and rollouts, its TCP port, vLLM's port and another host loopback port are out of reach, and the
+sandbox has no interface or route but its own loopback. A real Pi run goes through the door.
+
+Traffic goes only to 127.0.0.1 of the host (to check the listeners exist) or of the sandbox's own network
+namespace; what lies beyond is checked by interfaces and routes, never by sending traffic.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from conftest import SERVED_NAME
+from sandbox_helpers import calc_task, make_repo
+
+from swe_grpo.agents.pi import NODE_PATH, PI_MOUNT, PiBundle, PiConfig, run_pi
+from swe_grpo.door import DOOR_PORT
+from swe_grpo.interception import InterceptionServer
+from swe_grpo.sandbox.base import Sandbox, SandboxBackend
+from swe_grpo.sandbox.docker import DockerBackend
+from swe_grpo.sandbox.local import LocalBackend
+from swe_grpo.tasks import Task
+from swe_grpo.vllm_client import SamplingParams, VLLMClient
+
+NODE = f"{PI_MOUNT}/{NODE_PATH}"
+
+# Run inside the sandbox behind the door; argv[1] is JSON {rollout, token, other, other_token, ports}.
+PROBE = r"""
+import http.client, json, socket, sys
+a = json.loads(sys.argv[1])
+def status(path, token=None):
+    conn = http.client.HTTPConnection("127.0.0.1", DOOR_PORT, timeout=10)
+    conn.request("GET", path, headers={"Authorization": f"Bearer {token}"} if token else {})
+    response = conn.getresponse()
+    response.read()
+    return response.status
+def reach(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        return "connected"
+    except OSError as e:
+        return type(e).__name__
+print(json.dumps({
+    "own": status(f"/rollout/{a['rollout']}/v1/models", a["token"]),
+    "own_without_token": status(f"/rollout/{a['rollout']}/v1/models"),
+    "other_rollout": status(f"/rollout/{a['other']}/v1/models", a["other_token"]),
+    "health": status("/health"),
+    "unknown_path": status("/metrics", a["token"]),
+    "ports": {str(p): reach(p) for p in a["ports"]},
+    "interfaces": [name for _, name in socket.if_nameindex()],
+    "routes": open("/proc/net/route").read().splitlines()[1:] + open("/proc/net/ipv6_route").read().splitlines(),
+}))
+""".replace("DOOR_PORT", str(DOOR_PORT))
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory) -> Task:
+    return calc_task(make_repo(tmp_path_factory.mktemp("origin")))
+
+
+@pytest.fixture(scope="module")
+def local_backend(tmp_path_factory: pytest.TempPathFactory, run_dir: Path) -> LocalBackend:
+    return LocalBackend(cache_dir=tmp_path_factory.mktemp("cache"), run_dir=run_dir)
+
+
+@pytest.fixture(scope="module")
+async def docker_backend(docker_url: str) -> AsyncIterator[DockerBackend]:
+    backend = DockerBackend(base_url=docker_url)
+    await backend.start()
+    yield backend
+    await backend.close()
+
+
+@pytest.fixture(params=["local", "docker"])
+def backend(request: pytest.FixtureRequest) -> SandboxBackend:
+    return request.getfixturevalue(f"{request.param}_backend")
+
+
+@pytest.fixture
+def host_listener() -> Iterator[int]:
+    """A service on the host's loopback that no sandbox may reach; its port."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        yield server.getsockname()[1]
+
+
+def reachable_from_host(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+async def probe(
+    server: InterceptionServer, backend: SandboxBackend, task: Task, bundle: PiBundle, ports: list[int]
+) -> dict:
+    """Open two rollouts, give the first a door, run PROBE behind it in an agent sandbox; what it saw."""
+    own, other = server.open_rollout(), server.open_rollout()
+    door = await server.open_door(own.rollout_id)
+    try:
+        sandbox: Sandbox = await backend.create(task, mounts=[bundle.mount(), door.mount()], network=False)
+        async with sandbox:
+            args = {"rollout": own.rollout_id, "token": own.token, "other": other.rollout_id}
+            args |= {"other_token": other.token, "ports": ports}
+            result = await sandbox.exec(door.wrap(NODE, ["python3", "-c", PROBE, json.dumps(args)]), timeout_s=120)
+            assert result.exit_code == 0, result
+            # The forwarder passes the agent's exit status on.
+            assert (await sandbox.exec(door.wrap(NODE, ["sh", "-c", "exit 7"]), timeout_s=60)).exit_code == 7
+    finally:
+        await server.close_door(door)
+        server.close_rollout(own.rollout_id)
+        server.close_rollout(other.rollout_id)
+    assert not door.host_dir.exists()
+    return json.loads(result.stdout)
+
+
+def assert_only_the_door(seen: dict, ports: list[int]) -> None:
+    assert seen["own"] == 200
+    assert seen["own_without_token"] == 401  # the door narrows what is reachable; the token still counts
+    assert seen["other_rollout"] == seen["health"] == seen["unknown_path"] == 403
+    assert seen["ports"] == {str(p): "ConnectionRefusedError" for p in ports}
+    assert seen["interfaces"] == ["lo"]
+    # IPv6: at most loopback's own routes (the kernel adds them to `lo` once it is up).
+    assert all(line.split()[-1] == "lo" for line in seen["routes"]), seen["routes"]
+
+
+async def test_door_reaches_only_its_own_rollout(
+    backend: SandboxBackend, task: Task, tokenizer, pi_bundle: PiBundle, host_listener: int
+) -> None:
+    """Behind the door: its rollout's route answers; the server's other routes and rollouts get 403; the
+    server's TCP port and a host loopback service are refused; no interface or route but loopback."""
+    unused = VLLMClient("http://127.0.0.1:9", SERVED_NAME, max_model_len=8192)  # /models never generates
+    async with unused, InterceptionServer(unused, tokenizer) as server:
+        ports = [server.port, host_listener]
+        assert all(reachable_from_host(p) for p in ports)
+        assert_only_the_door(await probe(server, backend, task, pi_bundle, ports), ports)
+
+
+@pytest.mark.integration
+async def test_pi_through_the_door(vllm_server, vllm_client, tokenizer, pi_bundle, local_backend, task) -> None:
+    """vLLM's port is out of reach behind the door, and a real Pi run reaches its model through it."""
+    vllm_port = urlsplit(vllm_server.url).port
+    assert vllm_port is not None and reachable_from_host(vllm_port)
+    sampling = SamplingParams(temperature=1.0, max_tokens=64)
+    async with InterceptionServer(vllm_client, tokenizer, model_name=SERVED_NAME, sampling=sampling) as server:
+        assert_only_the_door(await probe(server, local_backend, task, pi_bundle, [vllm_port]), [vllm_port])
+        endpoint = server.open_rollout()
+        door = await server.open_door(endpoint.rollout_id)
+        try:
+            async with await local_backend.create(
+                task, mounts=[pi_bundle.mount(), door.mount()], network=False
+            ) as sandbox:
+                config = PiConfig(context_window=vllm_client.max_model_len, max_tokens=64, timeout_s=180)
+                activity = lambda: server.last_activity(endpoint.rollout_id)  # noqa: E731
+                result = await run_pi(sandbox, pi_bundle, endpoint, "Fix calc.py.", config, activity, door=door)
+        finally:
+            await server.close_door(door)
+            record = server.close_rollout(endpoint.rollout_id)
+    assert len(record.turns) >= 1, result
+    assert not [e for e in record.errors if e.kind != "client_disconnected"], record.errors
+
+
+async def test_door_is_removed_however_the_server_ends(tokenizer) -> None:
+    """A door closed after its server stopped (a rollout's `finally` after Ctrl-C), or never closed,
+    leaves no directory behind; closing is idempotent."""
+    unused = VLLMClient("http://127.0.0.1:9", SERVED_NAME, max_model_len=8192)
+    async with unused:
+        server = await InterceptionServer(unused, tokenizer).start()
+        closed_late = await server.open_door(server.open_rollout().rollout_id)
+        never_closed = await server.open_door(server.open_rollout().rollout_id)
+        assert closed_late.socket.is_socket() and never_closed.socket.is_socket()
+        await server.stop()
+        await server.close_door(closed_late)
+        await server.close_door(closed_late)
+    assert not closed_late.host_dir.exists() and not never_closed.host_dir.exists()
