@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -98,7 +99,8 @@ async def run(requests: int) -> str:
                 await server.close_door(door)
                 server.close_rollout(endpoint.rollout_id)
     table = markdown_table(["connection", "percentile", "direct (ms)", "door (ms)", "added (ms)"], rows)
-    return f"P6: door latency, {requests} sequential GET /v1/models per row\n\n{table}"
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return f"P6: door latency, {requests} sequential GET /v1/models per row (load average {load})\n\n{table}"
 
 
 def main() -> None:
