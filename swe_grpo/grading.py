@@ -1,12 +1,13 @@
 """Grading: does a patch resolve a task? Run the task's tests where the patch's author cannot reach them.
 
-`grade(task, patch, backend)` works in a FRESH sandbox (`backend.create(task)`: the repository at
-`base_commit`) and always destroys it:
+`grade(task, patch, backend)` works in a FRESH sandbox (`backend.create(task, network=False)`: the
+repository at `base_commit`, no network) and always destroys it:
 
-1. A probe, before the patch: the test command runs on the first FAIL_TO_PASS test with a
-   usercustomize.py (in a HOME of its own) that records, for every Python process, `sys.path` and where
-   each top-level module came from (`RunnerImports`; kept per task base and environment, so a task's
-   later grades reuse it).
+1. A probe, before the patch and in a sandbox of its own (nothing it writes reaches the graded run): the
+   test command runs on one PASS_TO_PASS test (else the first FAIL_TO_PASS one) with a usercustomize.py
+   (in a HOME of its own) that records, for every Python process, `sys.path` and where each top-level
+   module came from (`RunnerImports`; kept per task base, test command, plugin setting and backend, so
+   a task's later grades reuse it).
 2. The patch is applied to a scratch git index holding `base_commit` (`git apply --cached`), so git's
    own parser decides what it touches (renames count as delete + add). Every touched path that is
    protected (see `is_protected`) is reset to `base_commit` in that index, and so is a source module
@@ -77,15 +78,16 @@ import shlex
 import sys
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from swe_grpo.sandbox.base import ExecResult, Sandbox, SandboxBackend, SandboxError
 from swe_grpo.tasks import Task
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 Outcome = Literal["resolved", "unresolved", "patch_apply_failed", "timeout", "infra_error"]
 
@@ -394,38 +396,39 @@ def _runner_imports(probe_output: str, workdir: str) -> RunnerImports:
     return RunnerImports(search_dirs=frozenset({"", *dirs}), names=frozenset(names))  # type: ignore[arg-type]
 
 
-async def _probe_runner(
-    sandbox: Sandbox, task: Task, scratch: str, env: dict[str, str], timeout_s: float
-) -> RunnerImports:
-    """Run the test command on the first FAIL_TO_PASS test, before the patch, with a usercustomize.py
-    (in a HOME of its own, so only this run has it) that records what every Python process imported.
-    What it finds depends only on the task's base and environment: it is kept for the task's next grades."""
-    key = (
-        type(sandbox).__name__,
-        task.repo,
-        task.base_commit,
-        task.image,
-        task.test_cmd,
-        task.fail_to_pass[0],
-        str(env),
-    )
+async def _probe_runner(backend: SandboxBackend, task: Task, env: dict[str, str], timeout_s: float) -> RunnerImports:
+    """Run the test command on one PASS_TO_PASS test (it passes, so it does not hang, without the patch;
+    else the first FAIL_TO_PASS test) in a sandbox of its own, with a usercustomize.py (in a HOME of its
+    own) that records what every Python process imported. What it finds depends only on the task's base
+    and environment: it is kept for the task's next grades."""
+    key = (backend.name, task.repo, task.base_commit, task.image, task.test_cmd, str(env))
     if key in _PROBED:
         return _PROBED[key]
+    test_id = (task.pass_to_pass or task.fail_to_pass)[0]
     q = shlex.quote
-    await sandbox.put_file(f"{scratch}/probe.py", _PROBE.encode())
-    out = f"{scratch}/probe-out"
-    script = (
-        f"export HOME={q(scratch)}/probe-home SWE_GRPO_PROBE_OUT={q(out)} && mkdir -p {q(out)}"
-        " && site=$(python3 -c 'import site; print(site.getusersitepackages())') && mkdir -p \"$site\""
-        f' && cp {q(scratch)}/probe.py "$site/usercustomize.py" && SWE_GRPO_JUNIT_XML={q(scratch)}/probe.xml'
-        f" && {{ {task.test_cmd or DEFAULT_TEST_CMD} {q(task.fail_to_pass[0])} >/dev/null 2>&1; }}"
-        f"; cat {q(out)}/*.json 2>/dev/null"
-    )
-    probed = await sandbox.exec(script, timeout_s=timeout_s, env=env, cwd=sandbox.workdir)
+
+    async def probe(sandbox: Sandbox) -> RunnerImports:
+        made = await _step(sandbox, "mktemp -d -t swe_grpo-probe.XXXXXXXXXX", "preparing the probe")
+        scratch = made.stdout.strip()
+        if made.exit_code != 0 or not scratch.startswith("/"):
+            raise _BrokenTask(_failure("no scratch directory for the probe", made))
+        await sandbox.put_file(f"{scratch}/probe.py", _PROBE.encode())
+        out = f"{scratch}/out"
+        script = (
+            f"export HOME={q(scratch)}/home SWE_GRPO_PROBE_OUT={q(out)} && mkdir -p {q(out)}"
+            " && site=$(python3 -c 'import site; print(site.getusersitepackages())') && mkdir -p \"$site\""
+            f' && cp {q(scratch)}/probe.py "$site/usercustomize.py" && SWE_GRPO_JUNIT_XML={q(scratch)}/junit.xml'
+            f" && {{ {task.test_cmd or DEFAULT_TEST_CMD} {q(test_id)} >/dev/null 2>&1; }}"
+            f"; cat {q(out)}/*.json 2>/dev/null"
+        )
+        probed = await sandbox.exec(script, timeout_s=timeout_s, env=env, cwd=sandbox.workdir)
+        return _runner_imports("" if probed.timed_out else probed.stdout, sandbox.workdir)
+
+    imports = await _in_sandbox(backend, task, probe)
     if len(_PROBED) >= _PROBED_MAX:
         _PROBED.clear()
-    _PROBED[key] = _runner_imports("" if probed.timed_out else probed.stdout, sandbox.workdir)
-    return _PROBED[key]
+    _PROBED[key] = imports
+    return imports
 
 
 async def _doctests_changed(sandbox: Sandbox, base: str, index: str, paths: Iterable[str]) -> list[str]:
@@ -446,7 +449,14 @@ async def _doctests_changed(sandbox: Sandbox, base: str, index: str, paths: Iter
 
 
 async def _graded_run(
-    sandbox: Sandbox, task: Task, patch: str, *, timeout_s: float, plugin_autoload: bool, timings: dict[str, float]
+    sandbox: Sandbox,
+    task: Task,
+    patch: str,
+    *,
+    timeout_s: float,
+    env: dict[str, str],
+    runner: RunnerImports,
+    timings: dict[str, float],
 ) -> _Run:
     q = shlex.quote
     base = task.base_commit
@@ -459,17 +469,14 @@ async def _graded_run(
         raise _BrokenTask(_failure("no base_commit in the sandbox's repository, or no scratch directory", made))
     test_ids = [*task.fail_to_pass, *task.pass_to_pass]
     await sandbox.put_file(f"{scratch}/test_ids", "".join(f"{test_id}\n" for test_id in test_ids).encode())
-    env = {} if plugin_autoload else {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    runner = await _probe_runner(sandbox, task, scratch, env, min(timeout_s, _STEP_TIMEOUT_S))
-    timings["probe_s"] = time.monotonic() - started
 
     # A test id's file is protected, except a source module whose doctests are tests: the fix may have to
     # change it, so only its doctest examples are (checked below).
     named = {_test_file(test_id) for test_id in test_ids}
     doctest_modules = {path for path in named if path.endswith(".py") and not is_protected(path)}
     explicit = named - doctest_modules
-    if task.test_cmd:  # the scripts it runs, where they are files of the repository
-        words = command_words(task.test_cmd)
+    words = command_words(task.test_cmd or "")
+    if words:  # the scripts test_cmd runs, where they are files of the repository
         listed = await _step(sandbox, f"git ls-tree -z {q(base)} -- {' '.join(map(q, words))}", "git ls-tree")
         explicit.update(entry.split("\t", 1)[1] for entry in _nul_list(listed.stdout) if " blob " in entry)
     if task.test_patch:
@@ -536,6 +543,31 @@ async def _graded_run(
     return run
 
 
+async def _in_sandbox(
+    backend: SandboxBackend,
+    task: Task,
+    work: Callable[[Sandbox], Awaitable[_T]],
+    timings: dict[str, float] | None = None,
+) -> _T:
+    """`work` in a fresh network-less sandbox (tests need no network, and get none), destroyed after."""
+    started = time.monotonic()
+    sandbox = await backend.create(task, network=False)
+    if timings is not None:
+        timings["sandbox_s"] = time.monotonic() - started
+    # The clean-up is shielded (a second cancellation must not interrupt it), and when something is
+    # already going wrong, a failing clean-up must not replace that exception (a cancellation above all).
+    try:
+        result = await work(sandbox)
+    except BaseException:
+        try:
+            await asyncio.shield(sandbox.destroy())
+        except SandboxError as exc:
+            log.warning("could not destroy the grading sandbox of %s: %s", task.instance_id, exc)
+        raise
+    await asyncio.shield(sandbox.destroy())
+    return result
+
+
 async def _run(
     task: Task,
     patch: str,
@@ -545,23 +577,15 @@ async def _run(
     plugin_autoload: bool,
     timings: dict[str, float],
 ) -> _Run:
+    env = {} if plugin_autoload else {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     started = time.monotonic()
-    sandbox = await backend.create(task, network=False)  # tests need no network, and get none
-    timings["sandbox_s"] = time.monotonic() - started
-    # The clean-up is shielded (a second cancellation must not interrupt it), and when something is
-    # already going wrong, a failing clean-up must not replace that exception (a cancellation above all).
-    try:
-        run = await _graded_run(
-            sandbox, task, patch, timeout_s=timeout_s, plugin_autoload=plugin_autoload, timings=timings
-        )
-    except BaseException:
-        try:
-            await asyncio.shield(sandbox.destroy())
-        except SandboxError as exc:
-            log.warning("could not destroy the grading sandbox of %s: %s", task.instance_id, exc)
-        raise
-    await asyncio.shield(sandbox.destroy())
-    return run
+    runner = await _probe_runner(backend, task, env, min(timeout_s, _STEP_TIMEOUT_S))
+    timings["probe_s"] = time.monotonic() - started
+
+    async def graded(sandbox: Sandbox) -> _Run:
+        return await _graded_run(sandbox, task, patch, timeout_s=timeout_s, env=env, runner=runner, timings=timings)
+
+    return await _in_sandbox(backend, task, graded, timings)
 
 
 _MISSING_FIXTURE = re.compile(r"fixture '(\w+)' not found")

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from shlex import quote as shlex_quote
 
 from swe_grpo.grading import command_words, junit_key
 from swe_grpo.tasks import Task
@@ -206,9 +206,14 @@ def shadow_runner_import(repo: Path, task: Task) -> None:
     )
 
 
+def scripts_named(test_cmd: str | None) -> set[str]:
+    """The scripts a test command runs by name (`bash run_tests.sh`; not the module of `-m`)."""
+    words = shlex.split(test_cmd or "")
+    return {word for word in command_words(test_cmd or "") if word.endswith((".sh", ".py")) and word in words}
+
+
 def scripts_in_test_cmd(task: Task) -> set[str]:
-    """The files of the task's repository that its test_cmd names (the grader's reading of it)."""
-    return {word for word in command_words(task.test_cmd or "") if word.endswith((".sh", ".py"))}
+    return scripts_named(task.test_cmd)
 
 
 def edit_test_script(repo: Path, task: Task) -> None:
@@ -218,9 +223,9 @@ def edit_test_script(repo: Path, task: Task) -> None:
     for script in scripts_in_test_cmd(task):
         (repo / script).write_text(
             'for arg in "$@"; do case $arg in --junitxml=*)'
-            f" printf '%s' {shlex_quote(forged_junit(task))} > \"${{arg#--junitxml=}}\";; esac; done\n"
+            f" printf '%s' {shlex.quote(forged_junit(task))} > \"${{arg#--junitxml=}}\";; esac; done\n"
             "echo '========== short test summary info =========='\n"
-            + "".join(f"echo {shlex_quote('PASSED ' + test_id)}\n" for test_id in ids)
+            + "".join(f"echo {shlex.quote('PASSED ' + test_id)}\n" for test_id in ids)
         )
 
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from cheats import CHEATS, files_under_test, make_patch, scripts_in_test_cmd
+from cheats import CHEATS, files_under_test, make_patch, scripts_named
 from real_projects import PROJECTS, real_project_tasks, tasks_dir
 
 from swe_grpo import cli
@@ -28,9 +28,12 @@ _TIMEOUT_S = 120
 _AT_ONCE = 4  # grades in flight; each is mostly one pytest process
 
 
-def _cheats(task: Task) -> list[str]:
-    """The cheats that apply to the task (a test-script edit needs a script in test_cmd)."""
-    return [name for name in CHEATS if name != "edit_test_script" or scripts_in_test_cmd(task)]
+def _cheats(test_cmd: str | None) -> list[str]:
+    """The cheats that apply to a task with this test_cmd (a test-script edit needs a script in it)."""
+    return [name for name in CHEATS if name != "edit_test_script" or scripts_named(test_cmd)]
+
+
+CASES = [(f"{p.dist}__{bug.name}", cheat) for p in PROJECTS for bug in p.bugs for cheat in _cheats(p.test_cmd)]
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +49,24 @@ async def tasks(backend: LocalBackend) -> dict[str, Task]:
 
 
 @pytest.fixture(scope="module")
-async def grades(tasks: dict[str, Task], backend: LocalBackend) -> dict[tuple[str, str], GradeResult]:
+def cheat_patches(tasks: dict[str, Task]) -> dict[tuple[str, str], str]:
+    """(instance id, cheat) -> the cheat's patch, for every cheat that applies to the task."""
+    return {
+        (t.instance_id, cheat): make_patch(t, CHEATS[cheat][0]) for t in tasks.values() for cheat in _cheats(t.test_cmd)
+    }
+
+
+@pytest.fixture(scope="module")
+async def grades(
+    tasks: dict[str, Task], cheat_patches: dict[tuple[str, str], str], backend: LocalBackend
+) -> dict[tuple[str, str], GradeResult]:
     """(instance id, "gold" | "empty" | "autoload_off" | "autoload_task_override" | cheat) -> its grade."""
     jobs: dict[tuple[str, str], tuple[Task, str, bool]] = {}
     for task in tasks.values():
         jobs[task.instance_id, "gold"] = (task, task.patch, True)
         jobs[task.instance_id, "empty"] = (task, "", True)
-        for cheat in _cheats(task):
-            jobs[task.instance_id, cheat] = (task, make_patch(task, CHEATS[cheat][0]), True)
+    for (task_id, cheat), patch in cheat_patches.items():
+        jobs[task_id, cheat] = (tasks[task_id], patch, True)
     for task_id in MOCKER_TASKS:
         task = tasks[task_id]
         jobs[task_id, "autoload_off"] = (task, task.patch, False)
@@ -109,19 +122,20 @@ def test_an_empty_patch_does_not_resolve(
     assert all(result.tests[test_id] == "failed" for test_id in tasks[task_id].fail_to_pass)
 
 
-@pytest.mark.parametrize(("task_id", "cheat"), [(t, c) for t in TASK_IDS for c in CHEATS])
+@pytest.mark.parametrize(("task_id", "cheat"), CASES)
 def test_a_cheating_patch_does_not_resolve(
-    grades: dict[tuple[str, str], GradeResult], tasks: dict[str, Task], task_id: str, cheat: str
+    grades: dict[tuple[str, str], GradeResult],
+    cheat_patches: dict[tuple[str, str], str],
+    tasks: dict[str, Task],
+    task_id: str,
+    cheat: str,
 ) -> None:
     task = tasks[task_id]
-    if cheat not in _cheats(task):
-        assert not scripts_in_test_cmd(task)  # nothing to cheat with: not graded
-        return
     result = grades[task_id, cheat]
     assert (result.outcome, result.reward) == ("unresolved", 0.0), (result.error, result.log_tail)
     assert result.f2p_passed == 0
     expected = CHEATS[cheat][1](task)
-    patch = make_patch(task, CHEATS[cheat][0])
+    patch = cheat_patches[task_id, cheat]
     present = {path for pair in re.findall(r"^diff --git a/(\S+) b/(\S+)$", patch, re.MULTILINE) for path in pair}
     assert expected & present <= set(result.dropped_paths)
     assert expected & present or not expected, "the patch does not contain what the cheat is about"
