@@ -76,7 +76,7 @@ install_pi() {
     local package=$1 version=$2 dir=$3
     local inputs="pi=${package}@${version} node=${NODE_VERSION} recipe=${PI_RECIPE}"
     stamp_ok "$dir/.swe_grpo_stamp" "$inputs" && return 0
-    log "installing Pi ${version} + node ${NODE_VERSION} into ${dir#"$ROOT"/} (~20 s)"
+    log "installing Pi ${version} + node ${NODE_VERSION} into ${dir#"$ROOT"/} (~30 s)"
     rm -rf "$dir"
     npm install --prefix "$dir" --no-audit --no-fund --loglevel=error \
         --fetch-timeout=60000 --fetch-retries=5 \
