@@ -79,6 +79,7 @@ async def run_rollouts(args: argparse.Namespace) -> list:
             grade_timeout_s=args.grade_timeout,
             plugin_autoload=args.plugin_autoload,
             max_patch_bytes=args.max_patch_bytes,
+            door=args.door,
         )
         await backend.start()
         jobs = [task for task in tasks for _ in range(args.num_rollouts)]
@@ -317,6 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--stall-timeout", type=float, default=300.0)
     rollout.add_argument("--grade-timeout", type=float, default=1800.0)
     rollout.add_argument("--plugin-autoload", action=argparse.BooleanOptionalAction, default=True, help=_AUTOLOAD_HELP)
+    rollout.add_argument(
+        "--door",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the agent's only network is its own endpoint (default); --no-door: the sandbox backend's network",
+    )
     rollout.add_argument(
         "--max-patch-bytes", type=int, default=MAX_PATCH_BYTES, help="a larger patch ends the rollout patch_too_large"
     )

@@ -142,6 +142,7 @@ class WorkerConfig:
     grade_timeout_s: float = DEFAULT_TIMEOUT_S
     plugin_autoload: bool = True  # pytest plugin autoload when grading; a task's own setting wins
     max_patch_bytes: int = MAX_PATCH_BYTES  # a larger patch ends the rollout patch_too_large (reward 0.0)
+    door: bool = True  # the agent's only network is its own endpoint (swe_grpo.door); False: the backend's
     adapter_prefix: str = "trl-policy"  # what AsyncGRPOTrainer names the adapters it publishes
     adapter_dir: str | None = None
     host: str = "127.0.0.1"  # the InterceptionServer's bind; sandboxes reach it at public_base_url
@@ -402,6 +403,7 @@ class SWERolloutWorker:
             grade_timeout_s=c.grade_timeout_s,
             plugin_autoload=c.plugin_autoload,
             max_patch_bytes=c.max_patch_bytes,
+            door=c.door,
         )
         try:
             await self.backend.start()
