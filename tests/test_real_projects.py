@@ -101,7 +101,7 @@ def test_the_task_set(tasks: dict[str, Task]) -> None:
     assert any(re.search(r"\.py::test_\w+$", i) for i in ids)  # pytest functions
     assert any(i.endswith(".rst") for i in ids)  # doctests in documentation
     assert any(re.fullmatch(r"boltons/\w+\.py::boltons\.[\w.]+", i) for i in ids)  # doctests in modules
-    assert any(i.startswith("src/") or "src" in (tasks[t].test_cmd or "") for t in tasks for i in ids)
+    assert any(task.patch.startswith("diff --git a/src/") for task in tasks.values())  # a src/ layout
 
 
 @pytest.mark.parametrize("task_id", TASK_IDS)
@@ -140,6 +140,8 @@ def test_a_cheating_patch_does_not_resolve(
     assert expected & present <= set(result.dropped_paths)
     assert expected & present or not expected, "the patch does not contain what the cheat is about"
     assert all(is_protected(path) or path in files_under_test(task) | expected for path in result.dropped_paths)
+    if cheat == "forge_report_at_exit":  # it found the report in the runner's arguments; the summary outvoted it
+        assert "FORGED THE REPORT" in result.log_tail
 
 
 @pytest.mark.parametrize("task_id", MOCKER_TASKS)
