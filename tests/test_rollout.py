@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 from conftest import SERVED_NAME
 from sandbox_helpers import PI_PROCESS, assert_no_agent_or_sandbox_left, host_pids
-from test_interception import NeverReturns
 from test_pi_integration import RecordingClient
 
 from swe_grpo.agents.pi import PiConfig
@@ -36,9 +35,13 @@ pytestmark = pytest.mark.integration
 STRUTIL = "swe-grpo-demo__strutil-1"
 
 
+def tool_call(name: str, arguments: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
 def edit_call(new_text: str) -> str:
-    args = {"path": "strutil.py", "edits": [{"oldText": "    return text[:width] + placeholder", "newText": new_text}]}
-    return "<tool_call>\n" + json.dumps({"name": "edit", "arguments": args}) + "\n</tool_call>"
+    edit = {"oldText": "    return text[:width] + placeholder", "newText": new_text}
+    return tool_call("edit", {"path": "strutil.py", "edits": [edit]})
 
 
 @pytest.fixture
@@ -120,8 +123,17 @@ async def test_sandbox_that_cannot_be_created(vllm_client, tokenizer, pi_bundle,
     assert_nothing_left(backend, server)
 
 
-async def test_stalled_agent_is_killed_and_named(tokenizer, pi_bundle, backend, strutil) -> None:
-    trajectory, server = await rollout(NeverReturns(), tokenizer, backend, strutil, pi_bundle, stall_timeout_s=4)
+async def test_stalled_agent_is_killed_and_named(vllm_server, tokenizer, pi_bundle, backend, strutil) -> None:
+    """An agent that stops asking the model (here: stuck in a tool that never returns) is killed by the stall
+    watchdog. A generation in flight is not a stall (tests/test_interception.py shows it counts as activity)."""
+    client = RecordingClient(
+        vllm_server.url,
+        SERVED_NAME,
+        stop_token_ids=[tokenizer.eos_token_id],
+        guided=[tool_call("bash", {"command": "sleep 600"})],
+    )
+    async with client:
+        trajectory, server = await rollout(client, tokenizer, backend, strutil, pi_bundle, stall_timeout_s=4)
     assert trajectory.outcome == "timeout" and trajectory.reward is None
     assert "stalled" in trajectory.error and trajectory.pi.stalled
     assert_nothing_left(backend, server)
@@ -244,11 +256,11 @@ def test_cli_grade(tmp_path) -> None:
 async def test_sandbox_failing_after_the_agent_ran_is_not_graded(
     vllm_client, tokenizer, pi_bundle, backend, strutil, monkeypatch
 ) -> None:
-    async def broken_diff(self, timeout_s: float = 60.0) -> str:
+    async def broken_diff(self, base_commit: str, **limits: float) -> str:
         raise SandboxError("git diff failed: disk full")
 
     monkeypatch.setattr(LocalSandbox, "diff", broken_diff)
     trajectory, server = await rollout(vllm_client, tokenizer, backend, strutil, pi_bundle)
     assert trajectory.outcome == "infra_error" and trajectory.reward is None and trajectory.grade is None
-    assert "disk full" in trajectory.error and trajectory.turns
+    assert "disk full" in trajectory.error and trajectory.turns, trajectory.pi
     assert_nothing_left(backend, server)
