@@ -80,6 +80,7 @@ async def run_rollouts(args: argparse.Namespace) -> list:
             plugin_autoload=args.plugin_autoload,
             max_patch_bytes=args.max_patch_bytes,
             door=args.door,
+            allow=tuple(args.allow),
         )
         await backend.start()
         jobs = [task for task in tasks for _ in range(args.num_rollouts)]
@@ -323,6 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="the agent's only network is its own endpoint (default); --no-door: the sandbox backend's network",
+    )
+    rollout.add_argument(
+        "--allow",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="with the door, a target the agent may also reach through an HTTPS proxy (repeatable)",
     )
     rollout.add_argument(
         "--max-patch-bytes", type=int, default=MAX_PATCH_BYTES, help="a larger patch ends the rollout patch_too_large"

@@ -17,10 +17,19 @@ So from inside, 127.0.0.1 is the sandbox's own loopback: vLLM, the trainer, the 
 port and every other host service are unreachable, as is anything beyond the host. A unix socket is
 reached by path, not by network namespace: the sandbox sees no host path but its mounts.
 `close_door` stops serving the socket and removes the directory.
+
+An allowlist (off by default: `Door.allow`, e.g. `("pypi.org:443", "files.pythonhosted.org:443")`) opens
+more: `serve_allowlist` runs a host-side proxy on a second socket in the directory that answers HTTP
+`CONNECT host:port` for exactly the listed targets (anything else: 403) and connects to them from the
+host; the forwarder listens for it on `127.0.0.1:PROXY_PORT` and gives the agent `HTTPS_PROXY` and
+`HTTP_PROXY` (with `NO_PROXY=127.0.0.1,localhost`), which pip, git, curl and most clients honour. Only
+tunnels: a plain-HTTP request through the proxy (not `CONNECT`) is refused.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -33,17 +42,29 @@ from swe_grpo.sandbox.base import Mount
 DOOR_MOUNT = "/run/swe-grpo-door"
 #: The loopback port the forwarder listens on inside the sandbox (its own namespace: any free port works).
 DOOR_PORT = 18080
+#: The loopback port of the allowlist proxy inside the sandbox (only with an allowlist).
+PROXY_PORT = 18081
 _SCRIPT = Path(__file__).with_name("door.cjs")
 _UNIX_PATH_MAX = 107  # sun_path holds 108 bytes, NUL included
+_PROXY_TIMEOUT_S = 30.0
+_FORBIDDEN = b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+_BAD_GATEWAY = b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
 @dataclass(frozen=True)
 class Door:
     """One rollout's door: `host_dir` holds the unix socket the InterceptionServer serves the rollout on,
-    and the forwarder script."""
+    and the forwarder script; `allow`: the `host:port`s the allowlist proxy admits (none: no proxy)."""
 
     rollout_id: str
     host_dir: Path
+    allow: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for target in self.allow:
+            host, _, port = target.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"an allowlist entry is host:port, got {target!r}")
 
     @classmethod
     def make(cls, rollout_id: str) -> Door:
@@ -71,9 +92,58 @@ class Door:
     def mount(self) -> Mount:
         return Mount(self.host_dir, DOOR_MOUNT)
 
+    @property
+    def proxy_socket(self) -> Path:
+        return self.host_dir / "p"
+
     def wrap(self, node: str, argv: Sequence[str]) -> list[str]:
         """`argv` run behind the door: `node` (a path inside the sandbox) runs the forwarder, which runs `argv`."""
-        return [node, f"{DOOR_MOUNT}/{_SCRIPT.name}", str(DOOR_PORT), f"{DOOR_MOUNT}/{self.socket.name}", *argv]
+        listen = [str(DOOR_PORT), f"{DOOR_MOUNT}/{self.socket.name}"]
+        if self.allow:
+            listen += [str(PROXY_PORT), f"{DOOR_MOUNT}/{self.proxy_socket.name}"]
+        return [node, f"{DOOR_MOUNT}/{_SCRIPT.name}", *listen, "--", *argv]
+
+    async def serve_allowlist(self) -> asyncio.Server:
+        """Serve the allowlist proxy on `proxy_socket` until the returned server is closed."""
+        server = await asyncio.start_unix_server(self._tunnel, path=self.proxy_socket)
+        self.proxy_socket.chmod(0o666)
+        return server
+
+    async def _tunnel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One proxy connection: `CONNECT host:port` to a listed target, then bytes both ways."""
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _PROXY_TIMEOUT_S)
+            method, target, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+            if method != "CONNECT" or target not in self.allow:
+                writer.write(_FORBIDDEN)
+                return
+            host, _, port = target.rpartition(":")
+            try:
+                opening = asyncio.open_connection(host.strip("[]"), int(port))
+                up_reader, up_writer = await asyncio.wait_for(opening, _PROXY_TIMEOUT_S)
+            except (OSError, TimeoutError):
+                writer.write(_BAD_GATEWAY)
+                return
+            writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+            try:
+                await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+            finally:
+                up_writer.close()
+        except (ValueError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            pass  # a malformed, oversized or too slow request line: the connection is closed
+        finally:
+            with contextlib.suppress(OSError):
+                writer.close()
 
     def remove(self) -> None:
         shutil.rmtree(self.host_dir, ignore_errors=True)
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy until end of stream, then half-close the other side."""
+    with contextlib.suppress(OSError):
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()

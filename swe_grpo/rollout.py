@@ -33,10 +33,11 @@ overflow, timeout, a crash) take precedence, as their rollouts are not graded ei
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from swe_grpo.agents.pi import PiBundle, PiConfig, PiResult, run_pi
@@ -127,6 +128,8 @@ class RolloutConfig:
     # it shares the backend's network. Backends whose mounts are copies (`hf`) cannot have a door: their
     # agents reach the server's public, token-authenticated endpoint.
     door: bool = True
+    # With the door: the `host:port`s the agent may also reach, through an HTTPS proxy (`swe_grpo.door`).
+    allow: tuple[str, ...] = ()
 
 
 def _agent_outcome(pi: PiResult, errors: list[RequestError], turns: int) -> tuple[str, str] | None:
@@ -168,9 +171,12 @@ async def run_rollout(
     patch, error, exhausted = "", None, None
     unpatchable: PatchError | None = None
     door: Door | None = None
+    proxy: asyncio.Server | None = None
     try:
         if config.door and backend.live_mounts:
             door = await server.open_door(rollout_id)
+            door = replace(door, allow=config.allow)  # a malformed entry raises with the door already kept
+            proxy = await door.serve_allowlist() if door.allow else None
         mounts = [bundle.mount(), *([door.mount()] if door else [])]
         sandbox = await backend.create(task, mounts=mounts, network=door is None)
         timings["sandbox_create"] = time.monotonic() - start
@@ -196,6 +202,8 @@ async def run_rollout(
     except SandboxError as e:
         error = f"sandbox: {e}"
     finally:
+        if proxy is not None:
+            proxy.close()
         if door is not None:
             await server.close_door(door)
         record = server.close_rollout(rollout_id)

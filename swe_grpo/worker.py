@@ -143,6 +143,7 @@ class WorkerConfig:
     plugin_autoload: bool = True  # pytest plugin autoload when grading; a task's own setting wins
     max_patch_bytes: int = MAX_PATCH_BYTES  # a larger patch ends the rollout patch_too_large (reward 0.0)
     door: bool = True  # the agent's only network is its own endpoint (swe_grpo.door); False: the backend's
+    allow: tuple[str, ...] = ()  # with the door: host:port targets the agent may also reach (HTTPS proxy)
     adapter_prefix: str = "trl-policy"  # what AsyncGRPOTrainer names the adapters it publishes
     adapter_dir: str | None = None
     host: str = "127.0.0.1"  # the InterceptionServer's bind; sandboxes reach it at public_base_url
@@ -404,6 +405,7 @@ class SWERolloutWorker:
             plugin_autoload=c.plugin_autoload,
             max_patch_bytes=c.max_patch_bytes,
             door=c.door,
+            allow=c.allow,
         )
         try:
             await self.backend.start()

@@ -9,9 +9,12 @@ namespace; what lies beyond is checked by interfaces and routes, never by sendin
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import socket
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -20,7 +23,7 @@ from conftest import SERVED_NAME
 from sandbox_helpers import calc_task, make_repo
 
 from swe_grpo.agents.pi import NODE_PATH, PI_MOUNT, PiBundle, PiConfig, run_pi
-from swe_grpo.door import DOOR_PORT
+from swe_grpo.door import DOOR_PORT, PROXY_PORT, Door
 from swe_grpo.interception import InterceptionServer
 from swe_grpo.sandbox.base import Sandbox, SandboxBackend
 from swe_grpo.sandbox.docker import DockerBackend
@@ -179,3 +182,66 @@ async def test_door_is_removed_however_the_server_ends(tokenizer) -> None:
         await server.close_door(closed_late)
         await server.close_door(closed_late)
     assert not closed_late.host_dir.exists() and not never_closed.host_dir.exists()
+
+
+# Run inside the sandbox behind a door with an allowlist; argv[1] is JSON {allowed, refused} (host:port).
+TUNNEL = r"""
+import json, os, socket, sys
+a = json.loads(sys.argv[1])
+def connect(target):
+    conn = socket.create_connection(("127.0.0.1", PROXY_PORT), timeout=10)
+    conn.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+    head = b""
+    while not head.endswith(b"\r\n\r\n"):
+        head += conn.recv(1)
+    status = int(head.split()[1])
+    if status == 200:
+        conn.sendall(b"ping")
+        return status, conn.recv(4).decode()
+    return status, None
+print(json.dumps({
+    "allowed": connect(a["allowed"]),
+    "refused": connect(a["refused"]),
+    "proxy_env": [os.environ.get(k) for k in ("HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY")],
+}))
+""".replace("PROXY_PORT", str(PROXY_PORT))
+
+
+async def test_allowlist_admits_only_the_listed_targets(
+    backend: SandboxBackend, task: Task, tokenizer, pi_bundle: PiBundle, host_listener: int
+) -> None:
+    """With `Door.allow`, the agent reaches exactly the listed `host:port`s through the proxy (here an echo
+    server on the host's loopback, standing in for a package index); another target is refused (403)."""
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(await reader.readexactly(4))
+        await writer.drain()
+        writer.close()
+
+    echo_server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    allowed = f"127.0.0.1:{echo_server.sockets[0].getsockname()[1]}"
+    unused = VLLMClient("http://127.0.0.1:9", SERVED_NAME, max_model_len=8192)
+    async with echo_server, unused, InterceptionServer(unused, tokenizer) as server:
+        endpoint = server.open_rollout()
+        door = replace(await server.open_door(endpoint.rollout_id), allow=(allowed,))
+        proxy = await door.serve_allowlist()
+        try:
+            async with await backend.create(task, mounts=[pi_bundle.mount(), door.mount()], network=False) as sandbox:
+                args = json.dumps({"allowed": allowed, "refused": f"127.0.0.1:{host_listener}"})
+                result = await sandbox.exec(door.wrap(NODE, ["python3", "-c", TUNNEL, args]), timeout_s=120)
+        finally:
+            proxy.close()
+            await server.close_door(door)
+            server.close_rollout(endpoint.rollout_id)
+    assert result.exit_code == 0, result
+    seen = json.loads(result.stdout)
+    assert seen["allowed"] == [200, "ping"]
+    assert seen["refused"] == [403, None]
+    proxy_url = f"http://127.0.0.1:{PROXY_PORT}"
+    assert seen["proxy_env"] == [proxy_url, proxy_url, "127.0.0.1,localhost"]
+    assert not door.host_dir.exists()
+
+
+def test_allowlist_entries_are_host_and_port() -> None:
+    with pytest.raises(ValueError, match="host:port"):
+        replace(Door("r", Path(os.devnull)), allow=("pypi.org",))
