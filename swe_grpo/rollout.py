@@ -95,6 +95,7 @@ class Trajectory:
             "p2p_total": g.p2p_total if g else 0,
             "num_turns": len(self.turns),
             "clean_turns": sum(t.kind == "clean" for t in self.turns),
+            "retried_turns": sum(t.retries for t in self.turns),
             "forks": sum(t.kind == "fork" for t in self.turns),
             "prompt_tokens": sum(len(r.input_ids) for r in self.rows) - completion,
             "completion_tokens": completion,

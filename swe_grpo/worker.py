@@ -759,6 +759,7 @@ class SWERolloutWorker:
             "rollout/prompt_tokens": float(summary["prompt_tokens"]),
             "rollout/completion_tokens": float(summary["completion_tokens"]),
             "rollout/fork_rate": (float(summary["forks"]), float(turns)),
+            "rollout/retried_turns_total": float(summary["retried_turns"]),
             "rollout/malformed_tool_calls_total": float(t.malformed_tool_calls),
             "rollout/wall_s": t.timings.get("total", 0.0),
             "rollout/generation_latency_s": (t.timings.get("generation", 0.0), float(turns)),

@@ -202,7 +202,8 @@ def test_cli_rollout_writes_one_line_per_rollout(vllm_server, tiny_model_dir, tm
     lines = [json.loads(line) for line in output.read_text().splitlines()]
     assert len(lines) == 2
     fields = {"instance_id", "rollout_id", "reward", "outcome", "f2p_passed", "f2p_total", "p2p_passed"}
-    fields |= {"p2p_total", "num_turns", "clean_turns", "forks", "prompt_tokens", "completion_tokens", "wall_s"}
+    fields |= {"p2p_total", "num_turns", "clean_turns", "retried_turns", "forks", "prompt_tokens", "completion_tokens"}
+    fields |= {"wall_s"}
     for line in lines:
         assert fields | {"error"} <= set(line)
         assert line["outcome"] == "unresolved" and line["reward"] == 0.0  # a random model fixes nothing
