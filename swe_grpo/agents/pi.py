@@ -22,8 +22,8 @@ and `.pi/SYSTEM.md` / `APPEND_SYSTEM.md` (the whole system prompt), so `scripts/
 project config directory (`piConfig.configDir` in its package.json, the name Pi looks for) to one no
 repository carries; `PiBundle.at` warns about a 0.73.1 bundle installed otherwise.
 
-Two limits end a run: a wall-clock limit, and a stall watchdog (no intercepted request for
-`stall_timeout_s`; Pi has no body timeout and hangs forever on a server that stalls mid-stream).
+Two limits end a run: a wall-clock limit, and a stall watchdog (for `stall_timeout_s` no model request
+made and none being served: an agent stuck in a tool, or hung; a long generation is not a stall).
 """
 
 from __future__ import annotations
