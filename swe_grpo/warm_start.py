@@ -40,7 +40,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -136,39 +136,46 @@ def with_date(messages: list[Message], date: dt.date) -> list[Message]:
 # --------------------------------------------------------------------------- capturing Pi's requests
 
 
-class _ScriptedGenerator:
-    """A generation backend that is no model: it answers request k with `outputs[k]` (and any request
-    past the script with the last one; the caller rejects a run with more requests than scripted)."""
+class ScriptedGenerator:
+    """A SCRIPTED generation backend (no model): request k is answered with `outputs[k]`, requests past the
+    script with the last one (a caller that needs an exact count checks `requests`). For driving the real
+    Pi where a model cannot be trusted to act: capturing its requests here, pinning their shapes in tests."""
 
     max_model_len = 32768
 
     def __init__(self, outputs: list[list[int]]):
-        self._outputs = outputs
+        self.outputs = outputs
         self.requests = 0
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, model: str | None = None) -> Generation:
-        ids = self._outputs[min(self.requests, len(self._outputs) - 1)]
+        ids = self.outputs[min(self.requests, len(self.outputs) - 1)]
         self.requests += 1
         return Generation(list(ids), [0.0] * len(ids), "stop", model or "")
 
 
 @dataclass
-class _Hop:
-    url: str
-    bodies: list[dict[str, Any]]
+class CapturedRequests:
+    """The chat requests an agent sent, as they left it: each one's headers (names lower-cased) and JSON body."""
+
+    url: str = ""
+    requests: list[tuple[dict[str, str], dict[str, Any]]] = field(default_factory=list)
+
+    @property
+    def bodies(self) -> list[dict[str, Any]]:
+        return [body for _, body in self.requests]
 
 
 @contextlib.asynccontextmanager
-async def _recording_hop(target: str) -> AsyncIterator[_Hop]:
-    """A loopback HTTP hop that forwards every request to `target` (a base URL) and keeps the JSON body
-    of each chat request, as the agent sent it."""
-    hop = _Hop("", [])
+async def recording_hop(target: str) -> AsyncIterator[CapturedRequests]:
+    """A loopback HTTP hop in front of `target` (a base URL) that forwards every request unchanged and keeps
+    each chat request's headers and body."""
+    captured = CapturedRequests()
     async with ClientSession() as http:
 
         async def forward(request: web.Request) -> web.Response:
             body = await request.read()
             if request.path.endswith("/chat/completions"):
-                hop.bodies.append(orjson.loads(body))
+                captured.requests.append(({k.lower(): v for k, v in request.headers.items()}, orjson.loads(body)))
             headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
             async with http.request(request.method, target + request.path_qs, data=body, headers=headers) as r:
                 reply = await r.read()
@@ -180,8 +187,8 @@ async def _recording_hop(target: str) -> AsyncIterator[_Hop]:
         await runner.setup()
         try:
             await web.TCPSite(runner, "127.0.0.1", 0).start()
-            hop.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-            yield hop
+            captured.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            yield captured
         finally:
             await runner.cleanup()
 
@@ -200,11 +207,11 @@ async def _capture_one(
     from swe_grpo.interception import InterceptionServer
 
     template = TrainingTemplate(tokenizer)
-    generator = _ScriptedGenerator(
+    generator = ScriptedGenerator(
         [completion_ids(template, action_message(candidate.command)), completion_ids(template, CLOSING_MESSAGE)]
     )
     config = PiConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=120, stall_timeout_s=60)
-    async with InterceptionServer(generator, tokenizer) as server, _recording_hop(server.public_base_url) as hop:
+    async with InterceptionServer(generator, tokenizer) as server, recording_hop(server.public_base_url) as hop:
         endpoint = server.open_rollout()
         try:
             proxied = replace(endpoint, base_url=hop.url + endpoint.base_url.removeprefix(server.public_base_url))

@@ -15,18 +15,16 @@ InterceptionServer with SCRIPTED model turns and records every request Pi sends 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import re
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from aiohttp import ClientSession, web
 from transformers import PreTrainedTokenizerBase
 
 from swe_grpo.agents.pi import PiBundle, PiConfig, PiResult, run_pi
@@ -34,7 +32,7 @@ from swe_grpo.chain import TrainingTemplate
 from swe_grpo.interception import InterceptionServer, RolloutRecord
 from swe_grpo.sandbox.base import SandboxBackend
 from swe_grpo.tasks import Task
-from swe_grpo.vllm_client import Generation, SamplingParams
+from swe_grpo.warm_start import CapturedRequests, ScriptedGenerator, recording_hop
 
 SYSTEM_PROMPT = (
     "You are a coding agent working in a git repository. You can read files, run shell commands, edit "
@@ -146,63 +144,11 @@ def scripted_output(template: TrainingTemplate, message: dict[str, Any]) -> list
 # --------------------------------------------------------------------------- real Pi, captured
 
 
-class ScriptedGenerator:
-    """A SCRIPTED generation backend (no model): request k is answered with `outputs[k]`, requests past
-    the script with the last one. For driving the real Pi where a random tiny model cannot act."""
-
-    max_model_len = 32768
-
-    def __init__(self, outputs: list[list[int]]):
-        self.outputs = outputs
-        self.requests = 0
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, model: str | None = None) -> Generation:
-        ids = self.outputs[min(self.requests, len(self.outputs) - 1)]
-        self.requests += 1
-        return Generation(list(ids), [0.0] * len(ids), "stop", model or "")
-
-
-@dataclass
-class Captured:
-    """Pi's chat requests as they left Pi: each one's headers (names lower-cased) and JSON body."""
-
-    url: str = ""
-    requests: list[tuple[dict[str, str], dict[str, Any]]] = field(default_factory=list)
-
-
-@contextlib.asynccontextmanager
-async def recording_hop(target: str) -> AsyncIterator[Captured]:
-    """A loopback HTTP hop in front of `target` (the InterceptionServer's base URL) that forwards every
-    request unchanged and keeps each chat request's headers and body."""
-    captured = Captured()
-    async with ClientSession() as http:
-
-        async def forward(request: web.Request) -> web.Response:
-            body = await request.read()
-            if request.path.endswith("/chat/completions"):
-                captured.requests.append(({k.lower(): v for k, v in request.headers.items()}, json.loads(body)))
-            headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
-            async with http.request(request.method, target + request.path_qs, data=body, headers=headers) as reply:
-                data = await reply.read()
-                return web.Response(body=data, status=reply.status, headers={"Content-Type": reply.content_type})
-
-        app = web.Application(client_max_size=64 * 1024**2)
-        app.router.add_route("*", "/{tail:.*}", forward)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        try:
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
-            captured.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-            yield captured
-        finally:
-            await runner.cleanup()
-
-
 @dataclass
 class PiRun:
     result: PiResult
     record: RolloutRecord
-    captured: Captured
+    captured: CapturedRequests
     token: str
     after: dict[str, str]  # command -> its stdout, run in the sandbox after Pi exited
 
