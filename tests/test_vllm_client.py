@@ -123,10 +123,11 @@ async def test_cancelling_aborts_the_request_in_vllm(vllm_server, tokenizer) -> 
 
     async with Long(vllm_server.url, SERVED_NAME) as client:
         task = asyncio.create_task(client.generate(prompt(tokenizer), SamplingParams(max_tokens=6000)))
-        for _ in range(100):
+        # vLLM's gauge can lag on a busy box: wait for it (a 6000-token generation takes ~20 s here).
+        deadline = time.monotonic() + 15
+        while await vllm_running(vllm_server.url) < 1 and not task.done() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-            if await vllm_running(vllm_server.url) >= 1:
-                break
+        assert not task.done(), f"the generation ended before it could be cancelled: {task}"
         assert await vllm_running(vllm_server.url) >= 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
