@@ -200,8 +200,11 @@ async def test_grading_sandbox_has_no_network(backend: SandboxBackend, task: Tas
     assert_nothing_left(backend, run_dir)
 
 
-async def test_agent_sandbox_keeps_the_network_for_now(backend: SandboxBackend, task: Task, run_dir: Path) -> None:
-    """Until the agent's network has its one door (issue 12, item 1), an agent sandbox shares the host's."""
+async def test_a_sandbox_asked_for_the_network_shares_the_hosts(
+    backend: SandboxBackend, task: Task, run_dir: Path
+) -> None:
+    """`create()` without `network=False` keeps the backend's network (the host's here): what an agent gets
+    only when its door is turned off (`RolloutConfig.door=False`); rollouts default to the door."""
     online = await backend.create(task)
     try:
         result = await online.exec(["python3", "-c", IFACES], timeout_s=30)
