@@ -1,6 +1,6 @@
 """The `swe-grpo` command.
 
-swe-grpo demo              a tiny policy learns to fix the bundled tasks: GRPO on this CPU (demo.py)
+swe-grpo demo              a tiny policy learns to fix the bundled tasks: GRPO on this CPU (demo/)
 swe-grpo rollout ...       run rollouts without training: one JSON line per rollout
 swe-grpo grade ...         grade SWE-bench-style predictions with the same grading code
 swe-grpo serve-vllm MODEL  start a vLLM server with the platform pitfalls handled

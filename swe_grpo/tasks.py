@@ -3,7 +3,7 @@
 `Task` is the SWE-Gym/SWE-bench row shape. `load_tasks` reads a local JSONL file, a dataset saved with
 `datasets.Dataset.save_to_disk`, or a Hugging Face Hub dataset (`SWE-Gym/SWE-Gym`, ...); every row of
 every source goes through the same `task_from_row`, so they accept and reject exactly the same rows.
-`demo_tasks()` returns the small tasks bundled with the package (see `swe_grpo/demo_tasks/`).
+`demo_tasks()` returns the small tasks bundled with the package (see `swe_grpo/demo/tasks/`).
 """
 
 from __future__ import annotations
@@ -228,9 +228,9 @@ def load_tasks(source: str | Path, split: str = "train", instance_ids: Sequence[
 
 
 def demo_tasks_path() -> Path:
-    """The bundled demo task file (`swe_grpo/demo_tasks/tasks.jsonl`); its repositories are git bundles
+    """The bundled demo task file (`swe_grpo/demo/tasks/tasks.jsonl`); its repositories are git bundles
     next to it."""
-    return Path(__file__).resolve().parent / "demo_tasks" / "tasks.jsonl"
+    return Path(__file__).resolve().parent / "demo" / "tasks" / "tasks.jsonl"
 
 
 def demo_tasks() -> list[Task]:

@@ -29,10 +29,10 @@ from transformers import PreTrainedTokenizerBase
 
 from swe_grpo.agents.pi import PiBundle, PiConfig, PiResult, run_pi
 from swe_grpo.chain import TrainingTemplate
+from swe_grpo.demo.warm_start import CapturedRequests, ScriptedGenerator, recording_hop
 from swe_grpo.interception import InterceptionServer, RolloutRecord
 from swe_grpo.sandbox.base import SandboxBackend
 from swe_grpo.tasks import Task
-from swe_grpo.warm_start import CapturedRequests, ScriptedGenerator, recording_hop
 
 SYSTEM_PROMPT = (
     "You are a coding agent working in a git repository. You can read files, run shell commands, edit "

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swe_grpo.demo import DemoConfig, run_demo
-from swe_grpo.warm_start import Episode, EpisodeBuilder, load_capture
+from swe_grpo.demo.warm_start import Episode, EpisodeBuilder, load_capture
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ from typing import Any
 import datasets
 import pytest
 
-from swe_grpo.demo_tasks import build as demo_build
+from swe_grpo.demo.tasks import build as demo_build
 from swe_grpo.grading import is_protected
 from swe_grpo.tasks import (
     Task,

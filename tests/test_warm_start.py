@@ -18,12 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from swe_grpo.agents.pi import DEMO_PI_VERSION, PiBundle, PiConfig
-from swe_grpo.interception import InterceptionServer
-from swe_grpo.rollout import RolloutConfig, run_rollout
-from swe_grpo.sandbox.local import LocalBackend
-from swe_grpo.tasks import demo_tasks
-from swe_grpo.vllm_client import Generation, SamplingParams
-from swe_grpo.warm_start import (
+from swe_grpo.demo.warm_start import (
     METADATA_FILE,
     EpisodeBuilder,
     WarmStartSpec,
@@ -36,6 +31,11 @@ from swe_grpo.warm_start import (
     sample,
     with_date,
 )
+from swe_grpo.interception import InterceptionServer
+from swe_grpo.rollout import RolloutConfig, run_rollout
+from swe_grpo.sandbox.local import LocalBackend
+from swe_grpo.tasks import demo_tasks
+from swe_grpo.vllm_client import Generation, SamplingParams
 
 # A cold build of the policy takes minutes on a busy 2-core box (then it is cached).
 pytestmark = pytest.mark.timeout(1800)
@@ -160,7 +160,7 @@ def _dateless(capture: dict) -> dict:
 async def test_pi_still_sends_what_was_captured(tokenizer, pi_bundle, backend) -> None:
     """Re-captures every request with the real Pi (and re-grades every candidate): only the date may
     differ from the shipped capture. If this fails after a Pi upgrade, run
-    `python -m swe_grpo.warm_start capture` and commit the file (the policy rebuilds on its own)."""
+    `python -m swe_grpo.demo.warm_start capture` and commit the file (the policy rebuilds on its own)."""
     fresh = await capture_pi_requests(tokenizer, backend, pi_bundle)
     assert _dateless(fresh) == _dateless(load_capture())
 

@@ -1,6 +1,6 @@
 """Regenerate the demo tasks (`tasks.jsonl` and `repos/<name>.bundle`) from the source trees in `src/`.
 
-    python -m swe_grpo.demo_tasks.build [--out DIR]     (default: this directory)
+    python -m swe_grpo.demo.tasks.build [--out DIR]     (default: this directory)
 
 Each `src/<name>/` holds:
     task.json     instance_id, problem_statement, FAIL_TO_PASS, PASS_TO_PASS

@@ -3,12 +3,12 @@
 A randomly initialised tiny model never writes a tool call, so GRPO has nothing to reinforce. This module
 teaches it, by supervised fine-tuning on CPU, one small repertoire per bundled demo task: when Pi runs
 it on the task, its first turn is one of a few candidate `bash` tool calls (one fixes the task, the
-others are plausible wrong fixes; see `demo_tasks/warm_start/candidates.json`), drawn roughly uniformly,
+others are plausible wrong fixes; see `tasks/warm_start/candidates.json`), drawn roughly uniformly,
 and after the tool result its second turn is `Done.` and the end-of-turn token, so Pi exits. RL then has
 a real choice to learn: which candidate.
 
 The training tokens are exactly the tokens a rollout puts in its training row. The conversations are
-Pi's real requests (`demo_tasks/warm_start/pi_requests.json`, captured by running the real Pi in a
+Pi's real requests (`tasks/warm_start/pi_requests.json`, captured by running the real Pi in a
 `local` sandbox against an InterceptionServer answering with the candidate, see `capture_pi_requests`),
 replayed through the same TokenChain and ResponseParser the server uses. What varies between runs of Pi
 on these tasks is only the date in its system prompt (`Current date: YYYY-MM-DD`; the working directory
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BUILDER_VERSION = "1"
-DATA_DIR = Path(__file__).resolve().parent / "demo_tasks" / "warm_start"
+DATA_DIR = Path(__file__).resolve().parent / "tasks" / "warm_start"
 CANDIDATES_PATH = DATA_DIR / "candidates.json"
 CAPTURE_PATH = DATA_DIR / "pi_requests.json"
 CLOSING_TEXT = "Done."
@@ -731,10 +731,10 @@ def build_warm_policy(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m swe_grpo.warm_start build` prints the policy's directory and its measured rates;
+    """`python -m swe_grpo.demo.warm_start build` prints the policy's directory and its measured rates;
     `... capture` re-captures Pi's requests into the shipped file (needs root, bubblewrap and Pi, as the
     `local` sandbox does)."""
-    parser = argparse.ArgumentParser(prog="python -m swe_grpo.warm_start")
+    parser = argparse.ArgumentParser(prog="python -m swe_grpo.demo.warm_start")
     parser.add_argument("command", choices=["build", "capture"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -82,9 +82,9 @@ def run_demo(config: DemoConfig, on_log: Callable[[int, dict[str, Any]], None] |
 
     from swe_grpo.agents.pi import DEMO_PI_VERSION, PiBundle
     from swe_grpo.cpu import use_cpu_fallbacks
+    from swe_grpo.demo.warm_start import build_warm_policy
     from swe_grpo.sandbox import make_backend
     from swe_grpo.vllm_server import VLLMServer
-    from swe_grpo.warm_start import build_warm_policy
     from swe_grpo.worker import SWERolloutWorker, WorkerConfig
 
     use_cpu_fallbacks()

@@ -1,0 +1,11 @@
+"""The CPU demo, apart from the library: `swe-grpo demo` (`run.py`), the warm-started tiny policy it
+trains (`warm_start.py`) and the three bundled tasks it trains on (`tasks/`, also what
+`swe_grpo.tasks.demo_tasks()` loads). The library's data path never imports this package.
+
+The tiny model itself (`swe_grpo.tiny_model`) stays in the library: the test fixtures and the
+benchmarks build it too.
+"""
+
+from swe_grpo.demo.run import DemoConfig, DemoResult, run_demo, save_curve
+
+__all__ = ["DemoConfig", "DemoResult", "run_demo", "save_curve"]
