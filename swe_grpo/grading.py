@@ -51,9 +51,20 @@ autoload on.
 Outcomes and rewards (a `None` reward means "no reward: never train on this as 0"):
     resolved 1.0 | unresolved 0.0 | patch_apply_failed 0.0 |
     timeout: 0.0 when the tests finish in time without the patch (so the patch made them hang), else None
+    resource_exhausted 0.0: the test run hit a limit of the grading sandbox (memory, processes or disk:
+        `Sandbox.exhausted()`, named in `error`, which starts with "grading:") that it stays within
+        without the patch; with the patch's help it stays within none: `infra_error`
     infra_error None (sandbox failures, broken tasks; the cause is in `error`)
-A test run that yields no report at all is re-run once without the patch (a control run) to find out
-whose fault it is: when the control run does report, the patch broke the runner: `unresolved`.
+A test run that yields no report at all, or hits a limit, is re-run once without the patch (a control
+run) to find out whose fault it is: when the control run does report, the patch broke the runner:
+`unresolved`; when it stays within the limits, the patch's code exhausted the sandbox.
+
+Why `resource_exhausted` with reward 0.0, whatever the tests said: the tests import the patch's code, so
+a fork bomb, a memory hog or a disk filler in it runs in the grading sandbox, and that is the policy's
+doing, as in its own sandbox (`swe_grpo.rollout`): trained on as 0, so the policy learns not to. The
+sandbox's limits kept it from harming any other grade or rollout, and a verdict reached in a sandbox at
+its limits is not trusted (a refused fork or an OOM kill can change what a test sees). The control run
+keeps a task whose own tests need more than the limits from being blamed on the patch.
 
 What this cannot stop: the code under test runs inside the test runner's process, as the same user, so
 a patch whose module monkeypatches pytest when it is imported, or finds the JUnit report (its path is
@@ -83,13 +94,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from swe_grpo.sandbox._common import Exhaustion
 from swe_grpo.sandbox.base import ExecResult, Sandbox, SandboxBackend, SandboxError
 from swe_grpo.tasks import Task
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-Outcome = Literal["resolved", "unresolved", "patch_apply_failed", "timeout", "infra_error"]
+Outcome = Literal["resolved", "unresolved", "patch_apply_failed", "timeout", "resource_exhausted", "infra_error"]
 
 #: SWE-bench's per-instance limit for the test run.
 DEFAULT_TIMEOUT_S = 1800.0
@@ -314,6 +326,7 @@ class _Run:
     apply_error: str | None = None  # the patch did not apply: the patch's fault
     tests: ExecResult | None = None
     statuses: dict[str, str] | None = None
+    exhausted: Exhaustion | None = None  # the limit the sandbox hit, seen once the tests ran
 
 
 def _nul_list(data: str) -> list[str]:
@@ -534,6 +547,7 @@ async def _graded_run(
     )
     run.tests = await sandbox.exec(command, timeout_s=timeout_s, env=env, cwd=sandbox.workdir)
     timings["tests_s"] = run.tests.wall_s
+    run.exhausted = await sandbox.exhausted()
     if not run.tests.timed_out:
         try:
             junit_xml: str | None = (await sandbox.get_file(junit_path)).decode("utf-8", "replace")
@@ -661,11 +675,18 @@ async def grade(
         if run.apply_error is not None:
             return result("patch_apply_failed", 0.0, run.apply_error)
         assert run.tests is not None  # the patch applied, so the tests ran
-        if not _finished(run):
-            # No verdict. Whose fault? Run the tests once more without the patch.
+        if run.exhausted is not None or not _finished(run):
+            # No verdict, or none to trust. Whose fault? Run the tests once more without the patch.
             control_started = time.monotonic()
-            control_ok = _finished(await attempt("", {}))
+            control = await attempt("", {})
             timings["control_s"] = time.monotonic() - control_started
+            if run.exhausted is not None:
+                if control.exhausted is not None:
+                    error = f"the tests run the grading sandbox out of {control.exhausted} without the patch too"
+                    return result("infra_error", None, f"grading: {error} (its {control.exhausted} limit)")
+                error = f"the patch's code ran the grading sandbox out of {run.exhausted} when the tests ran"
+                return result("resource_exhausted", 0.0, f"grading: {error} (its {run.exhausted} limit)")
+            control_ok = _finished(control)
             exit_code = run.tests.exit_code
             if run.tests.timed_out:
                 cause = "they finish without it" if control_ok else "they do not finish without it either"

@@ -8,7 +8,8 @@ records from the TokenChain, the reward, and an outcome with its provenance:
     context_overflow   the conversation outgrew the model's context      reward None
     timeout            Pi hit its wall-clock limit or stalled, or grading timed out without a verdict
     infra_error        vLLM unreachable or unusable, a sandbox failure, Pi crashing before any turn
-    resource_exhausted the agent ran its own sandbox out of memory, processes or disk   reward 0.0
+    resource_exhausted the agent ran its own sandbox out of memory, processes or disk,   reward 0.0
+                       or its patch's code ran the grading sandbox out (`swe_grpo.grading`)
     patch_too_large    the agent's patch is over `RolloutConfig.max_patch_bytes`         reward 0.0
     base_commit_lost   the agent deleted the base commit's objects (`rm -rf .git`)       reward 0.0
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from docker_env import DockerUnavailable, docker_engine, ensure_base_image
+from sandbox_helpers import backend, docker_backend, local_backend, sandbox_limits  # noqa: F401  (fixtures)
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from swe_grpo.agents.pi import PiBundle

@@ -1,5 +1,6 @@
-"""Helpers shared by the sandbox tests: a small repository with a base commit and a later fix, and
-host-side checks for processes and leftovers."""
+"""Helpers shared by the sandbox tests: a small repository with a base commit and a later fix, host-side
+checks for processes and leftovers, and the `local` and `docker` backend fixtures (conftest.py makes them
+every module's: `backend` runs a test on both; a module sets their limits by overriding `sandbox_limits`)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,15 @@ import asyncio
 import os
 import random
 import subprocess
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
+
 from swe_grpo.sandbox._common import CgroupLayout
-from swe_grpo.sandbox.local import CGROUP_PARENT
+from swe_grpo.sandbox.base import SandboxBackend
+from swe_grpo.sandbox.docker import SANDBOX_LABEL, DockerBackend, DockerLimits
+from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend, LocalLimits
 from swe_grpo.tasks import Task
 
 CALC = "def add(a, b):\n    return a + b\n"
@@ -56,12 +62,17 @@ def sandbox_cgroups() -> list[Path]:
     return [d for root in {layout.memory, layout.pids} for d in (root / CGROUP_PARENT).glob(mine)]
 
 
-def assert_no_agent_or_sandbox_left(run_dir: Path) -> None:
-    """No Pi process on the host, and nothing (no directory, no mount, no cgroup) left of the sandboxes."""
-    assert host_pids(PI_PROCESS) == []
+def assert_no_local_sandbox_left(run_dir: Path) -> None:
+    """Nothing (no directory, no mount, no cgroup) left of the `local` sandboxes in `run_dir`."""
     assert list(run_dir.iterdir()) == []
     assert str(run_dir) not in Path("/proc/self/mountinfo").read_text()
     assert sandbox_cgroups() == []
+
+
+def assert_no_agent_or_sandbox_left(run_dir: Path) -> None:
+    """No Pi process on the host, and nothing left of the `local` sandboxes."""
+    assert host_pids(PI_PROCESS) == []
+    assert_no_local_sandbox_left(run_dir)
 
 
 async def wait_for_pids(needle: str) -> list[int]:
@@ -94,3 +105,48 @@ def calc_task(repo: Path) -> Task:
     return Task(
         instance_id="demo__calc-1", repo=str(repo), base_commit=git(repo, "rev-parse", "HEAD~1"), problem_statement=""
     )
+
+
+# --- backends -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sandbox_limits() -> tuple[LocalLimits, DockerLimits]:
+    """The limits of the module's `local_backend` and `docker_backend`: the backends' defaults, unless the
+    module overrides this fixture."""
+    return LocalLimits(), DockerLimits()
+
+
+@pytest.fixture(scope="module")
+async def local_backend(
+    tmp_path_factory: pytest.TempPathFactory, run_dir: Path, sandbox_limits: tuple[LocalLimits, DockerLimits]
+) -> LocalBackend:
+    backend = LocalBackend(limits=sandbox_limits[0], cache_dir=tmp_path_factory.mktemp("cache"), run_dir=run_dir)
+    await backend.start()
+    return backend
+
+
+@pytest.fixture(scope="module")
+async def docker_backend(
+    docker_url: str, sandbox_limits: tuple[LocalLimits, DockerLimits]
+) -> AsyncIterator[DockerBackend]:
+    backend = DockerBackend(base_url=docker_url, limits=sandbox_limits[1])
+    await backend.start()
+    yield backend
+    await backend.close()
+
+
+@pytest.fixture(params=["local", "docker"])
+def backend(request: pytest.FixtureRequest) -> SandboxBackend:
+    """The test runs once on each backend."""
+    return request.getfixturevalue(f"{request.param}_backend")
+
+
+def assert_nothing_left(backend: SandboxBackend, run_dir: Path) -> None:
+    """Nothing of the backend's sandboxes is left: no directory, mount or cgroup (`local`), no container
+    (`docker`)."""
+    if isinstance(backend, LocalBackend):
+        assert_no_local_sandbox_left(run_dir)
+    else:
+        assert isinstance(backend, DockerBackend)
+        assert backend.client.containers.list(all=True, filters={"label": f"{SANDBOX_LABEL}=1"}) == []

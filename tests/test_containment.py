@@ -13,20 +13,24 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from cheats import append, git, make_patch, source_module
 from conftest import SERVED_NAME
-from sandbox_helpers import calc_task, make_repo, sandbox_cgroups
+from sandbox_helpers import assert_nothing_left, calc_task, make_repo
 from test_pi_integration import RecordingClient
 from test_rollout import STRUTIL, rollout
 
+from swe_grpo.grading import DEFAULT_TEST_CMD, grade
 from swe_grpo.sandbox.base import ExecResult, Sandbox, SandboxBackend, SandboxError
 from swe_grpo.sandbox.docker import SANDBOX_LABEL, DockerBackend, DockerLimits
 from swe_grpo.sandbox.local import LocalBackend, LocalLimits
 from swe_grpo.tasks import Task, demo_tasks
 
+STRUTIL_TASK = next(t for t in demo_tasks() if t.instance_id == STRUTIL)
 MEMORY = 256 << 20
 PIDS = 128
 DISK = 128 << 20
@@ -103,34 +107,10 @@ def task(tmp_path_factory: pytest.TempPathFactory) -> Task:
 
 
 @pytest.fixture(scope="module")
-async def local_backend(tmp_path_factory: pytest.TempPathFactory, run_dir: Path) -> LocalBackend:
-    limits = LocalLimits(memory_bytes=MEMORY, pids=PIDS, disk_bytes=DISK)
-    backend = LocalBackend(limits=limits, cache_dir=tmp_path_factory.mktemp("cache"), run_dir=run_dir)
-    await backend.start()
-    return backend
-
-
-@pytest.fixture(scope="module")
-async def docker_backend(docker_url: str) -> AsyncIterator[DockerBackend]:
-    backend = DockerBackend(base_url=docker_url, limits=DockerLimits(memory=f"{MEMORY >> 20}m", pids=PIDS))
-    await backend.start()
-    yield backend
-    await backend.close()
-
-
-@pytest.fixture(params=["local", "docker"])
-def backend(request: pytest.FixtureRequest) -> SandboxBackend:
-    return request.getfixturevalue(f"{request.param}_backend")
-
-
-def assert_nothing_left(backend: SandboxBackend, run_dir: Path) -> None:
-    if isinstance(backend, LocalBackend):
-        assert list(run_dir.iterdir()) == []
-        assert str(run_dir) not in Path("/proc/self/mountinfo").read_text()
-        assert sandbox_cgroups() == []
-    else:
-        assert isinstance(backend, DockerBackend)
-        assert backend.client.containers.list(all=True, filters={"label": f"{SANDBOX_LABEL}=1"}) == []
+def sandbox_limits() -> tuple[LocalLimits, DockerLimits]:
+    """Small limits, so that the attacks below reach them quickly."""
+    local = LocalLimits(memory_bytes=MEMORY, pids=PIDS, disk_bytes=DISK)
+    return local, DockerLimits(memory=f"{MEMORY >> 20}m", pids=PIDS)
 
 
 async def test_exhaustion_stays_in_its_sandbox(backend: SandboxBackend, task: Task, run_dir: Path) -> None:
@@ -176,6 +156,51 @@ async def test_exhaustion_stays_in_its_sandbox(backend: SandboxBackend, task: Ta
     finally:
         await asyncio.gather(*(s.destroy() for s in sandboxes))
     assert_nothing_left(backend, run_dir)
+
+
+# Appended to the demo task's module after its gold fix: it runs when the tests import the module, then
+# lets them run (they would all pass).
+ON_IMPORT = {
+    "pids": "import os\nfor _ in range(2000):\n    try:\n        os.posix_spawn('/bin/sleep', ['sleep', '300'], {})\n"
+    "    except OSError:\n        break\n",
+    "memory": HOG,  # in the test runner's own process: the OOM killer takes it
+    "disk": FILLER,
+}
+
+
+async def test_a_patch_that_exhausts_the_grading_sandbox(backend: SandboxBackend, run_dir: Path) -> None:
+    """The tests import the patch's code: a patch with the right fix whose module fork-bombs, hogs memory
+    or fills the disk on import ends `resource_exhausted` (reward 0, "grading" and the limit in its error:
+    the tests stay within the limits without it), while the gold patch graded beside them resolves as it
+    does alone; nothing is left. Disk: `local` only, as above."""
+    attacks = ["pids", "memory", *(["disk"] if isinstance(backend, LocalBackend) else [])]
+
+    def fix_and(attack: str) -> Callable[[Path, Task], None]:
+        def edit(repo: Path, task: Task) -> None:
+            git(repo, "apply", "-", input_text=task.patch)
+            append(repo / source_module(task), "\n\n" + ON_IMPORT[attack])
+
+        return edit
+
+    patches = [STRUTIL_TASK.patch, *(make_patch(STRUTIL_TASK, fix_and(attack)) for attack in attacks)]
+    gold, *guilty = await asyncio.gather(*(grade(STRUTIL_TASK, patch, backend, timeout_s=120) for patch in patches))
+    assert (gold.outcome, gold.reward) == ("resolved", 1.0), (gold.error, gold.log_tail)
+    for attack, result in zip(attacks, guilty, strict=True):
+        assert (result.outcome, result.reward) == ("resource_exhausted", 0.0), (attack, result.error, result.log_tail)
+        assert result.error is not None and result.error.startswith("grading:") and attack in result.error
+    assert_nothing_left(backend, run_dir)
+
+
+async def test_tests_that_exhaust_the_grading_sandbox_alone_are_an_infra_error(
+    local_backend: LocalBackend, run_dir: Path
+) -> None:
+    """When the tests run the sandbox out of a limit without the patch too, the limits are too small for
+    the task: no reward, never a 0 for the patch."""
+    task = replace(STRUTIL_TASK, test_cmd=f"python3 -c \"b = b'x' * (1 << 30)\"; {DEFAULT_TEST_CMD}")
+    result = await grade(task, task.patch, local_backend, timeout_s=120)
+    assert (result.outcome, result.reward) == ("infra_error", None), (result.error, result.log_tail)
+    assert "memory" in (result.error or "") and "without the patch" in (result.error or "")
+    assert_nothing_left(local_backend, run_dir)
 
 
 IFACES = "import json, socket; print(json.dumps([name for _, name in socket.if_nameindex()]))"
@@ -240,7 +265,6 @@ async def test_docker_disk_limit_needs_a_driver_that_can(docker_url: str, task: 
 async def test_rollout_whose_agent_exhausts_its_sandbox(vllm_server, tokenizer, pi_bundle, run_dir, tmp_path) -> None:
     """The agent's first turn (guided) runs a memory hog (at most 1 GiB against 512 MiB): the rollout ends
     `resource_exhausted`, reward 0, ungraded, naming the limit; nothing is left."""
-    strutil = next(t for t in demo_tasks() if t.instance_id == STRUTIL)
     hog = {"name": "bash", "arguments": {"command": "python3 -c \"b = [b'x' * (64 << 20) for _ in range(16)]\""}}
     client = RecordingClient(
         vllm_server.url,
@@ -252,7 +276,7 @@ async def test_rollout_whose_agent_exhausts_its_sandbox(vllm_server, tokenizer, 
         limits=LocalLimits(memory_bytes=512 << 20), cache_dir=tmp_path / "checkouts", run_dir=run_dir
     )
     async with client:
-        trajectory, server = await rollout(client, tokenizer, backend, strutil, pi_bundle)
+        trajectory, server = await rollout(client, tokenizer, backend, STRUTIL_TASK, pi_bundle)
     assert (trajectory.outcome, trajectory.reward, trajectory.grade) == ("resource_exhausted", 0.0, None)
     assert "memory" in trajectory.error and trajectory.turns
     # Its processes, Pi's included, were in its cgroup, which could be removed only once empty.

@@ -13,7 +13,7 @@ import asyncio
 import json
 import os
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -26,8 +26,6 @@ from swe_grpo.agents.pi import NODE_PATH, PI_MOUNT, PiBundle, PiConfig, run_pi
 from swe_grpo.door import DOOR_PORT, PROXY_PORT, Door
 from swe_grpo.interception import InterceptionServer
 from swe_grpo.sandbox.base import Sandbox, SandboxBackend
-from swe_grpo.sandbox.docker import DockerBackend
-from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.tasks import Task
 from swe_grpo.vllm_client import SamplingParams, VLLMClient
 
@@ -65,24 +63,6 @@ print(json.dumps({
 @pytest.fixture(scope="module")
 def task(tmp_path_factory: pytest.TempPathFactory) -> Task:
     return calc_task(make_repo(tmp_path_factory.mktemp("origin")))
-
-
-@pytest.fixture(scope="module")
-def local_backend(tmp_path_factory: pytest.TempPathFactory, run_dir: Path) -> LocalBackend:
-    return LocalBackend(cache_dir=tmp_path_factory.mktemp("cache"), run_dir=run_dir)
-
-
-@pytest.fixture(scope="module")
-async def docker_backend(docker_url: str) -> AsyncIterator[DockerBackend]:
-    backend = DockerBackend(base_url=docker_url)
-    await backend.start()
-    yield backend
-    await backend.close()
-
-
-@pytest.fixture(params=["local", "docker"])
-def backend(request: pytest.FixtureRequest) -> SandboxBackend:
-    return request.getfixturevalue(f"{request.param}_backend")
 
 
 @pytest.fixture
