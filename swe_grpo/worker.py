@@ -54,8 +54,10 @@ What it guarantees:
   whose every member could not run is skipped from then on (counted), and when no task is left
   `check_health` raises with the last cause. Only a defect in the worker's own loop is re-raised by
   `check_health`, with its original traceback.
-- Nothing lost, nothing hung. Every rollout ends as a named outcome counted in `metrics_queue`;
-  `stop()` cancels everything and leaves no sandbox, process or mount behind.
+- Nothing lost, nothing hung. Every rollout started (`rollout/started_total`) ends exactly once as a
+  named outcome counted in `metrics_queue` (`rollout/outcome_<outcome>_total`), or cancelled as stale
+  (`rollout/stale_cancelled_total`) or by `stop()` (`rollout/stop_cancelled_total`); `stop()` cancels
+  everything and leaves no sandbox, process or mount behind.
 
 Process model: one asyncio event loop in a daemon thread of the trainer's process. Everything the
 worker does is I/O (the InterceptionServer, vLLM requests, Pi and sandbox subprocesses, grading), and
@@ -560,6 +562,7 @@ class SWERolloutWorker:
         self, task: Task, rollout_id: str, config: RolloutConfig, slots: asyncio.Semaphore
     ) -> Trajectory | None:
         """One rollout, a sandbox that would not start retried once; None when it was cancelled as stale."""
+        self._push_metrics({"rollout/started_total": 1.0})  # ends in one of: an outcome, stale or stop cancelled
         try:
             trajectory = await self._attempt(task, rollout_id, config)
             if trajectory is not None and trajectory.sandbox_failed_to_start:
@@ -593,6 +596,7 @@ class SWERolloutWorker:
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]  # handled: the rollout ends here
                 self._push_metrics({"rollout/stale_cancelled_total": 1.0})
                 return None
+            self._push_metrics({"rollout/stop_cancelled_total": 1.0})
             raise
         except Exception as e:
             if isinstance(e, TimeoutError) and deadline.expired():
