@@ -25,8 +25,8 @@ from test_pi_integration import RecordingClient
 from test_rollout import STRUTIL, rollout
 
 from swe_grpo.grading import DEFAULT_TEST_CMD, grade
-from swe_grpo.sandbox.base import ExecResult, Sandbox, SandboxBackend, SandboxError
-from swe_grpo.sandbox.docker import SANDBOX_LABEL, DockerBackend, DockerLimits
+from swe_grpo.sandbox.base import ExecResult, Sandbox, SandboxBackend
+from swe_grpo.sandbox.docker import DockerLimits
 from swe_grpo.sandbox.local import LocalBackend, LocalLimits
 from swe_grpo.tasks import Task, demo_tasks
 
@@ -110,15 +110,13 @@ def task(tmp_path_factory: pytest.TempPathFactory) -> Task:
 def sandbox_limits() -> tuple[LocalLimits, DockerLimits]:
     """Small limits, so that the attacks below reach them quickly."""
     local = LocalLimits(memory_bytes=MEMORY, pids=PIDS, disk_bytes=DISK)
-    return local, DockerLimits(memory=f"{MEMORY >> 20}m", pids=PIDS)
+    return local, DockerLimits(memory=f"{MEMORY >> 20}m", pids=PIDS, disk=f"{DISK >> 20}m")
 
 
 async def test_exhaustion_stays_in_its_sandbox(backend: SandboxBackend, task: Task, run_dir: Path) -> None:
     """A fork bomb, a memory hog and a disk filler, each in its own sandbox, while an agent's and a grading
     sandbox run a normal workload: the workload ends exactly as it does alone, and each guilty sandbox
-    says what it exhausted. The docker backend has no disk limit on this engine (overlay2 over ext4: see
-    `test_docker_disk_limit_needs_a_driver_that_can`), so there the filler does not run."""
-    disk_limited = isinstance(backend, LocalBackend)
+    says what it exhausted."""
     sandboxes: list[Sandbox] = []
 
     async def create(network: bool = True) -> Sandbox:
@@ -134,25 +132,24 @@ async def test_exhaustion_stays_in_its_sandbox(backend: SandboxBackend, task: Ta
         bombing = asyncio.create_task(bomber.exec(["python3", "-c", BOMB], timeout_s=120))
         await wait_for(lambda: bomber.exhausted(), "the fork bomb reaches the pids limit")
         hogging = asyncio.create_task(hog.exec(["python3", "-c", HOG], timeout_s=120))
-        filling = asyncio.create_task(filler.exec(["python3", "-c", FILLER if disk_limited else "1"], timeout_s=120))
+        filling = asyncio.create_task(filler.exec(["python3", "-c", FILLER], timeout_s=120))
         during = await asyncio.gather(*(s.exec(WORKLOAD, timeout_s=120) for s in (agent, grader)))
         assert [outcome(r) for r in during] == alone
 
         hogged, filled = await hogging, await filling
         assert hogged.exit_code == 128 + 9, hogged  # OOM-killed
         assert int(hogged.stdout.split()[-1]) < MEMORY >> 20, hogged
-        if disk_limited:
-            assert filled.exit_code == 0 and "stopped: No space left on device" in filled.stdout, filled
-            assert int(filled.stdout.split()[-1]) <= DISK >> 20
+        assert filled.exit_code == 0 and "stopped: No space left on device" in filled.stdout, filled
+        assert int(filled.stdout.split()[-1]) <= DISK >> 20
         assert not bombing.done()
         bombing.cancel()
         with pytest.raises(asyncio.CancelledError):
             await bombing
         causes = [await s.exhausted() for s in (agent, grader, bomber, hog, filler)]
-        assert causes == [None, None, "pids", "memory", "disk" if disk_limited else None]
+        assert causes == [None, None, "pids", "memory", "disk"]
         # Sticky: the bomb is dead, the filler's files are gone, the cause stays.
         assert (await filler.exec("rm -f /tmp/fill", timeout_s=30)).exit_code == 0
-        assert [await s.exhausted() for s in (bomber, filler)] == ["pids", "disk" if disk_limited else None]
+        assert [await s.exhausted() for s in (bomber, filler)] == ["pids", "disk"]
     finally:
         await asyncio.gather(*(s.destroy() for s in sandboxes))
     assert_nothing_left(backend, run_dir)
@@ -172,8 +169,8 @@ async def test_a_patch_that_exhausts_the_grading_sandbox(backend: SandboxBackend
     """The tests import the patch's code: a patch with the right fix whose module fork-bombs, hogs memory
     or fills the disk on import ends `resource_exhausted` (reward 0, "grading" and the limit in its error:
     the tests stay within the limits without it), while the gold patch graded beside them resolves as it
-    does alone; nothing is left. Disk: `local` only, as above."""
-    attacks = ["pids", "memory", *(["disk"] if isinstance(backend, LocalBackend) else [])]
+    does alone; nothing is left."""
+    attacks = ["pids", "memory", "disk"]
 
     def fix_and(attack: str) -> Callable[[Path, Task], None]:
         def edit(repo: Path, task: Task) -> None:
@@ -237,28 +234,6 @@ async def test_a_sandbox_asked_for_the_network_shares_the_hosts(
     finally:
         await online.destroy()
     assert_nothing_left(backend, run_dir)
-
-
-async def test_docker_disk_limit_needs_a_driver_that_can(docker_url: str, task: Task) -> None:
-    """`DockerLimits.disk` bounds the writable layer where the storage driver can, and is refused with
-    Docker's reason where it cannot (never ignored)."""
-    backend = DockerBackend(base_url=docker_url, limits=DockerLimits(disk=f"{DISK >> 20}m"))
-    await backend.start()
-    try:
-        backing = dict(backend.client.info()["DriverStatus"] or []).get("Backing Filesystem")
-        if backing in ("xfs", "btrfs", "zfs"):
-            sandbox = await backend.create(task)
-            try:
-                filled = await sandbox.exec(["python3", "-c", FILLER], timeout_s=120)
-                assert "stopped: No space left on device" in filled.stdout, filled
-            finally:
-                await sandbox.destroy()
-        else:
-            with pytest.raises(SandboxError, match="storage-opt"):
-                await backend.create(task)
-        assert backend.client.containers.list(all=True, filters={"label": f"{SANDBOX_LABEL}=1"}) == []
-    finally:
-        await backend.close()
 
 
 @pytest.mark.integration

@@ -31,14 +31,42 @@ not 127.0.0.1. `none` cuts the network. A sandbox created with `network=False` (
 
 Limits, per container, so that a sandbox that exhausts its own cannot make another fail: memory (the
 container's cgroup; memory+swap equal, so no swap; at the limit the OOM killer kills a process of that
-container only), processes and threads (`pids`: a fork at the limit fails in that container only) and
-CPU. Disk: `disk` sets the size of the container's writable layer (`--storage-opt size`), which Docker
-supports only on some storage drivers (overlay2 over xfs mounted with `pquota`, btrfs, zfs); elsewhere
-(overlay2 over ext4, as the private dockerd of `tests/docker_env.py`) `create()` then raises
-`SandboxError` with Docker's reason. Its default is None: NO disk limit, a container can fill the engine's
-data root. `exhausted()` reads the container's cgroup counters on the host (memory `oom_kill`, pids `max`;
-see `_common`) when the engine runs here; with a remote engine it can tell only memory, from Docker's
-`OOMKilled`. It never reports "disk".
+container only), processes and threads (`pids`: a fork at the limit fails in that container only), CPU,
+and disk (`disk`, 2 GiB by default). The disk limit holds on every engine and storage driver, remote ones
+included: the container's root filesystem is read-only, and the only places it can write are tmpfs
+mounts of `disk` bytes each (and one inode per 4 KiB): /testbed, /tmp, /var/tmp and the sandbox user's
+home (plus Docker's own 64 MiB /dev/shm); beyond one, writes fail with ENOSPC. The repository is copied
+into its /testbed tmpfs when the sandbox starts (from a hard-linked twin of /testbed that every prepared
+image holds at `TWIN`; git's `core.checkStat=minimal` in the container's environment keeps the copy's
+index valid, so the first git command does not re-read the tree). Everything the sandbox writes, the
+copy included, is in RAM charged to its memory limit, so its files never exceed `memory` in all, and
+one path never exceeds `disk`: keep `disk` well below `memory`. The cost: each sandbox holds its own
+copy of the repository in RAM (a 155 MB tree and .git: ~0.2 s to copy; `benchmarks/p3_sandbox_docker.py`).
+With `uid=None` (the image's own user) the home directory is not writable. `disk=None`: no disk limit, a
+copy-on-write writable layer that can fill the engine's data root.
+Why not `--storage-opt size` (the writable layer's quota): Docker refuses it on overlay2 over ext4 (the
+common default, and this project's test engine), needs an xfs data root mounted with `pquota` (this
+project's CI kernel has no XFS quota), and on btrfs counts the image's shared data against the limit,
+fails writes with EDQUOT and is invisible to statfs, so a full layer cannot even be told.
+`exhausted()`: "pids" and "memory" from the container's cgroup counters on the host (memory `oom_kill`,
+pids `max`; see `_common`) when the engine runs here, Docker's `OOMKilled` with a remote one (which cannot
+tell "pids"); "disk" when one of the tmpfs mounts is found full (of blocks or inodes), asked from inside
+(`stat -f`) after an exec or when asked (a command that fills it and deletes its files before returning
+goes unseen, and harmed no other sandbox).
+
+Remote engines (`DOCKER_HOST` or `base_url` other than a unix socket: `tcp://`, `ssh://`). Everything the
+backend does goes through the engine's API: task repositories from host paths are exported here and
+uploaded into the prepared image; limits, exec, files, diff and the reaper work unchanged. Host paths do
+not exist there, so `live_mounts` is False: a mount (the Pi bundle) becomes a named volume on the engine,
+`swe-grpo-mount-<content hash>` (label `swe_grpo.mount=1`), filled once per engine and content through a
+helper container and mounted read-only; a writable mount cannot be kept and is refused. With no live
+mount there is no door: the agent reaches the InterceptionServer's `public_base_url` over the backend's
+network (`host` by default: the remote machine's), with its per-rollout token, as `hf` does. A `tcp://`
+engine without TLS is root on its machine for anyone who can reach the port: `start()` refuses one that
+is not on the loopback (use TLS through `DOCKER_TLS_VERIFY`/`DOCKER_CERT_PATH`, or `ssh://`). Owner
+labels carry this machine's host name, so the reaper of a later run on this machine removes the
+containers of a dead run here; those of a dead client on another machine stay until a run there starts
+(or `docker rm -f $(docker ps -aq --filter label=swe_grpo.sandbox=1)`).
 
 Exec. The SDK blocks, so every call runs in the backend's own thread pool (sized for long agent runs,
 which each hold a thread). `docker exec` has no timeout: on timeout or cancellation every process of
@@ -54,6 +82,7 @@ import contextlib
 import functools
 import hashlib
 import io
+import ipaddress
 import logging
 import os
 import posixpath
@@ -62,9 +91,10 @@ import socket
 import tarfile
 import tempfile
 import time
+import urllib.parse
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,25 +128,45 @@ SANDBOX_LABEL = "swe_grpo.sandbox"
 OWNER_LABEL = "swe_grpo.owner"
 TASK_LABEL = "swe_grpo.task"
 IMAGE_LABEL = "swe_grpo.image"
+MOUNT_LABEL = "swe_grpo.mount"
 PREPARED_REPOSITORY = "swe-grpo-sandbox"
 HOME = "/home/sandbox"
-# Part of every prepared image's key: bump it when `PREPARE_TESTBED` or the repository export changes.
-_PREPARE_VERSION = "2"
+#: A hard-linked twin of /testbed in every prepared image: what a disk-limited sandbox copies into its tmpfs.
+TWIN = "/var/lib/swe-grpo/testbed"
+# Part of every prepared image's key: bump it when `PREPARE_TESTBED`, `_MAKE_TWIN` or the export changes.
+_PREPARE_VERSION = "3"
+# Run as root after `PREPARE_TESTBED` (same arguments), in the same layer, so the links share its files.
+_MAKE_TWIN = f"""
+rm -rf {TWIN} && mkdir -p {posixpath.dirname(TWIN)} && cp -al /testbed {TWIN}
+"""
+# Run as the sandbox user after git's index is refreshed: the twin gets the refreshed index (a new file).
+_TWIN_INDEX = f"cp /testbed/.git/index {TWIN}/.git/index.new && mv {TWIN}/.git/index.new {TWIN}/.git/index"
+# Git in a disk-limited sandbox trusts size and mtime (which the copy keeps), not inodes and ctimes (which
+# it does not): otherwise the first git command re-reads the whole tree.
+_GIT_STAT_ENV = {
+    "GIT_CONFIG_COUNT": "2",
+    "GIT_CONFIG_KEY_0": "core.checkStat",
+    "GIT_CONFIG_VALUE_0": "minimal",
+    "GIT_CONFIG_KEY_1": "core.trustCtime",
+    "GIT_CONFIG_VALUE_1": "false",
+}
 # How long a killed exec may take to report back before the kill is declared a failure.
 _KILL_GRACE_S = 15.0
+# The directory of a mount's volume that sandboxes mount (present only once the copy is complete).
+_VOLUME_CONTENT = "content"
 _ENGINE_ERRORS = (docker.errors.DockerException, requests.RequestException)
 
 
 @dataclass(frozen=True)
 class DockerLimits:
     """Per-container limits (see the module docstring). `memory` is also the memory+swap limit (no swap);
-    `disk` the writable layer's size (None: unlimited). `output_bytes` caps what `exec` keeps of each of
+    `disk` the size of each writable tmpfs (None: unlimited). `output_bytes` caps what `exec` keeps of each of
     stdout and stderr (the end is kept, as by the `local` backend)."""
 
     memory: str = "4g"
     cpus: float = 2.0
     pids: int = 1024
-    disk: str | None = None
+    disk: str | None = "2g"
     output_bytes: int = 4 << 20
 
 
@@ -138,6 +188,13 @@ def _owner_alive(owner: str) -> bool:
     try:
         return _process_start(pid) == start
     except (OSError, IndexError):
+        return False
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
         return False
 
 
@@ -264,14 +321,33 @@ class DockerSandbox(Sandbox):
 
     def _read_exhaustion(self) -> Exhaustion | None:
         """Blocking: the container's cgroup counters where its processes are visible here, else Docker's
-        own OOM flag."""
+        own OOM flag; then its writable mounts, from inside."""
         self._container.reload()
         state = self._container.attrs["State"]
         layout = self._backend.cgroups
+        cause: Exhaustion | None = None
         with contextlib.suppress(OSError, KeyError):  # e.g. an engine in another pid or cgroup namespace
-            if layout is not None and state.get("Pid") and self.id in Path(f"/proc/{state['Pid']}/cgroup").read_text():
-                return layout.exhausted(*layout.of_process(state["Pid"]))
-        return "memory" if state.get("OOMKilled") else None
+            pid = state.get("Pid")
+            if not self._backend.remote and layout and pid and self.id in Path(f"/proc/{pid}/cgroup").read_text():
+                cause = layout.exhausted(*layout.of_process(pid))
+        if cause is None and state.get("OOMKilled"):
+            cause = "memory"
+        if cause is None and state.get("Running") and self._disk_full():
+            cause = "disk"
+        return cause
+
+    def _disk_full(self) -> bool:
+        """Blocking: whether one of the sandbox's tmpfs mounts has no block or no inode left. False when that
+        cannot be asked (no disk limit; an exec refused, e.g. at the pids limit)."""
+        paths = self._backend.writable_paths()
+        if not paths:
+            return False
+        try:
+            exit_code, output = self._container.exec_run(["stat", "-f", "-c", "%a %d", *paths])
+        except _ENGINE_ERRORS:
+            return False
+        free = [line.split() for line in _text(output).splitlines()]
+        return exit_code == 0 and any(field == "0" for line in free for field in line)
 
     async def destroy(self) -> None:
         """Remove the container (killing everything in it) and its anonymous volumes. Concurrent and
@@ -321,6 +397,9 @@ class DockerBackend(SandboxBackend):
         self.network = network
         self.uid = uid
         self.base_url = base_url
+        #: Whether the engine is reached other than by a unix socket, and so may be on another machine.
+        self.remote = not (base_url or os.environ.get("DOCKER_HOST") or "unix://").startswith("unix://")
+        self.live_mounts = not self.remote
         #: The address the InterceptionServer has from inside a sandbox.
         self.host_address = "host.docker.internal" if network not in ("host", "none") else "127.0.0.1"
         self.live: set[DockerSandbox] = set()
@@ -329,10 +408,39 @@ class DockerBackend(SandboxBackend):
         self._client: docker.DockerClient | None = None
         self._owner = f"{socket.gethostname()}/{os.getpid()}/{_process_start(os.getpid())}"
         self._prepare_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._volume_locks: defaultdict[Path, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._volumes: dict[Path, str] = {}  # host path -> its volume on a remote engine
         #: This host's cgroup controllers, where `exhausted()` reads a local engine's containers (None: none).
         self.cgroups: CgroupLayout | None = None
         with contextlib.suppress(SandboxError):
             self.cgroups = CgroupLayout.detect()
+
+    def writable_paths(self) -> list[str]:
+        """Where a sandbox can write: the tmpfs mounts of the disk limit (none without one)."""
+        if self.limits.disk is None:
+            return []
+        return [WORKDIR, "/tmp", "/var/tmp", *([HOME] if self.uid is not None else [])]
+
+    def _tmpfs_volumes(self, size: str) -> list[docker.types.Mount]:
+        """The writable paths as anonymous tmpfs volumes of `size` (removed with their container). Volumes,
+        not Docker's `--tmpfs`: the engine mounts them itself, so `put_archive`/`get_archive` reach them."""
+        common = f"size={size},nr_inodes={docker.utils.parse_bytes(size) // 4096}"
+        owned = "mode=755" if self.uid is None else f"mode=755,uid={self.uid},gid={self.uid}"
+        return [
+            docker.types.Mount(
+                path,
+                None,
+                driver_config=docker.types.DriverConfig(
+                    "local",
+                    {
+                        "type": "tmpfs",
+                        "device": "tmpfs",
+                        "o": f"{common},{'mode=1777' if path.endswith('tmp') else owned}",
+                    },
+                ),
+            )
+            for path in self.writable_paths()
+        ]
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
         """Run a blocking SDK call in the backend's thread pool."""
@@ -355,6 +463,13 @@ class DockerBackend(SandboxBackend):
                 if self.base_url
                 else docker.from_env(max_pool_size=pool)
             )
+            api = urllib.parse.urlsplit(client.api.base_url)
+            if api.scheme == "http" and not _loopback(api.hostname or ""):
+                client.close()
+                raise SandboxError(
+                    f"refusing the Docker engine at {client.api.base_url}: plain tcp without TLS gives anyone who "
+                    "reaches that port root on its machine; use TLS (DOCKER_TLS_VERIFY=1, DOCKER_CERT_PATH) or ssh://"
+                )
             client.ping()
             return client
 
@@ -391,14 +506,20 @@ class DockerBackend(SandboxBackend):
             "nano_cpus": int(self.limits.cpus * 1e9),
             "pids_limit": self.limits.pids,
             "security_opt": ["no-new-privileges"],
-            "volumes": {
-                str(m.host_path): {"bind": m.sandbox_path, "mode": "rw" if m.writable else "ro"} for m in mounts
-            },
+            "environment": {},
         }
-        if self.limits.disk is not None:
-            kwargs["storage_opt"] = {"size": self.limits.disk}
+        if self.remote:
+            kwargs["mounts"] = [await self._volume_mount(m, image) for m in mounts]
+        else:
+            kwargs["volumes"] = {
+                str(m.host_path): {"bind": m.sandbox_path, "mode": "rw" if m.writable else "ro"} for m in mounts
+            }
+        if disk := self.limits.disk:
+            kwargs |= {"read_only": True, "mounts": kwargs.get("mounts", []) + self._tmpfs_volumes(disk)}
+            kwargs["environment"] |= _GIT_STAT_ENV
         if self.uid is not None:
-            kwargs |= {"user": f"{self.uid}:{self.uid}", "environment": {"HOME": HOME}, "cap_drop": ["ALL"]}
+            kwargs |= {"user": f"{self.uid}:{self.uid}", "cap_drop": ["ALL"]}
+            kwargs["environment"]["HOME"] = HOME
         if not network:
             kwargs["network_mode"] = "none"
         elif self.network in ("host", "none"):
@@ -417,14 +538,24 @@ class DockerBackend(SandboxBackend):
             container = made.result()
         except _ENGINE_ERRORS as e:
             raise SandboxError(f"cannot start a sandbox for {task.instance_id} from {image}: {e}") from e
+        except SandboxError as e:
+            raise SandboxError(f"cannot start a sandbox for {task.instance_id}: {e}") from e
         sandbox = DockerSandbox(self, container, self.uid)
         self.live.add(sandbox)
         return sandbox
 
     def _run_container(self, kwargs: dict[str, Any]) -> Container:
+        """Blocking: create and start the container; with a disk limit, copy the repository into its tmpfs."""
         container = self.client.containers.create(**kwargs)
         try:
             container.start()
+            if self.limits.disk is not None:
+                exit_code, output = container.exec_run(["cp", "-a", f"{TWIN}/.", f"{WORKDIR}/"])
+                if exit_code != 0:
+                    raise SandboxError(
+                        f"the repository does not fit the sandbox's disk limit ({self.limits.disk}) "
+                        f"or cannot be copied: {_text(output).strip()[-500:]}"
+                    )
         except BaseException:
             container.remove(force=True, v=True)
             raise
@@ -497,14 +628,14 @@ class DockerBackend(SandboxBackend):
                     archive.seek(0)
                 set_up = self._step(
                     image.id,
-                    ["sh", "-c", PREPARE_TESTBED, "sh", commit, uid],
+                    ["sh", "-c", PREPARE_TESTBED + _MAKE_TWIN, "sh", commit, uid],
                     "0",
                     archive if repo is not None else None,
                     f"image {source} cannot be used for base commit {commit}",
                 )
             try:
                 user = f"{uid}:{uid}" if uid else final["User"]
-                refresh = ["git", "-C", WORKDIR, "update-index", "-q", "--refresh"]
+                refresh = ["sh", "-c", f"git -C {WORKDIR} update-index -q --refresh && {_TWIN_INDEX}"]
                 self._step(set_up, refresh, user, None, "refreshing git's index failed", tag, final)
             except BaseException:
                 with contextlib.suppress(*_ENGINE_ERRORS):
@@ -525,11 +656,7 @@ class DockerBackend(SandboxBackend):
     ) -> str:
         """Run `argv` in a new container of `image_id` (`archive` extracted at / first) and commit it as
         `tag` (untagged if None) with configuration `conf`; returns the new image's id."""
-        labels = {SANDBOX_LABEL: "1", OWNER_LABEL: self._owner}  # reaped if this process dies meanwhile
-        container = self.client.containers.create(
-            image_id, entrypoint=argv, user=user, network_mode="none", labels=labels
-        )
-        try:
+        with self._helper(image_id, argv, user) as container:
             if archive is not None:
                 container.put_archive("/", archive)
             container.start()
@@ -537,9 +664,66 @@ class DockerBackend(SandboxBackend):
                 raise SandboxError(f"{failure}: {_text(container.logs()).strip()[-1000:]}")
             repository, _, name = (tag or "").partition(":")
             return container.commit(repository=repository or None, tag=name or None, conf=conf).id or ""
+
+    @contextlib.contextmanager
+    def _helper(self, image: str, argv: list[str], user: str, **kwargs: Any) -> Iterator[Container]:
+        """Blocking: a created (not started) container without network that runs `argv`, removed on exit."""
+        labels = {SANDBOX_LABEL: "1", OWNER_LABEL: self._owner}  # reaped if this process dies meanwhile
+        container = self.client.containers.create(
+            image, entrypoint=argv, user=user, network_mode="none", labels=labels, **kwargs
+        )
+        try:
+            yield container
         finally:
             with contextlib.suppress(*_ENGINE_ERRORS):
                 container.remove(force=True, v=True)
+
+    async def _volume_mount(self, mount: Mount, image: str) -> docker.types.Mount:
+        """A remote engine's stand-in for a bind mount: the volume holding a copy of `mount.host_path`
+        (see the module docstring), mounted read-only."""
+        if mount.writable:
+            raise SandboxError(f"a remote Docker engine cannot mount {mount.host_path} writable (it is not there)")
+        path = mount.host_path.resolve()
+        async with self._volume_locks[path]:
+            if path not in self._volumes:
+                try:
+                    self._volumes[path] = await asyncio.shield(self.submit(self._fill_volume, path, image))
+                except _ENGINE_ERRORS as e:
+                    raise SandboxError(f"cannot copy {path} to the Docker engine: {e}") from e
+        return docker.types.Mount(mount.sandbox_path, self._volumes[path], read_only=True, subpath=_VOLUME_CONTENT)
+
+    def _fill_volume(self, path: Path, image: str) -> str:
+        """Blocking: the volume named after `path`'s content (names, sizes, modes, mtimes), filled here
+        unless an earlier run did. The content is uploaded to a directory of its own and renamed into
+        place last, so a volume never shows a half copy."""
+        digest = hashlib.sha256()
+        for root, dirs, files in os.walk(path):
+            dirs.sort()
+            for name in sorted(files):
+                stat = os.lstat(os.path.join(root, name))
+                entry = (os.path.relpath(os.path.join(root, name), path), stat.st_size, stat.st_mode, stat.st_mtime_ns)
+                digest.update(repr(entry).encode())
+        name = f"swe-grpo-mount-{digest.hexdigest()[:24]}"
+        self.client.volumes.create(name, labels={MOUNT_LABEL: "1"})
+        volumes = {name: {"bind": "/m", "mode": "rw"}}
+        with self._helper(image, ["test", "-d", f"/m/{_VOLUME_CONTENT}"], "0", volumes=volumes) as probe:
+            probe.start()
+            if probe.wait(timeout=300).get("StatusCode") == 0:
+                return name
+        part = f"part-{uuid.uuid4().hex}"
+        place = f'if [ -d /m/{_VOLUME_CONTENT} ]; then rm -rf "/m/$1"; else mv -T "/m/$1" /m/{_VOLUME_CONTENT}; fi'
+        with (
+            tempfile.TemporaryFile() as archive,
+            self._helper(image, ["sh", "-c", place, "sh", part], "0", volumes=volumes) as fill,
+        ):
+            with tarfile.open(fileobj=archive, mode="w") as tar:
+                tar.add(path, arcname=part)
+            archive.seek(0)
+            fill.put_archive("/m", archive)
+            fill.start()
+            if fill.wait(timeout=1800).get("StatusCode") != 0:
+                raise SandboxError(f"cannot place the copy of {path} in volume {name}: {_text(fill.logs())[-500:]}")
+        return name
 
     async def close(self) -> None:
         """Destroy the sandboxes still alive, then release the client and threads (images are kept)."""
