@@ -1,0 +1,213 @@
+"""The training process SIGKILLed mid-run (no `finally`, no `stop()`): what its rollouts held on the host
+is gone once the next run starts its backend and its InterceptionServer (what `SWERolloutWorker.start`
+does first).
+
+The dying process is a real one: a child running two real rollouts (real Pi in `local` or `docker`
+sandboxes, behind their doors) whose generation never answers, so that Pi, its door forwarder, the
+agents' sandboxes and the doors are all live, plus a bare sandbox running a command (as a grading
+sandbox would be), when it is SIGKILLed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import docker
+import psutil
+import pytest
+from sandbox_helpers import marker
+
+from swe_grpo.interception import InterceptionServer
+from swe_grpo.sandbox._common import CgroupLayout
+from swe_grpo.sandbox.docker import OWNER_LABEL, SANDBOX_LABEL, DockerBackend
+from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend
+
+pytestmark = pytest.mark.integration
+
+# Run as `python -c CHILD <backend> <run_dir> <docker_url> <marker>`; prints READY once both agents wait on
+# their first generation and the bare sandbox runs `sleep <marker>`.
+CHILD = textwrap.dedent(
+    """
+    import asyncio, sys
+    from pathlib import Path
+    from transformers import AutoTokenizer
+    from swe_grpo.agents.pi import PiBundle, PiConfig
+    from swe_grpo.interception import InterceptionServer
+    from swe_grpo.rollout import RolloutConfig, run_rollout
+    from swe_grpo.sandbox.docker import DockerBackend
+    from swe_grpo.sandbox.local import LocalBackend
+    from swe_grpo.tasks import demo_tasks
+    from swe_grpo.tiny_model import build_tiny_model
+
+    kind, run_dir, docker_url, mark = sys.argv[1:]
+    waiting = 0
+
+    class NeverAnswers:
+        max_model_len = 8192
+
+        async def generate(self, *args, **kwargs):
+            global waiting
+            waiting += 1
+            if waiting == 2:
+                print("READY", flush=True)
+            await asyncio.Event().wait()
+
+    async def main():
+        backend = LocalBackend(run_dir=Path(run_dir)) if kind == "local" else DockerBackend(base_url=docker_url)
+        await backend.start()
+        task = demo_tasks()[0]
+        bare = await backend.create(task, network=False)
+        asyncio.create_task(bare.exec(["sleep", mark], timeout_s=3600))
+        config = RolloutConfig(pi=PiConfig(context_window=8192, max_tokens=64, timeout_s=3600))
+        tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+        async with InterceptionServer(NeverAnswers(), tokenizer, model_name="tiny") as server:
+            await asyncio.gather(*(run_rollout(task, server, backend, PiBundle.default(), config) for _ in range(2)))
+
+    asyncio.run(main())
+    """
+)
+
+
+def door_dirs(pid: int) -> list[Path]:
+    """The door directories whose socket `pid` serves (a door's directory holds no owner's name)."""
+    sockets = [c.laddr for c in psutil.Process(pid).net_connections(kind="unix")]
+    return sorted({Path(s).parent for s in sockets if Path(s).parent.name.startswith("swe-grpo-door-")})
+
+
+def existing(paths: list[Path]) -> list[Path]:
+    return [p for p in paths if p.exists()]
+
+
+def past_the_grace(doors: list[Path], grace_s: float = 10.0) -> None:
+    """Wait until `doors` are older than the door reaper's grace (a younger one may be being opened)."""
+    newest = max((d.stat().st_mtime for d in existing(doors)), default=0.0)
+    time.sleep(max(0.0, newest + grace_s + 1 - time.time()))
+
+
+def local_leftovers(run_dir: Path, pid: int) -> dict[str, list[str]]:
+    """What `pid`'s local sandboxes hold on the host: directories, mounts and cgroups named for it, and
+    the processes in those cgroups."""
+    layout = CgroupLayout.detect()
+    cgroups = [d for root in {layout.memory, layout.pids} for d in (root / CGROUP_PARENT).glob(f"swe-grpo-{pid}-*")]
+    return {
+        "directories": [str(p) for p in run_dir.glob(f"swe-grpo-{pid}-*")],
+        "mounts": [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if str(run_dir) in line],
+        "cgroups": [str(d) for d in cgroups],
+        "processes in them": [p for d in cgroups for p in (d / "cgroup.procs").read_text().split()],
+    }
+
+
+def command_line(p: psutil.Process) -> str | None:
+    """`p`'s command line; None when it is gone or a zombie (it runs nothing)."""
+    try:
+        return None if p.status() == psutil.STATUS_ZOMBIE else " ".join(p.cmdline())
+    except psutil.Error:
+        return None
+
+
+def alive(pids: list[int]) -> list[str]:
+    """The processes of `pids` that still run."""
+    found = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            if (line := command_line(psutil.Process(pid))) is not None:
+                found.append(f"{pid} {line[:120]}")
+    return found
+
+
+@dataclass
+class Killed:
+    """The child as it was when SIGKILLed: its pid, its process tree, its doors, its bare sandbox's marker."""
+
+    pid: int
+    tree: list[int]
+    doors: list[Path]
+    mark: str
+
+
+@contextlib.contextmanager
+def killed_mid_run(kind: str, run_dir: Path, docker_url: str = "") -> Iterator[Killed]:
+    """Start the child, wait until its rollouts are live, SIGKILL it."""
+    mark = marker()
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, kind, str(run_dir), docker_url, mark],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        assert child.stdout is not None
+        line = child.stdout.readline()  # blocks until READY or the child's exit
+        assert line.strip() == "READY" and time.monotonic() < deadline, child.stderr.read() if child.stderr else ""
+        killed = Killed(child.pid, [p.pid for p in psutil.Process(child.pid).children(recursive=True)], [], mark)
+        killed.doors = door_dirs(child.pid)
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+        yield killed
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_sigkilled_run_leaves_local_sandboxes_that_the_next_start_removes(run_dir: Path) -> None:
+    with killed_mid_run("local", run_dir) as killed:
+        time.sleep(1)  # what dies with its parent has died
+        left = local_leftovers(run_dir, killed.pid)
+        assert left["directories"] and left["mounts"] and left["cgroups"]  # the test's premise
+        assert len(existing(killed.doors)) == 2
+        # bwrap's --die-with-parent ends each exec's whole pid namespace (Pi, its door forwarder, the
+        # command) with the process that started it: nothing runs on for the reaper to find.
+        assert alive(killed.tree) == []
+        past_the_grace(killed.doors)
+
+        asyncio.run(next_start(LocalBackend(run_dir=run_dir)))
+
+        nothing: dict[str, list[str]] = {"directories": [], "mounts": [], "cgroups": [], "processes in them": []}
+        assert local_leftovers(run_dir, killed.pid) == nothing
+        assert existing(killed.doors) == []
+        assert not any(killed.mark in (command_line(p) or "") for p in psutil.process_iter() if p.pid != os.getpid())
+
+
+def test_a_sigkilled_run_leaves_docker_sandboxes_that_the_next_start_removes(docker_url: str, run_dir: Path) -> None:
+    client = docker.DockerClient(base_url=docker_url)
+
+    def containers(pid: int) -> list[str]:
+        found = client.containers.list(all=True, filters={"label": f"{SANDBOX_LABEL}=1"})
+        return [c.name for c in found if c.labels.get(OWNER_LABEL, "").split("/")[1:2] == [str(pid)]]
+
+    with killed_mid_run("docker", run_dir, docker_url) as killed:
+        assert len(containers(killed.pid)) == 3  # the test's premise: both agents' and the bare one
+        assert len(existing(killed.doors)) == 2
+        past_the_grace(killed.doors)
+
+        asyncio.run(next_start(DockerBackend(base_url=docker_url)))
+
+        assert containers(killed.pid) == []
+        assert existing(killed.doors) == []
+        assert alive(killed.tree) == []
+    client.close()
+
+
+async def next_start(backend: LocalBackend | DockerBackend) -> None:
+    """What the next run's `SWERolloutWorker.start` does first: start its backend and its InterceptionServer."""
+    from transformers import AutoTokenizer
+
+    from swe_grpo.tiny_model import build_tiny_model
+
+    await backend.start()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+        async with InterceptionServer(None, tokenizer, model_name="tiny"):  # type: ignore[arg-type]
+            pass
+    finally:
+        await backend.close()
