@@ -5,7 +5,8 @@ sends: its system prompt, the task as text parts, the tools `read`/`bash`/`edit`
 with usage, the whole history every turn. It reads the SSE answer as Pi does, echoes the assistant
 message back (arguments re-serialised like JS `JSON.stringify`, empty content as `null`) and appends one
 `tool` result per call, cut from Python standard-library sources so it tokenises like code.
-`StubGenerator` answers with the fixed token ids of a valid Qwen3 tool-call answer. `TOOL_OUTPUTS` says how
+`StubGenerator` answers with the fixed token ids of a valid Qwen3 tool-call answer; `server_process` runs
+a benchmark's server in a process of its own. `TOOL_OUTPUTS` says how
 much new content each turn brings: how many tool calls the stub's answer makes, and how long each result is.
 """
 
@@ -13,11 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import random
 import sysconfig
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -337,6 +342,47 @@ async def post(session: aiohttp.ClientSession, endpoint: RolloutEndpoint, body: 
     async with session.post(f"{endpoint.base_url}/chat/completions", data=body, headers=headers) as resp:
         payload = await resp.read()
     return resp.status, payload, time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- the server's process
+
+
+@dataclass
+class ServerProcess:
+    """A server running in a process of its own: `endpoints` is the first thing it sent. The protocol on
+    `conn`: "report" asks for its report (sent back), "stop" ends it."""
+
+    process: BaseProcess
+    conn: Connection
+    endpoints: list[RolloutEndpoint]
+
+    def finish(self) -> Any:
+        """The server's report, then stop it."""
+        self.conn.send("report")
+        report = self.conn.recv()
+        self.conn.send("stop")
+        return report
+
+
+@asynccontextmanager
+async def server_process(target: Callable[..., None], *args: Any) -> AsyncIterator[ServerProcess]:
+    """Run `target(conn, *args)` in a spawned process until it has sent its endpoints (at most 120 s);
+    the process is joined (killed after 10 s) on exit."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=target, args=(child, *args), daemon=True)
+    process.start()
+    try:
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        while not await loop.run_in_executor(None, parent.poll, 1.0):
+            if not process.is_alive() or time.monotonic() - started > 120:
+                raise RuntimeError(f"the server process did not start (exit code {process.exitcode})")
+        yield ServerProcess(process, parent, parent.recv())
+    finally:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
 
 
 # --------------------------------------------------------------------------- reporting

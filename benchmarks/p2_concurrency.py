@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import gc
 import logging
-import multiprocessing
 import os
 import random
 import sys
@@ -60,6 +59,7 @@ from _pi_agent import (
     parse_sse,
     percentile,
     post,
+    server_process,
 )
 
 from swe_grpo.interception import InterceptionServer, RolloutEndpoint
@@ -225,17 +225,9 @@ def _cpu(p: psutil.Process) -> float:
 
 async def run_scenario(args: argparse.Namespace, scenario: Scenario, server_cpus: set[int]) -> Result:
     case = TOOL_OUTPUTS[args.tool_output]
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    process = ctx.Process(target=serve, args=(child, args.rollouts + 1, case.calls, server_cpus), daemon=True)
-    process.start()
-    loop = asyncio.get_running_loop()
-    try:
-        started = time.monotonic()
-        while not await loop.run_in_executor(None, parent.poll, 1.0):
-            if not process.is_alive() or time.monotonic() - started > 120:
-                raise RuntimeError(f"the server process did not start (exit code {process.exitcode})")
-        *endpoints, warmup = parent.recv()
+    async with server_process(serve, args.rollouts + 1, case.calls, server_cpus) as running:
+        *endpoints, warmup = running.endpoints
+        process = running.process
         server, me = psutil.Process(process.pid), psutil.Process()
         rss_before = rss_peak = server.memory_info().rss
 
@@ -267,16 +259,10 @@ async def run_scenario(args: argparse.Namespace, scenario: Scenario, server_cpus
         rss_after = server.memory_info().rss
         rss_peak = max(rss_peak, rss_after, _vm_hwm(process.pid))
 
-        parent.send("report")
-        report: ServerReport = parent.recv()
-        parent.send("stop")
+        report: ServerReport = running.finish()
         report.handler_s = report.handler_s[WARMUP_TURNS:]
         report.turns -= WARMUP_TURNS
         return Result(scenario, stats, report, wall, (rss_before / MIB, rss_after / MIB, rss_peak / MIB), cpu)
-    finally:
-        process.join(timeout=10)
-        if process.is_alive():
-            process.kill()
 
 
 # --------------------------------------------------------------------------- report

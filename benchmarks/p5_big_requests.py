@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import multiprocessing
 import os
 import random
 import sys
@@ -37,7 +36,16 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _pi_agent import _CORPUS, TOOL_OUTPUTS, PiConversation, markdown_table, parse_sse, percentile, post
+from _pi_agent import (
+    _CORPUS,
+    TOOL_OUTPUTS,
+    PiConversation,
+    markdown_table,
+    parse_sse,
+    percentile,
+    post,
+    server_process,
+)
 from p2_concurrency import STUB_LATENCY_S, ServerReport, serve
 
 from swe_grpo.interception import RolloutEndpoint
@@ -128,19 +136,9 @@ async def big_agent(
 
 
 async def run(args: argparse.Namespace) -> tuple[Timeline, ServerReport, float]:
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
     cpus = set(os.sched_getaffinity(0))
-    process = ctx.Process(target=serve, args=(child, args.rollouts + args.big, 1, cpus), daemon=True)
-    process.start()
-    loop = asyncio.get_running_loop()
-    try:
-        started = time.monotonic()
-        while not await loop.run_in_executor(None, parent.poll, 1.0):
-            if not process.is_alive() or time.monotonic() - started > 120:
-                raise RuntimeError(f"the server process did not start (exit code {process.exitcode})")
-        endpoints = parent.recv()
-        small, big = endpoints[: args.rollouts], endpoints[args.rollouts :]
+    async with server_process(serve, args.rollouts + args.big, 1, cpus) as running:
+        small, big = running.endpoints[: args.rollouts], running.endpoints[args.rollouts :]
         timeline, stop, rng = Timeline(), asyncio.Event(), random.Random(0)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             agents = [
@@ -152,14 +150,8 @@ async def run(args: argparse.Namespace) -> tuple[Timeline, ServerReport, float]:
             await big_agent(session, big, int(args.big_mb * MB), args.think[1], timeline)
             stop.set()
             await asyncio.gather(*agents)
-        parent.send("report")
-        report: ServerReport = parent.recv()
-        parent.send("stop")
+        report: ServerReport = running.finish()
         return timeline, report, big_started
-    finally:
-        process.join(timeout=10)
-        if process.is_alive():
-            process.kill()
 
 
 def _ms(seconds: float) -> str:
