@@ -23,6 +23,7 @@ from trl import ModelConfig, TrlParser, get_peft_config
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
 from swe_grpo import SWERolloutWorker, WorkerConfig, load_tasks, use_cpu_fallbacks
+from swe_grpo.door import check_allow
 
 
 @dataclass
@@ -47,6 +48,14 @@ class SWEArguments:
     public_base_url: str | None = field(
         default=None, metadata={"help": "Where sandboxes reach the InterceptionServer (remote sandboxes)."}
     )
+    door: bool = field(
+        default=True,
+        metadata={"help": "The agent's only network is its own endpoint; --no_door: the sandbox backend's network."},
+    )
+    allow: list[str] = field(
+        default_factory=list,
+        metadata={"help": "With the door: host:port targets the agent may also reach, through an HTTPS proxy."},
+    )
     drop_zero_variance_groups: bool = field(
         default=True,
         metadata={
@@ -55,6 +64,9 @@ class SWEArguments:
         },
     )
 
+    def __post_init__(self) -> None:
+        check_allow(self.allow, self.door)  # a bad entry fails the command line, not the worker's start
+
 
 @dataclass
 class ModelArguments(ModelConfig):
@@ -62,6 +74,23 @@ class ModelArguments(ModelConfig):
     loads the model in, and one parser cannot hold two `--dtype` options."""
 
     dtype: str | None = field(default=None, init=False)
+
+
+def worker_config(swe: SWEArguments, args: AsyncGRPOConfig) -> WorkerConfig:
+    """The rollout worker's settings: the trainer's where they must agree (`from_trainer_args`), else `swe`'s."""
+    return WorkerConfig.from_trainer_args(
+        args,
+        max_concurrent_rollouts=swe.max_concurrent_rollouts,
+        agent_timeout_s=swe.agent_timeout_s,
+        stall_timeout_s=swe.stall_timeout_s,
+        grade_timeout_s=swe.grade_timeout_s,
+        host=swe.interception_host,
+        port=swe.interception_port,
+        public_base_url=swe.public_base_url,
+        drop_zero_variance_groups=swe.drop_zero_variance_groups,
+        door=swe.door,
+        allow=tuple(swe.allow),
+    )
 
 
 def build_trainer(swe: SWEArguments, args: AsyncGRPOConfig, model_args: ModelConfig) -> AsyncGRPOTrainer:
@@ -75,17 +104,7 @@ def build_trainer(swe: SWEArguments, args: AsyncGRPOConfig, model_args: ModelCon
         vllm_url=args.vllm_server_base_url,
         model=swe.served_model_name or model_args.model_name_or_path,
         sandbox=swe.sandbox,
-        config=WorkerConfig.from_trainer_args(
-            args,
-            max_concurrent_rollouts=swe.max_concurrent_rollouts,
-            agent_timeout_s=swe.agent_timeout_s,
-            stall_timeout_s=swe.stall_timeout_s,
-            grade_timeout_s=swe.grade_timeout_s,
-            host=swe.interception_host,
-            port=swe.interception_port,
-            public_base_url=swe.public_base_url,
-            drop_zero_variance_groups=swe.drop_zero_variance_groups,
-        ),
+        config=worker_config(swe, args),
     )
     return AsyncGRPOTrainer(
         model=model_args.model_name_or_path,

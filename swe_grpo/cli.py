@@ -29,8 +29,10 @@ from rich.table import Table
 from transformers.utils import logging as transformers_logging
 
 from swe_grpo.demo import DemoConfig, run_demo, save_curve
+from swe_grpo.door import check_allow
 
 if TYPE_CHECKING:
+    from swe_grpo.rollout import RolloutConfig
     from swe_grpo.vllm_server import VLLMServer
 
 console = Console(stderr=True)
@@ -44,9 +46,9 @@ async def run_rollouts(args: argparse.Namespace) -> list:
     as rollouts finish, so an interrupted run keeps what it finished."""
     from transformers import AutoTokenizer
 
-    from swe_grpo.agents.pi import PiBundle, PiConfig
+    from swe_grpo.agents.pi import PiBundle
     from swe_grpo.interception import InterceptionServer
-    from swe_grpo.rollout import RolloutConfig, run_rollout
+    from swe_grpo.rollout import run_rollout
     from swe_grpo.sandbox import make_backend
     from swe_grpo.tasks import load_tasks
     from swe_grpo.vllm_client import SamplingParams, VLLMClient
@@ -68,20 +70,7 @@ async def run_rollouts(args: argparse.Namespace) -> list:
             port=args.port,
             public_base_url=args.public_url,
         )
-        pi = PiConfig(
-            context_window=client.max_model_len,
-            max_tokens=args.max_tokens,
-            timeout_s=args.agent_timeout,
-            stall_timeout_s=args.stall_timeout,
-        )
-        config = RolloutConfig(
-            pi=pi,
-            grade_timeout_s=args.grade_timeout,
-            plugin_autoload=args.plugin_autoload,
-            max_patch_bytes=args.max_patch_bytes,
-            door=args.door,
-            allow=tuple(args.allow),
-        )
+        config = rollout_config(args, client.max_model_len)
         await backend.start()
         jobs = [task for task in tasks for _ in range(args.num_rollouts)]
         semaphore = asyncio.Semaphore(args.concurrency)
@@ -118,6 +107,27 @@ async def run_rollouts(args: argparse.Namespace) -> list:
             await backend.close()
     _print_summary(trajectories)
     return trajectories
+
+
+def rollout_config(args: argparse.Namespace, context_window: int) -> RolloutConfig:
+    """What `swe-grpo rollout`'s flags make of each rollout (`context_window`: the model's, from vLLM)."""
+    from swe_grpo.agents.pi import PiConfig
+    from swe_grpo.rollout import RolloutConfig
+
+    pi = PiConfig(
+        context_window=context_window,
+        max_tokens=args.max_tokens,
+        timeout_s=args.agent_timeout,
+        stall_timeout_s=args.stall_timeout,
+    )
+    return RolloutConfig(
+        pi=pi,
+        grade_timeout_s=args.grade_timeout,
+        plugin_autoload=args.plugin_autoload,
+        max_patch_bytes=args.max_patch_bytes,
+        door=args.door,
+        allow=tuple(args.allow),
+    )
 
 
 def _print_summary(trajectories: list) -> None:
@@ -382,8 +392,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if "--" in argv:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1 :]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     args.vllm_args = passthrough
+    if args.command == "rollout":
+        try:
+            check_allow(args.allow, args.door)
+        except ValueError as e:
+            parser.error(f"--allow: {e}")
     return args
 
 

@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,10 +61,7 @@ class Door:
     allow: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for target in self.allow:
-            host, _, port = target.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"an allowlist entry is host:port, got {target!r}")
+        check_allow(self.allow)
 
     @classmethod
     def make(cls, rollout_id: str) -> Door:
@@ -137,6 +134,19 @@ class Door:
 
     def remove(self) -> None:
         shutil.rmtree(self.host_dir, ignore_errors=True)
+
+
+def check_allow(allow: Iterable[str], door: bool = True) -> None:
+    """Check an allowlist: every entry is `host:port` (a port from 1 to 65535) and there is a door to serve
+    them through. Raises ValueError naming what is wrong (what `RolloutConfig`, `swe-grpo rollout --allow`
+    and examples/train.py refuse)."""
+    targets = tuple(allow)
+    if targets and not door:
+        raise ValueError(f"an allowlist ({', '.join(targets)}) is served through the door, which is off")
+    for target in targets:
+        host, _, port = target.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"an allowlist entry is host:port (a port from 1 to 65535), got {target!r}")
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

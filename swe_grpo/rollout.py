@@ -43,7 +43,7 @@ from typing import Any
 
 from swe_grpo.agents.pi import PiBundle, PiConfig, PiResult, run_pi
 from swe_grpo.chain import Message, TrainingRow, TurnRecord, oldest_version
-from swe_grpo.door import Door
+from swe_grpo.door import Door, check_allow
 from swe_grpo.grading import DEFAULT_TIMEOUT_S, GradeResult, grade
 from swe_grpo.interception import InterceptionServer, RequestError
 from swe_grpo.sandbox.base import MAX_PATCH_BYTES, PatchError, SandboxBackend, SandboxError
@@ -133,6 +133,9 @@ class RolloutConfig:
     # With the door: the `host:port`s the agent may also reach, through an HTTPS proxy (`swe_grpo.door`).
     allow: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        check_allow(self.allow, self.door)
+
 
 def _agent_outcome(pi: PiResult, errors: list[RequestError], turns: int) -> tuple[str, str] | None:
     """The outcome decided before grading, if the agent's run already settles it."""
@@ -177,7 +180,7 @@ async def run_rollout(
     try:
         if config.door and backend.live_mounts:
             door = await server.open_door(rollout_id)
-            door = replace(door, allow=config.allow)  # a malformed entry raises with the door already kept
+            door = replace(door, allow=config.allow)
             proxy = await door.serve_allowlist() if door.allow else None
         mounts = [bundle.mount(), *([door.mount()] if door else [])]
         sandbox = await backend.create(task, mounts=mounts, network=door is None)
