@@ -88,8 +88,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import requests
+from requests.adapters import HTTPAdapter
 from transformers import PreTrainedTokenizerBase
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+from urllib3.util.retry import Retry
 
 from swe_grpo.agents.pi import PiBundle, PiConfig
 from swe_grpo.grading import DEFAULT_TIMEOUT_S
@@ -110,6 +112,9 @@ log = logging.getLogger(__name__)
 _GENERATION_FAILURES = ("server_unavailable", "bad_response")
 _UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9_.-]")  # what the InterceptionServer refuses in a rollout id
 _SANDBOX_ALLOWANCE_S = 900.0  # creating and removing a rollout's two sandboxes (an image pull included)
+# Listing vLLM's models at a weight sync: a vLLM unreachable or answering 5xx for a while (a restart, a burst)
+# is waited for, about a minute (backoff 0, 2, 4 ... 32 s), instead of stopping training with an exception.
+_LIST_RETRIES = Retry(total=6, backoff_factor=1.0, status_forcelist=(500, 502, 503, 504), raise_on_status=False)
 
 
 class RolloutWorkerError(RuntimeError):
@@ -347,7 +352,10 @@ class SWERolloutWorker:
         one, None (the base model) if it syncs full weights."""
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         try:
-            response = requests.get(f"{self.vllm_url}/v1/models", headers=headers, timeout=30)
+            with requests.Session() as session:
+                for scheme in ("http://", "https://"):
+                    session.mount(scheme, HTTPAdapter(max_retries=_LIST_RETRIES))
+                response = session.get(f"{self.vllm_url}/v1/models", headers=headers, timeout=30)
             response.raise_for_status()
             served = [m["id"] for m in response.json()["data"]]
         except (requests.RequestException, KeyError, TypeError, ValueError) as e:
