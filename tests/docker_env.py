@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -75,23 +76,52 @@ def docker_engine(wait_s: float = 900) -> Iterator[str]:
                 if time.monotonic() > deadline:
                     raise DockerUnavailable(f"another session holds the private dockerd of {home}") from None
                 time.sleep(1)
-        with _private_dockerd(home) as url:
+        # The exec root holds containerd's unix sockets: a short path (108-byte limit), fixed per data root
+        # so that a dockerd started after a crash finds the containers the crashed one left running.
+        exec_root = Path(f"/run/swe-grpo-dockerd-{hashlib.sha256(str(home).encode()).hexdigest()[:8]}")
+        with _private_dockerd(home, exec_root, f"unix://{exec_root / 'docker.sock'}") as url:
             yield url
 
 
 @contextlib.contextmanager
-def _private_dockerd(home: Path) -> Iterator[str]:
-    # The exec root holds containerd's unix sockets: a short path (108-byte limit), fixed per data root
-    # so that a dockerd started after a crash finds the containers the crashed one left running.
-    exec_root = Path(f"/run/swe-grpo-dockerd-{hashlib.sha256(str(home).encode()).hexdigest()[:8]}")
-    sock = exec_root / "docker.sock"
+def tcp_engine(source_url: str, images: tuple[str, ...] = (DEFAULT_IMAGE,)) -> Iterator[str]:
+    """A second, throwaway dockerd made from nothing, reached over plain tcp on 127.0.0.1 (a stand-in for a
+    remote engine: it shares no path with this process's idea of the engine), with `images` copied from
+    the engine at `source_url`; stopped and its data root removed on exit. Needs root. While it runs, any
+    local user who connects to its port is root here: it lives only as long as the tests that use it."""
+    if os.geteuid() != 0 or shutil.which("dockerd") is None:
+        raise DockerUnavailable("a second dockerd needs root and `dockerd`")
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with contextlib.closing(socket.socket()) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="swe-grpo-tcp-dockerd-", dir=cache_root()) as home:
+        exec_root = Path(f"/run/swe-grpo-dockerd-tcp-{port}")
+        with _private_dockerd(Path(home), exec_root, f"tcp://127.0.0.1:{port}") as url:
+            with (
+                contextlib.closing(docker.DockerClient(base_url=source_url)) as source,
+                contextlib.closing(docker.DockerClient(base_url=url)) as target,
+            ):
+                for image in images:
+                    with tempfile.TemporaryFile(dir=home) as archive:
+                        for chunk in source.api.get_image(image):
+                            archive.write(chunk)
+                        archive.seek(0)
+                        target.images.load(archive)
+            yield url
+        shutil.rmtree(exec_root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _private_dockerd(home: Path, exec_root: Path, url: str) -> Iterator[str]:
+    """A dockerd with its data in `home` and its state in `exec_root`, listening at `url`, until exit."""
     log_path = home / "dockerd.log"
     cmd = [
         "dockerd",
         f"--data-root={home / 'data'}",
         f"--exec-root={exec_root}",
         f"--pidfile={exec_root / 'dockerd.pid'}",
-        f"--host=unix://{sock}",
+        f"--host={url}",
         # No bridge, no iptables: this must not touch the host's firewall or network; sandboxes use the
         # host network (or none).
         "--iptables=false",
@@ -100,10 +130,9 @@ def _private_dockerd(home: Path) -> Iterator[str]:
     ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"unix://{sock}"
     try:
         deadline = time.monotonic() + 60
-        while not (sock.exists() and _reachable(url)):
+        while not _reachable(url):
             if proc.poll() is not None or time.monotonic() > deadline:
                 tail = log_path.read_text(errors="replace")[-2000:]
                 raise DockerUnavailable(f"dockerd did not start ({' '.join(cmd)}); log tail:\n{tail}")

@@ -258,6 +258,14 @@ async def test_limits_labels_and_hardening(docker_url: str, task: Task, engine: 
         assert (host["NanoCpus"], host["PidsLimit"]) == (1_500_000_000, 300)
         assert (host["Init"], host["NetworkMode"], host["CapDrop"]) == (True, "host", ["ALL"])
         assert host["SecurityOpt"] == ["no-new-privileges"]
+        # The disk limit: a read-only root, and the writable paths tmpfs volumes of `disk` (2 GiB) each.
+        assert host["ReadonlyRootfs"] is True
+        writable = ["/home/sandbox", "/testbed", "/tmp", "/var/tmp"]
+        assert sorted(m["Destination"] for m in attrs["Mounts"]) == writable
+        sizes = await run_ok(sandbox, ["stat", "-f", "-c", "%T %b %S", *writable])
+        assert sizes.splitlines() == [f"tmpfs {(2 << 30) // 4096} 4096"] * 4
+        result = await sandbox.exec("touch /etc/x /usr/x; echo > /testbed/ok", timeout_s=30)
+        assert result.stderr.count("Read-only file system") == 2 and result.exit_code == 0, result
         assert attrs["Config"]["User"] == f"{UID}:{UID}"
         labels = attrs["Config"]["Labels"]
         assert labels[SANDBOX_LABEL] == "1" and labels["swe_grpo.task"] == task.instance_id
@@ -271,6 +279,20 @@ async def test_limits_labels_and_hardening(docker_url: str, task: Task, engine: 
         assert "300" in out
     finally:
         await backend.close()
+
+
+async def test_a_repository_too_big_for_the_disk_limit_is_refused(
+    docker_url: str, task: Task, engine: docker.DockerClient
+) -> None:
+    backend = DockerBackend(base_url=docker_url, limits=DockerLimits(disk="16k"))
+    await backend.start()
+    volumes = {v.id for v in engine.volumes.list()}
+    try:
+        with pytest.raises(SandboxError, match=r"does not fit the sandbox.s disk limit \(16k\)"):
+            await backend.create(task)
+    finally:
+        await backend.close()
+    assert {v.id for v in engine.volumes.list()} == volumes  # its tmpfs volumes went with it
 
 
 async def test_network_none_cuts_the_host_off(docker_url: str, task: Task, engine: docker.DockerClient) -> None:

@@ -33,17 +33,20 @@ Limits, per container, so that a sandbox that exhausts its own cannot make anoth
 container's cgroup; memory+swap equal, so no swap; at the limit the OOM killer kills a process of that
 container only), processes and threads (`pids`: a fork at the limit fails in that container only), CPU,
 and disk (`disk`, 2 GiB by default). The disk limit holds on every engine and storage driver, remote ones
-included: the container's root filesystem is read-only, and the only places it can write are tmpfs
-mounts of `disk` bytes each (and one inode per 4 KiB): /testbed, /tmp, /var/tmp and the sandbox user's
-home (plus Docker's own 64 MiB /dev/shm); beyond one, writes fail with ENOSPC. The repository is copied
-into its /testbed tmpfs when the sandbox starts (from a hard-linked twin of /testbed that every prepared
-image holds at `TWIN`; git's `core.checkStat=minimal` in the container's environment keeps the copy's
-index valid, so the first git command does not re-read the tree). Everything the sandbox writes, the
-copy included, is in RAM charged to its memory limit, so its files never exceed `memory` in all, and
-one path never exceeds `disk`: keep `disk` well below `memory`. The cost: each sandbox holds its own
-copy of the repository in RAM (a 155 MB tree and .git: ~0.2 s to copy; `benchmarks/p3_sandbox_docker.py`).
-With `uid=None` (the image's own user) the home directory is not writable. `disk=None`: no disk limit, a
-copy-on-write writable layer that can fill the engine's data root.
+included: the container's root filesystem is read-only, and the only places it can write are anonymous
+tmpfs volumes (Docker's `local` driver: the engine mounts them, so `put_archive` reaches them, unlike
+`--tmpfs`) of `disk` bytes each (and one inode per 4 KiB): /testbed, /tmp, /var/tmp and the sandbox
+user's home (plus Docker's own 64 MiB /dev/shm); beyond one, writes fail with ENOSPC. The repository is
+copied into /testbed by the sandbox's first exec, `cp -a` from a hard-linked twin of /testbed that every
+prepared image holds at `TWIN` (Docker's own copy of an image directory into a new volume fills a tmpfs
+it then drops); a repository bigger than `disk` fails `create()`. Git's `core.checkStat=minimal` (and
+`trustCtime=false`) in the container's environment keeps the prepared index valid for the copy (same
+sizes and mtimes, new inodes and ctimes), so the first git command does not re-read the tree. All the
+sandbox's files, the copy included, are RAM charged to its memory limit: one path never exceeds `disk`,
+and all of them never exceed `memory`; keep `disk` well below `memory`. The cost: each sandbox holds its
+own copy of the repository in RAM (`benchmarks/p3_sandbox_docker.py`). With `uid=None` (the image's own
+user) the home directory is not writable. `disk=None`: no disk limit, a copy-on-write writable layer
+that can fill the engine's data root.
 Why not `--storage-opt size` (the writable layer's quota): Docker refuses it on overlay2 over ext4 (the
 common default, and this project's test engine), needs an xfs data root mounted with `pquota` (this
 project's CI kernel has no XFS quota), and on btrfs counts the image's shared data against the limit,
@@ -152,8 +155,23 @@ _GIT_STAT_ENV = {
 }
 # How long a killed exec may take to report back before the kill is declared a failure.
 _KILL_GRACE_S = 15.0
-# The directory of a mount's volume that sandboxes mount (present only once the copy is complete).
-_VOLUME_CONTENT = "content"
+# Prints the container's cgroup counters ("oom_kill N", "max N": v1 and v2 file names) and, for each
+# writable path, "free BLOCKS INODES".
+_READ_INSIDE = """
+cat /sys/fs/cgroup/memory/memory.oom_control /sys/fs/cgroup/memory.events \\
+  /sys/fs/cgroup/pids/pids.events /sys/fs/cgroup/pids.events 2>/dev/null | grep -E '^(oom_kill|max) '
+for path in {paths}; do stat -f -c 'free %a %d' "$path" || exit 1; done
+exit 0
+"""
+# In a mount's volume: the file whose presence says the copy is complete, and the fillers' lock.
+_VOLUME_COMPLETE = ".swe-grpo-complete"
+# Fills /m from /stage unless complete, under the lock, clearing what a filler that died left.
+_FILL_VOLUME = f"""
+exec 9>/m/.swe-grpo-lock && flock 9 || exit 1
+[ -e /m/{_VOLUME_COMPLETE} ] && exit 0
+find /m -mindepth 1 -maxdepth 1 ! -name .swe-grpo-lock -exec rm -rf {{}} +
+cp -a /stage/. /m/ && touch /m/{_VOLUME_COMPLETE}
+"""
 _ENGINE_ERRORS = (docker.errors.DockerException, requests.RequestException)
 
 
@@ -320,8 +338,8 @@ class DockerSandbox(Sandbox):
         return self._exhaustion
 
     def _read_exhaustion(self) -> Exhaustion | None:
-        """Blocking: the container's cgroup counters where its processes are visible here, else Docker's
-        own OOM flag; then its writable mounts, from inside."""
+        """Blocking: the container's cgroup counters on the host where its processes are visible here (they
+        can be read even at the pids limit); else, and for the disk, what one exec sees from inside."""
         self._container.reload()
         state = self._container.attrs["State"]
         layout = self._backend.cgroups
@@ -330,24 +348,31 @@ class DockerSandbox(Sandbox):
             pid = state.get("Pid")
             if not self._backend.remote and layout and pid and self.id in Path(f"/proc/{pid}/cgroup").read_text():
                 cause = layout.exhausted(*layout.of_process(pid))
+        if cause is None and state.get("Running"):
+            cause = self._read_inside()
         if cause is None and state.get("OOMKilled"):
             cause = "memory"
-        if cause is None and state.get("Running") and self._disk_full():
-            cause = "disk"
         return cause
 
-    def _disk_full(self) -> bool:
-        """Blocking: whether one of the sandbox's tmpfs mounts has no block or no inode left. False when that
-        cannot be asked (no disk limit; an exec refused, e.g. at the pids limit)."""
-        paths = self._backend.writable_paths()
-        if not paths:
-            return False
+    def _read_inside(self) -> Exhaustion | None:
+        """Blocking: the container's own cgroup counters (v1 or v2, as mounted in it) and whether one of its
+        tmpfs mounts has no block or no inode left, in one exec. None when the exec is refused (e.g. at the
+        pids limit: the counters are read once its processes are gone)."""
+        paths = " ".join(self._backend.writable_paths())
         try:
-            exit_code, output = self._container.exec_run(["stat", "-f", "-c", "%a %d", *paths])
+            exit_code, output = self._container.exec_run(["sh", "-c", _READ_INSIDE.format(paths=paths)])
         except _ENGINE_ERRORS:
-            return False
-        free = [line.split() for line in _text(output).splitlines()]
-        return exit_code == 0 and any(field == "0" for line in free for field in line)
+            return None
+        if exit_code != 0:
+            return None
+        rows = [line.split() for line in _text(output).splitlines() if line.strip()]
+        if any(row[0] == "oom_kill" and int(row[1]) for row in rows):
+            return "memory"
+        if any(row[0] == "max" and int(row[1]) for row in rows):
+            return "pids"
+        if any(row[0] == "free" and "0" in row[1:] for row in rows):
+            return "disk"
+        return None
 
     async def destroy(self) -> None:
         """Remove the container (killing everything in it) and its anonymous volumes. Concurrent and
@@ -430,6 +455,7 @@ class DockerBackend(SandboxBackend):
             docker.types.Mount(
                 path,
                 None,
+                no_copy=True,  # the engine would fill a tmpfs it then drops: the copy is made at start
                 driver_config=docker.types.DriverConfig(
                     "local",
                     {
@@ -463,16 +489,17 @@ class DockerBackend(SandboxBackend):
                 if self.base_url
                 else docker.from_env(max_pool_size=pool)
             )
-            api = urllib.parse.urlsplit(client.api.base_url)
-            if api.scheme == "http" and not _loopback(api.hostname or ""):
-                client.close()
-                raise SandboxError(
-                    f"refusing the Docker engine at {client.api.base_url}: plain tcp without TLS gives anyone who "
-                    "reaches that port root on its machine; use TLS (DOCKER_TLS_VERIFY=1, DOCKER_CERT_PATH) or ssh://"
-                )
             client.ping()
             return client
 
+        # Checked before any connection (the SDK asks the engine its version as it is made).
+        url = urllib.parse.urlsplit(self.base_url or os.environ.get("DOCKER_HOST") or "")
+        tls = not self.base_url and any(os.environ.get(v) for v in ("DOCKER_TLS_VERIFY", "DOCKER_CERT_PATH"))
+        if url.scheme in ("tcp", "http") and not tls and not _loopback(url.hostname or ""):
+            raise SandboxError(
+                f"refusing the Docker engine at {url.geturl()}: plain tcp without TLS gives anyone who reaches that"
+                " port root on its machine; use TLS (DOCKER_HOST with DOCKER_TLS_VERIFY=1, DOCKER_CERT_PATH) or ssh://"
+            )
         try:
             self._client = await self.submit(connect)
         except _ENGINE_ERRORS as e:
@@ -690,12 +717,12 @@ class DockerBackend(SandboxBackend):
                     self._volumes[path] = await asyncio.shield(self.submit(self._fill_volume, path, image))
                 except _ENGINE_ERRORS as e:
                     raise SandboxError(f"cannot copy {path} to the Docker engine: {e}") from e
-        return docker.types.Mount(mount.sandbox_path, self._volumes[path], read_only=True, subpath=_VOLUME_CONTENT)
+        return docker.types.Mount(mount.sandbox_path, self._volumes[path], read_only=True)
 
     def _fill_volume(self, path: Path, image: str) -> str:
         """Blocking: the volume named after `path`'s content (names, sizes, modes, mtimes), filled here
-        unless an earlier run did. The content is uploaded to a directory of its own and renamed into
-        place last, so a volume never shows a half copy."""
+        unless an earlier run did: uploaded into a helper container, then copied into the volume under a
+        lock, its completion marked last (a volume without the mark is filled again)."""
         digest = hashlib.sha256()
         for root, dirs, files in os.walk(path):
             dirs.sort()
@@ -706,20 +733,18 @@ class DockerBackend(SandboxBackend):
         name = f"swe-grpo-mount-{digest.hexdigest()[:24]}"
         self.client.volumes.create(name, labels={MOUNT_LABEL: "1"})
         volumes = {name: {"bind": "/m", "mode": "rw"}}
-        with self._helper(image, ["test", "-d", f"/m/{_VOLUME_CONTENT}"], "0", volumes=volumes) as probe:
+        with self._helper(image, ["test", "-e", f"/m/{_VOLUME_COMPLETE}"], "0", volumes=volumes) as probe:
             probe.start()
             if probe.wait(timeout=300).get("StatusCode") == 0:
                 return name
-        part = f"part-{uuid.uuid4().hex}"
-        place = f'if [ -d /m/{_VOLUME_CONTENT} ]; then rm -rf "/m/$1"; else mv -T "/m/$1" /m/{_VOLUME_CONTENT}; fi'
         with (
             tempfile.TemporaryFile() as archive,
-            self._helper(image, ["sh", "-c", place, "sh", part], "0", volumes=volumes) as fill,
+            self._helper(image, ["sh", "-c", _FILL_VOLUME], "0", volumes=volumes) as fill,
         ):
             with tarfile.open(fileobj=archive, mode="w") as tar:
-                tar.add(path, arcname=part)
+                tar.add(path, arcname="stage")
             archive.seek(0)
-            fill.put_archive("/m", archive)
+            fill.put_archive("/", archive)
             fill.start()
             if fill.wait(timeout=1800).get("StatusCode") != 0:
                 raise SandboxError(f"cannot place the copy of {path} in volume {name}: {_text(fill.logs())[-500:]}")
