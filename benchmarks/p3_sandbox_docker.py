@@ -4,8 +4,10 @@ What. Per sandbox: `create()` (container created and started from the task's pre
 (`create()` plus the first `exec("true")` answered: the sandbox can be used), the first `git status` in
 /testbed (git refreshes its index once per sandbox: agents pay it on their first git command) and
 `destroy()` (container killed and removed). Target: create-to-ready <= 1 s. With the default limits
-(`DockerLimits()`: memory, pids, CPU; no disk limit). Also timed: create-to-ready of a sandbox without
-network (`network=False`, as grading creates them), and 8 sandboxes created at once (a rollout group).
+(`DockerLimits()`: memory, pids, CPU and disk: a read-only root and tmpfs volumes, the repository copied
+into /testbed's at start). Also timed: create-to-ready of a sandbox without network (`network=False`, as
+grading creates them), of one without the disk limit (`disk=None`: the copy-on-write layer, no copy), and
+8 sandboxes created at once (a rollout group).
 Reported separately, as they happen once: starting a private dockerd (when no engine runs), building the
 base image (when missing), `start()` (connect + reap), and building the task's prepared image (export
 the repository at its base commit, copy it into a container of the base image, check and chown it,
@@ -37,7 +39,7 @@ from _pi_agent import markdown_table, percentile
 from docker_env import docker_engine, ensure_base_image
 
 from swe_grpo.paths import cache_root
-from swe_grpo.sandbox.docker import DockerBackend
+from swe_grpo.sandbox.docker import DockerBackend, DockerLimits
 from swe_grpo.tasks import Task
 
 
@@ -83,14 +85,22 @@ async def measure(url: str, repo: Path, iterations: int, one_time: dict[str, flo
         status.append(t3 - t2)
         destroy.append(t4 - t3)
 
-    offline = []
-    for _ in range(iterations):
-        t0 = time.perf_counter()
-        sandbox = await backend.create(task, network=False)
-        result = await sandbox.exec("true", timeout_s=60)
-        offline.append(time.perf_counter() - t0)
-        assert result.exit_code == 0, result
-        await sandbox.destroy()
+    async def ready_times(backend: DockerBackend, network: bool) -> list[float]:
+        times = []
+        for _ in range(iterations):
+            t0 = time.perf_counter()
+            sandbox = await backend.create(task, network=network)
+            result = await sandbox.exec("true", timeout_s=60)
+            times.append(time.perf_counter() - t0)
+            assert result.exit_code == 0, result
+            await sandbox.destroy()
+        return times
+
+    offline = await ready_times(backend, network=False)
+    unlimited_backend = DockerBackend(base_url=url, limits=DockerLimits(disk=None))
+    await unlimited_backend.start()
+    unlimited = await ready_times(unlimited_backend, network=True)
+    await unlimited_backend.close()
 
     t = time.perf_counter()
     group = await asyncio.gather(*(backend.create(task) for _ in range(8)))
@@ -111,6 +121,7 @@ async def measure(url: str, repo: Path, iterations: int, one_time: dict[str, flo
             ("create()", create),
             ("create() to ready (first exec answered)", ready),
             ("create() to ready, `network=False` (grading)", offline),
+            ("create() to ready, `disk=None` (no disk limit, no copy)", unlimited),
             ("first `git status` in the sandbox", status),
             ("destroy()", destroy),
         )

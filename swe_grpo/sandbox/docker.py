@@ -39,14 +39,15 @@ tmpfs volumes (Docker's `local` driver: the engine mounts them, so `put_archive`
 user's home (plus Docker's own 64 MiB /dev/shm); beyond one, writes fail with ENOSPC. The repository is
 copied into /testbed by the sandbox's first exec, `cp -a` from a hard-linked twin of /testbed that every
 prepared image holds at `TWIN` (Docker's own copy of an image directory into a new volume fills a tmpfs
-it then drops); a repository bigger than `disk` fails `create()`. Git's `core.checkStat=minimal` (and
-`trustCtime=false`) in the container's environment keeps the prepared index valid for the copy (same
-sizes and mtimes, new inodes and ctimes), so the first git command does not re-read the tree. All the
-sandbox's files, the copy included, are RAM charged to its memory limit: one path never exceeds `disk`,
-and all of them never exceed `memory`; keep `disk` well below `memory`. The cost: each sandbox holds its
-own copy of the repository in RAM (`benchmarks/p3_sandbox_docker.py`). With `uid=None` (the image's own
-user) the home directory is not writable. `disk=None`: no disk limit, a copy-on-write writable layer
-that can fill the engine's data root.
+it then drops), .git included, so that nothing the agent does in /testbed reaches the image's copy; a
+repository bigger than `disk` fails `create()`. Git's `core.checkStat=minimal` (and `trustCtime=false`)
+in the container's environment keeps the prepared index valid for the copy (same sizes and mtimes, new
+inodes and ctimes), so the first git command does not re-read the tree. All the sandbox's files, the copy
+included, are RAM charged to its memory limit: one path never exceeds `disk`, and all of them never exceed
+`memory`; keep `disk` well below `memory`. The cost: each sandbox holds its own copy of the repository in
+RAM, made as it starts (98 MB of tree and 55 MB of .git: 1-1.5 s on the 2-core test box at load ~20;
+`benchmarks/p3_sandbox_docker.py`). With `uid=None` (the image's own user) the home directory is not
+writable. `disk=None`: no disk limit, a copy-on-write writable layer that can fill the engine's data root.
 Why not `--storage-opt size` (the writable layer's quota): Docker refuses it on overlay2 over ext4 (the
 common default, and this project's test engine), needs an xfs data root mounted with `pquota` (this
 project's CI kernel has no XFS quota), and on btrfs counts the image's shared data against the limit,
