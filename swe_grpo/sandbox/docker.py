@@ -52,11 +52,12 @@ Why not `--storage-opt size` (the writable layer's quota): Docker refuses it on 
 common default, and this project's test engine), needs an xfs data root mounted with `pquota` (this
 project's CI kernel has no XFS quota), and on btrfs counts the image's shared data against the limit,
 fails writes with EDQUOT and is invisible to statfs, so a full layer cannot even be told.
-`exhausted()`: "pids" and "memory" from the container's cgroup counters on the host (memory `oom_kill`,
-pids `max`; see `_common`) when the engine runs here, Docker's `OOMKilled` with a remote one (which cannot
-tell "pids"); "disk" when one of the tmpfs mounts is found full (of blocks or inodes), asked from inside
-(`stat -f`) after an exec or when asked (a command that fills it and deletes its files before returning
-goes unseen, and harmed no other sandbox).
+`exhausted()`: "memory" and "pids" from the container's cgroup counters (memory `oom_kill`, pids `max`;
+see `_common`): on the host when the engine runs here (readable even while the pids limit is held), else
+from inside the container by one exec (which the pids limit refuses while it is held: then it tells once
+those processes are gone); "disk" when one of the tmpfs mounts is found full (of blocks or inodes), asked
+from inside by that exec when asked (a command that fills it and deletes its files before returning goes
+unseen, and harmed no other sandbox).
 
 Remote engines (`DOCKER_HOST` or `base_url` other than a unix socket: `tcp://`, `ssh://`). Everything the
 backend does goes through the engine's API: task repositories from host paths are exported here and
