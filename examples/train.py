@@ -36,6 +36,7 @@ class SWEArguments:
     split: str = field(default="train", metadata={"help": "Dataset split (Hub datasets)."})
     instance_ids: list[str] | None = field(default=None, metadata={"help": "Train on these tasks only."})
     sandbox: str = field(default="local", metadata={"help": "Sandbox backend: local, docker or hf."})
+    agent: str = field(default="pi", metadata={"help": "Coding-agent harness: pi or mini-swe-agent."})
     served_model_name: str | None = field(
         default=None, metadata={"help": "Name vLLM serves the base model under (default: model_name_or_path)."}
     )
@@ -90,6 +91,7 @@ def worker_config(swe: SWEArguments, args: AsyncGRPOConfig) -> WorkerConfig:
         drop_zero_variance_groups=swe.drop_zero_variance_groups,
         door=swe.door,
         allow=tuple(swe.allow),
+        agent=swe.agent,
     )
 
 

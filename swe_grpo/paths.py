@@ -1,4 +1,4 @@
-"""Where swe_grpo keeps things on the host: built artefacts (cache) and the Pi bundle."""
+"""Where swe_grpo keeps things on the host: built artefacts (cache) and the agents' bundles."""
 
 from __future__ import annotations
 
@@ -18,3 +18,9 @@ def pi_bundle_dir(version: str | None = None) -> Path:
     else `.deps/pi` in this checkout; another supported `version`: `pi-VERSION` beside it."""
     default = Path(os.environ.get("SWE_GRPO_PI_DIR", _CHECKOUT / ".deps" / "pi"))
     return default if version is None else default.with_name(f"pi-{version}")
+
+
+def mini_swe_agent_dir() -> Path:
+    """The mini-swe-agent bundle (a portable Python + mini-swe-agent, and a Node for the door) made by
+    `scripts/setup.sh`: `$SWE_GRPO_MINI_DIR`, else `.deps/mini-swe-agent` in this checkout."""
+    return Path(os.environ.get("SWE_GRPO_MINI_DIR", _CHECKOUT / ".deps" / "mini-swe-agent"))

@@ -1,13 +1,13 @@
-"""One rollout, start to finish: sandbox -> interception session -> Pi -> diff -> fresh-sandbox grade.
+"""One rollout, start to finish: sandbox -> interception session -> agent -> diff -> fresh-sandbox grade.
 
-Everything a rollout creates (its sandbox, its interception session, Pi's process tree) is released
+Everything a rollout creates (its sandbox, its interception session, the agent's process tree) is released
 however it ends, cancellation included. The result is a `Trajectory`: the training rows and per-turn
 records from the TokenChain, the reward, and an outcome with its provenance:
 
     resolved / unresolved / patch_apply_failed   graded; reward 1.0 / 0.0 / 0.0
     context_overflow   the conversation outgrew the model's context      reward None
-    timeout            Pi hit its wall-clock limit or stalled, or grading timed out without a verdict
-    infra_error        vLLM unreachable or unusable, a sandbox failure, Pi crashing before any turn
+    timeout            the agent hit its wall-clock limit or stalled, or grading timed out without a verdict
+    infra_error        vLLM unreachable or unusable, a sandbox failure, the agent crashing before any turn
     resource_exhausted the agent ran its own sandbox out of memory, processes or disk,   reward 0.0
                        or its patch's code ran the grading sandbox out (`swe_grpo.grading`)
     patch_too_large    the agent's patch is over `RolloutConfig.max_patch_bytes`         reward 0.0
@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from swe_grpo.agents.pi import PiBundle, PiConfig, PiResult, run_pi
+from swe_grpo.agents.base import Agent, AgentConfig, AgentResult
 from swe_grpo.chain import Message, TrainingRow, TurnRecord, oldest_version
 from swe_grpo.door import Door, check_allow
 from swe_grpo.grading import DEFAULT_TIMEOUT_S, GradeResult, grade
@@ -67,7 +67,7 @@ class Trajectory:
     malformed_tool_calls: int = 0
     patch: str = ""
     grade: GradeResult | None = None
-    pi: PiResult | None = None
+    agent: AgentResult | None = None
     error: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -115,14 +115,14 @@ class Trajectory:
             "request_errors": [asdict(e) for e in self.request_errors],
             "patch": self.patch,
             "grade": asdict(self.grade) if self.grade else None,
-            "pi": asdict(self.pi) if self.pi else None,
+            "agent": asdict(self.agent) if self.agent else None,
             "timings": self.timings,
         }
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    pi: PiConfig
+    agent: AgentConfig
     grade_timeout_s: float = DEFAULT_TIMEOUT_S
     plugin_autoload: bool = True  # pytest plugin autoload when grading; a task's own setting wins
     max_patch_bytes: int = MAX_PATCH_BYTES
@@ -137,7 +137,7 @@ class RolloutConfig:
         check_allow(self.allow, self.door)
 
 
-def _agent_outcome(pi: PiResult, errors: list[RequestError], turns: int) -> tuple[str, str] | None:
+def _agent_outcome(agent: AgentResult, errors: list[RequestError], turns: int) -> tuple[str, str] | None:
     """The outcome decided before grading, if the agent's run already settles it."""
     kinds = [e.kind for e in errors]
     if "context_overflow" in kinds:
@@ -145,14 +145,14 @@ def _agent_outcome(pi: PiResult, errors: list[RequestError], turns: int) -> tupl
     infra = [e for e in errors if e.kind in _INFRA_REQUEST_ERRORS]
     if infra:
         return "infra_error", f"generation failed: {infra[-1].kind}: {infra[-1].message}"
-    if pi.stalled:
+    if agent.stalled:
         return "timeout", "agent stalled: no model request within the stall limit"
-    if pi.timed_out:
+    if agent.timed_out:
         return "timeout", "agent hit its wall-clock limit"
-    if pi.exit_code not in (0, 1):  # Pi exits 1 when its last turn failed; anything else is a crash or a kill
-        return "infra_error", f"agent died (exit {pi.exit_code}): {pi.stderr_tail[-500:]}"
+    if agent.exit_code not in (0, 1):  # 1: the agent's last turn failed; anything else is a crash or a kill
+        return "infra_error", f"agent died (exit {agent.exit_code}): {agent.stderr_tail[-500:]}"
     if turns == 0:
-        return "infra_error", f"agent made no model request (exit {pi.exit_code}): {pi.stderr_tail[-500:]}"
+        return "infra_error", f"agent made no model request (exit {agent.exit_code}): {agent.stderr_tail[-500:]}"
     return None
 
 
@@ -160,19 +160,19 @@ async def run_rollout(
     task: Task,
     server: InterceptionServer,
     backend: SandboxBackend,
-    bundle: PiBundle,
+    agent: Agent,
     config: RolloutConfig,
     rollout_id: str | None = None,
     on_grading: Callable[[Trajectory], None] | None = None,
 ) -> Trajectory:
-    """Run Pi on `task` in a sandbox, grade its diff in a fresh one, and return the Trajectory.
+    """Run `agent` on `task` in a sandbox, grade its diff in a fresh one, and return the Trajectory.
     `on_grading` is called as grading starts, with the trajectory so far (its rows are final): the
     worker's hook to track, and cancel as stale, rollouts whose agent session is already closed."""
     rollout_id = rollout_id or f"{task.instance_id.replace('/', '_')[:64]}-{uuid.uuid4().hex[:12]}"
     timings: dict[str, float] = {}
     start = time.monotonic()
     endpoint = server.open_rollout(rollout_id)
-    pi: PiResult | None = None
+    ran: AgentResult | None = None
     patch, error, exhausted = "", None, None
     unpatchable: PatchError | None = None
     door: Door | None = None
@@ -182,20 +182,19 @@ async def run_rollout(
             door = await server.open_door(rollout_id)
             door = replace(door, allow=config.allow)
             proxy = await door.serve_allowlist() if door.allow else None
-        mounts = [bundle.mount(), *([door.mount()] if door else [])]
+        mounts = [agent.mount(), *([door.mount()] if door else [])]
         sandbox = await backend.create(task, mounts=mounts, network=door is None)
         timings["sandbox_create"] = time.monotonic() - start
         try:
-            pi = await run_pi(
+            ran = await agent.run(
                 sandbox,
-                bundle,
                 endpoint,
                 task.problem_statement,
-                config.pi,
+                config.agent,
                 lambda: server.last_activity(rollout_id),
                 door=door,
             )
-            timings["agent"] = pi.wall_s
+            timings["agent"] = ran.wall_s
             exhausted = await sandbox.exhausted()
             if exhausted is None:
                 try:
@@ -225,11 +224,11 @@ async def run_rollout(
         request_errors=record.errors,
         malformed_tool_calls=record.malformed_tool_calls,
         patch=patch,
-        pi=pi,
+        agent=ran,
         error=error,
         timings=timings,
     )
-    decided = _agent_outcome(pi, record.errors, len(record.turns)) if pi and not error else None
+    decided = _agent_outcome(ran, record.errors, len(record.turns)) if ran and not error else None
     if exhausted and not error:
         trajectory.outcome, trajectory.reward = "resource_exhausted", 0.0
         trajectory.error = f"the agent ran its sandbox out of {exhausted} (the sandbox's {exhausted} limit)"
@@ -237,7 +236,7 @@ async def run_rollout(
         trajectory.outcome, trajectory.error = decided
     elif unpatchable is not None and not error:
         trajectory.outcome, trajectory.reward, trajectory.error = unpatchable.outcome, 0.0, str(unpatchable)
-    elif not error:  # a sandbox failure at any point (even after Pi ran) is infra_error, never a graded 0
+    elif not error:  # a sandbox failure at any point (even after the agent ran) is infra_error, never a graded 0
         if on_grading is not None:
             on_grading(trajectory)
         result = await grade(

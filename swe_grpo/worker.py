@@ -93,7 +93,7 @@ from transformers import PreTrainedTokenizerBase
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 from urllib3.util.retry import Retry
 
-from swe_grpo.agents.pi import PiBundle, PiConfig
+from swe_grpo.agents import AGENTS, Agent, AgentConfig, make_agent
 from swe_grpo.grading import DEFAULT_TIMEOUT_S
 from swe_grpo.interception import InterceptionServer, Policy
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
@@ -159,12 +159,15 @@ class WorkerConfig:
     seed: int = 0  # task order: shuffled every pass over the tasks
     queue_maxsize: int = 0  # launch no new group while this many samples wait for the trainer (0: no limit)
     log_traces: bool = False  # one group's agent conversations per policy version to the trainer's trackio run
+    agent: str = "pi"  # the harness (swe_grpo.agents.AGENTS) when the worker is not given an Agent
 
     def __post_init__(self) -> None:
         if self.num_generations < 2:
             raise ValueError("num_generations must be at least 2: advantages are relative to the group")
         if self.max_concurrent_rollouts < 1 or self.max_staleness < 0:
             raise ValueError("max_concurrent_rollouts must be >= 1 and max_staleness >= 0")
+        if self.agent not in AGENTS:
+            raise ValueError(f"unknown agent {self.agent!r}: choose one of {', '.join(AGENTS)}")
 
     @property
     def rollout_limit_s(self) -> float:
@@ -246,7 +249,7 @@ class SWERolloutWorker:
         model: str,
         sandbox: str | SandboxBackend = "local",
         config: WorkerConfig | None = None,
-        pi_bundle: PiBundle | None = None,
+        agent: Agent | None = None,
         vllm_api_key: str | None = None,
     ):
         rows = list(tasks)
@@ -258,7 +261,7 @@ class SWERolloutWorker:
         self.model = model
         self.backend = make_backend(sandbox) if isinstance(sandbox, str) else sandbox
         self.config = config or WorkerConfig()
-        self.bundle = pi_bundle or PiBundle.default()
+        self.agent = agent or make_agent(self.config.agent)
         self._api_key = vllm_api_key
         self.rollout_buffer: queue.Queue[RolloutSample] = queue.Queue()
         self.metrics_queue: queue.Queue[dict[str, float | tuple[float, float]]] = queue.Queue()
@@ -403,14 +406,14 @@ class SWERolloutWorker:
             public_base_url=c.public_base_url,
             policy=lambda: self._policy,
         )
-        pi = PiConfig(
+        agent_config = AgentConfig(
             context_window=client.max_model_len,
             max_tokens=c.max_tokens,
             timeout_s=c.agent_timeout_s,
             stall_timeout_s=c.stall_timeout_s,
         )
         rollout_config = RolloutConfig(
-            pi=pi,
+            agent=agent_config,
             grade_timeout_s=c.grade_timeout_s,
             plugin_autoload=c.plugin_autoload,
             max_patch_bytes=c.max_patch_bytes,
@@ -597,7 +600,7 @@ class SWERolloutWorker:
         try:
             async with deadline:
                 return await run_rollout(
-                    task, self._server, self.backend, self.bundle, config, rollout_id, on_grading=self._on_grading
+                    task, self._server, self.backend, self.agent, config, rollout_id, on_grading=self._on_grading
                 )
         except asyncio.CancelledError:
             if rollout_id in self._stale and not self._stop.is_set():  # type: ignore[union-attr]

@@ -27,7 +27,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from swe_grpo.agents.pi import PiBundle, PiConfig, PiResult, run_pi
+from swe_grpo.agents.base import AgentConfig, AgentResult
+from swe_grpo.agents.pi import PiBundle, run_pi
 from swe_grpo.chain import TrainingTemplate
 from swe_grpo.demo.warm_start import CapturedRequests, ScriptedGenerator, recording_hop
 from swe_grpo.interception import InterceptionServer, RolloutRecord
@@ -146,7 +147,7 @@ def scripted_output(template: TrainingTemplate, message: dict[str, Any]) -> list
 
 @dataclass
 class PiRun:
-    result: PiResult
+    result: AgentResult
     record: RolloutRecord
     captured: CapturedRequests
     token: str
@@ -166,7 +167,7 @@ async def run_scripted_pi(
     commands run in the sandbox once Pi has exited (with the rollout's token in `$TOKEN`)."""
     template = TrainingTemplate(tokenizer)
     generator = ScriptedGenerator([scripted_output(template, reply) for reply in replies])
-    config = PiConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=120, stall_timeout_s=60)
+    config = AgentConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=120, stall_timeout_s=60)
     async with InterceptionServer(generator, tokenizer) as server, recording_hop(server.public_base_url) as hop:
         endpoint = server.open_rollout()
         try:

@@ -23,6 +23,7 @@ from test_examples import load_train_module, parse
 from test_pi_integration import RecordingClient
 from test_rollout import STRUTIL, edit_call, tool_call
 
+from swe_grpo.agents.pi import PiAgent
 from swe_grpo.cli import parse_args, rollout_config
 from swe_grpo.door import PROXY_PORT
 from swe_grpo.interception import InterceptionServer
@@ -83,11 +84,11 @@ def test_a_malformed_allowlist_is_refused_by_train_py(train: ModuleType, flags: 
 
 
 def test_a_rollout_config_checks_its_allowlist() -> None:
-    pi = rollout_config(parse_args(ROLLOUT), 8192).pi
+    agent = rollout_config(parse_args(ROLLOUT), 8192).agent
     with pytest.raises(ValueError, match="host:port"):
-        RolloutConfig(pi=pi, allow=("pypi.org",))
+        RolloutConfig(agent=agent, allow=("pypi.org",))
     with pytest.raises(ValueError, match="door, which is off"):
-        RolloutConfig(pi=pi, door=False, allow=("pypi.org:443",))
+        RolloutConfig(agent=agent, door=False, allow=("pypi.org:443",))
 
 
 # --- in real rollouts -----------------------------------------------------------------------------------
@@ -122,7 +123,7 @@ async def cli_rollout(
             client, tokenizer, model_name=SERVED_NAME, sampling=SamplingParams(max_tokens=args.max_tokens)
         )
         async with server:
-            trajectory = await run_rollout(STRUTIL_TASK, server, backend, pi_bundle, config)
+            trajectory = await run_rollout(STRUTIL_TASK, server, backend, PiAgent(pi_bundle), config)
     assert server.open_rollouts == 0
     assert len(client.exchanges) >= len(guided), trajectory.error
     return trajectory

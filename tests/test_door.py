@@ -22,7 +22,8 @@ import pytest
 from conftest import SERVED_NAME
 from sandbox_helpers import calc_task, make_repo
 
-from swe_grpo.agents.pi import NODE_PATH, PI_MOUNT, PiBundle, PiConfig, run_pi
+from swe_grpo.agents.base import AgentConfig
+from swe_grpo.agents.pi import NODE_PATH, PI_MOUNT, PiBundle, run_pi
 from swe_grpo.door import DOOR_PORT, PROXY_PORT, Door
 from swe_grpo.interception import InterceptionServer
 from swe_grpo.sandbox.base import Sandbox, SandboxBackend
@@ -139,7 +140,7 @@ async def test_pi_through_the_door(vllm_server, vllm_client, tokenizer, pi_bundl
             async with await local_backend.create(
                 task, mounts=[pi_bundle.mount(), door.mount()], network=False
             ) as sandbox:
-                config = PiConfig(context_window=vllm_client.max_model_len, max_tokens=64, timeout_s=180)
+                config = AgentConfig(context_window=vllm_client.max_model_len, max_tokens=64, timeout_s=180)
                 activity = lambda: server.last_activity(endpoint.rollout_id)  # noqa: E731
                 result = await run_pi(sandbox, pi_bundle, endpoint, "Fix calc.py.", config, activity, door=door)
         finally:

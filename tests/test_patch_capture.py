@@ -23,7 +23,8 @@ from conftest import SERVED_NAME
 from sandbox_helpers import git
 from test_pi_integration import RecordingClient
 
-from swe_grpo.agents.pi import PiConfig
+from swe_grpo.agents.base import AgentConfig
+from swe_grpo.agents.pi import PiAgent
 from swe_grpo.grading import grade
 from swe_grpo.interception import InterceptionServer
 from swe_grpo.rollout import RolloutConfig, run_rollout
@@ -344,8 +345,9 @@ async def test_a_rollout_over_the_patch_limit_ends_patch_too_large(
     backend = LocalBackend(cache_dir=tmp_path / "checkouts", run_dir=run_dir)
     sampling = SamplingParams(max_tokens=256)
     async with client, InterceptionServer(client, tokenizer, model_name=SERVED_NAME, sampling=sampling) as server:
-        pi = PiConfig(context_window=client.max_model_len, max_tokens=256, timeout_s=120)
-        trajectory = await run_rollout(task, server, backend, pi_bundle, RolloutConfig(pi=pi, max_patch_bytes=100_000))
+        agent = AgentConfig(context_window=client.max_model_len, max_tokens=256, timeout_s=120)
+        config = RolloutConfig(agent=agent, max_patch_bytes=100_000)
+        trajectory = await run_rollout(task, server, backend, PiAgent(pi_bundle), config)
     assert (trajectory.outcome, trajectory.reward, trajectory.grade, trajectory.patch) == (
         "patch_too_large",
         0.0,

@@ -20,7 +20,8 @@ import pytest
 from conftest import SERVED_NAME
 from pi_shapes import make_repo
 
-from swe_grpo.agents.pi import SUPPORTED_PI_VERSIONS, PiBundle, PiConfig, PiResult, run_pi
+from swe_grpo.agents.base import AgentConfig, AgentResult
+from swe_grpo.agents.pi import SUPPORTED_PI_VERSIONS, PiBundle, run_pi
 from swe_grpo.interception import InterceptionServer, RolloutRecord
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.vllm_client import SamplingParams, VLLMClient
@@ -73,7 +74,7 @@ class RecordingClient(VLLMClient):
 
 async def run_session(
     client: RecordingClient, tokenizer, pi_bundle: PiBundle, tmp_path: Path, max_tokens: int = 96
-) -> tuple[PiResult, RolloutRecord, str]:
+) -> tuple[AgentResult, RolloutRecord, str]:
     """Pi in a fresh sandbox; returns its result, the rollout record and calc.py as Pi left it."""
     sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens)
     task = make_repo(tmp_path)
@@ -81,7 +82,7 @@ async def run_session(
     async with InterceptionServer(client, tokenizer, model_name=SERVED_NAME, sampling=sampling) as server:
         endpoint = server.open_rollout()
         async with await backend.create(task, mounts=[pi_bundle.mount()]) as sandbox:
-            config = PiConfig(context_window=client.max_model_len, max_tokens=max_tokens, timeout_s=180)
+            config = AgentConfig(context_window=client.max_model_len, max_tokens=max_tokens, timeout_s=180)
             result = await run_pi(
                 sandbox,
                 pi_bundle,

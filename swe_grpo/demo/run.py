@@ -80,7 +80,7 @@ def run_demo(config: DemoConfig, on_log: Callable[[int, dict[str, Any]], None] |
     from peft import LoraConfig
     from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
 
-    from swe_grpo.agents.pi import DEMO_PI_VERSION, PiBundle
+    from swe_grpo.agents.pi import DEMO_PI_VERSION, PiAgent, PiBundle
     from swe_grpo.cpu import use_cpu_fallbacks
     from swe_grpo.demo.warm_start import build_warm_policy
     from swe_grpo.sandbox import make_backend
@@ -159,7 +159,7 @@ def run_demo(config: DemoConfig, on_log: Callable[[int, dict[str, Any]], None] |
                     agent_timeout_s=300,
                     stall_timeout_s=120,
                 ),
-                pi_bundle=PiBundle.installed(DEMO_PI_VERSION),  # the Pi whose requests the warm policy learned
+                agent=PiAgent(PiBundle.installed(DEMO_PI_VERSION)),  # the Pi whose requests the warm policy learned
             )
             lora = LoraConfig(
                 r=config.lora_rank,

@@ -202,7 +202,8 @@ async def _capture_one(
 ) -> tuple[list[dict[str, Any]], str]:
     """Run Pi on `task` with the first turn scripted to `candidate` and the second to the closing
     message; grade its diff. Returns Pi's chat requests and the grading outcome."""
-    from swe_grpo.agents.pi import PiConfig, run_pi
+    from swe_grpo.agents.base import AgentConfig
+    from swe_grpo.agents.pi import run_pi
     from swe_grpo.grading import grade
     from swe_grpo.interception import InterceptionServer
 
@@ -210,7 +211,7 @@ async def _capture_one(
     generator = ScriptedGenerator(
         [completion_ids(template, action_message(candidate.command)), completion_ids(template, CLOSING_MESSAGE)]
     )
-    config = PiConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=120, stall_timeout_s=60)
+    config = AgentConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=120, stall_timeout_s=60)
     async with InterceptionServer(generator, tokenizer) as server, recording_hop(server.public_base_url) as hop:
         endpoint = server.open_rollout()
         try:

@@ -1,0 +1,142 @@
+"""The agent seam: what a harness (Pi, mini-swe-agent, ...) needs from a rollout and what it reports.
+
+An `Agent` is a coding-agent CLI installed once on the host (its bundle, mounted read-only into every agent
+sandbox at a path of its own: nothing is installed inside a sandbox) that talks to one OpenAI-compatible
+endpoint, the rollout's interception endpoint, with the rollout's secret. `run_agent` is the one place that
+runs such a CLI: it writes the agent's per-rollout files into the sandbox's private /tmp, passes the
+secret only through the environment (never argv or a file), puts the process behind the sandbox's door,
+and ends it on exit, on the wall-clock limit or when it stalls. A harness only says how to configure and
+start its CLI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from swe_grpo.door import Door
+from swe_grpo.interception import RolloutEndpoint
+from swe_grpo.sandbox.base import Mount, Sandbox
+
+#: How much of an agent's stdout and stderr an `AgentResult` keeps (the end).
+TAIL_CHARS = 4000
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Limits of one agent run. `context_window` / `max_tokens`: what the agent is told about the model;
+    `timeout_s`: wall-clock limit; `stall_timeout_s`: how long the agent may go without a model request
+    being made or served; `max_retries`: how often it retries a failed model request."""
+
+    context_window: int
+    max_tokens: int
+    timeout_s: float = 1800.0
+    stall_timeout_s: float = 300.0
+    max_retries: int = 2
+
+
+@dataclass(frozen=True)
+class AgentResult:
+    """How an agent run ended."""
+
+    exit_code: int | None  # None when the agent was killed (wall-clock limit or stall)
+    timed_out: bool
+    stalled: bool
+    wall_s: float
+    stdout_tail: str
+    stderr_tail: str
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a harness runs for one rollout: `argv` inside the sandbox (its first element is a binary in
+    the agent's bundle), `env` with no secret in it, `files` to write first (absolute sandbox paths under
+    /tmp, no secret in them), and `secret_env`: the environment variable the agent reads its key from."""
+
+    argv: list[str]
+    env: Mapping[str, str]
+    files: Mapping[str, bytes]
+    secret_env: str
+    # The Node binary inside the sandbox that runs the door's forwarder (`swe_grpo.door`).
+    node: str
+
+
+class Agent(Protocol):
+    """A coding-agent harness. Guarantees of `run`: the agent works in `sandbox.workdir` on
+    `problem_statement`, reaches nothing but `endpoint` (through `door` when given), holds the rollout's
+    token only in its environment, cannot be configured by the repository it works on, and its whole
+    process tree is gone when `run` returns or is cancelled."""
+
+    name: str
+
+    def mount(self) -> Mount:
+        """The agent's host install, mounted read-only into every agent sandbox."""
+        ...
+
+    async def run(
+        self,
+        sandbox: Sandbox,
+        endpoint: RolloutEndpoint,
+        problem_statement: str,
+        config: AgentConfig,
+        last_activity: Callable[[], float],
+        door: Door | None = None,
+    ) -> AgentResult:
+        """Run the agent on the task until it exits, `config.timeout_s` passes, or `last_activity()` (a
+        `time.monotonic()` stamp of the rollout's latest intercepted request) is older than
+        `config.stall_timeout_s`."""
+        ...
+
+
+async def run_agent(
+    sandbox: Sandbox,
+    launch: Launch,
+    token: str,
+    config: AgentConfig,
+    last_activity: Callable[[], float],
+    door: Door | None = None,
+) -> AgentResult:
+    """Run `launch` in `sandbox` (which mounts the agent's bundle, and `door.mount()` with a door) with
+    `token` in its environment as `launch.secret_env`, under the wall-clock limit and the stall watchdog.
+    The agent's process tree is killed on every path out, cancellation included."""
+    for path, data in launch.files.items():
+        await sandbox.put_file(path, data)
+    argv = door.wrap(launch.node, launch.argv) if door is not None else launch.argv
+    env = {**launch.env, launch.secret_env: token}
+    start = time.monotonic()
+    run = asyncio.create_task(sandbox.exec(argv, timeout_s=config.timeout_s, env=env, cwd=sandbox.workdir))
+    stalled = False
+    try:
+        while not run.done():
+            await asyncio.wait({run}, timeout=min(5.0, config.stall_timeout_s / 4))
+            if not run.done() and time.monotonic() - max(start, last_activity()) > config.stall_timeout_s:
+                stalled = True
+                run.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await run
+    finally:
+        if not run.done():  # we were cancelled: the sandbox kills the agent's process tree
+            run.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await run
+    wall_s = time.monotonic() - start
+    if stalled:
+        return AgentResult(None, False, True, wall_s, "", "")
+    result = run.result()
+    return AgentResult(
+        exit_code=result.exit_code,
+        timed_out=result.timed_out,
+        stalled=False,
+        wall_s=wall_s,
+        stdout_tail=result.stdout[-TAIL_CHARS:],
+        stderr_tail=result.stderr[-TAIL_CHARS:],
+    )
+
+
+def behind_door(endpoint: RolloutEndpoint, door: Door | None) -> RolloutEndpoint:
+    """The endpoint as the agent sees it: through the door's forwarder when there is one."""
+    return endpoint if door is None else replace(endpoint, base_url=door.base_url)
