@@ -74,7 +74,8 @@ async def test_a_guided_fix_is_graded_resolved(vllm_server, tokenizer, mini, bac
     assert [t.kind for t in trajectory.turns] == ["clean", "clean"] and len(trajectory.rows) == 1
     assert_rows_are_exactly_what_vllm_saw(trajectory, client.exchanges)
     assert trajectory.messages[0] == {"role": "system", "content": MINI_SYSTEM}
-    assert trajectory.messages[-1]["role"] == "tool"  # the fix's result went back to the model
+    fixed = trajectory.messages[3]  # the fix's result, as mini's observation template sent it to the model
+    assert fixed["role"] == "tool" and '"returncode": 0' in fixed["content"]
     assert_nothing_left(backend, server)
 
 
