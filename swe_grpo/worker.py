@@ -59,13 +59,17 @@ What it guarantees:
   (`rollout/stale_cancelled_total`) or by `stop()` (`rollout/stop_cancelled_total`); `stop()` cancels
   everything and leaves no sandbox, process or mount behind.
 
-Process model: one asyncio event loop in a daemon thread of the trainer's process. Everything the
-worker does is I/O (the InterceptionServer, vLLM requests, Pi and sandbox subprocesses, grading), and
-the trainer's forward/backward releases the GIL inside torch, so a thread costs the trainer little
-while sharing the tokenizer and plain `queue.Queue`s with it, and an exception keeps its traceback.
-TRL's default worker is a child process because it scores completions with reward models; ours
-scores in sandboxes. The loop's CPU (~6 ms per intercepted request, see the README's P2 benchmark)
-is the limit at very high request rates; past it, run several workers' servers in other processes.
+Process model: the trainer's process only trains. With `WorkerConfig.rollout_hosts = N` (default 1) the
+worker the trainer holds spawns N rollout hosts (swe_grpo/rollout_hosts.py), child processes that each run
+this same engine (its own InterceptionServer, Pi, sandboxes, grading) on a share of
+`max_concurrent_rollouts`; the trainer's side only moves groups of samples, metrics, traces and log
+records out of them and the policy into them, asks each for its health and stops them. Every guarantee
+above holds across that boundary (rollout_hosts.py says how), and a host stops its engine when the
+trainer dies, even by SIGKILL. In one process, the InterceptionServer, Pi's traffic and grading would
+share the GIL with the training loop, and one event loop tops out at ~170 requests/s. A host is spawned,
+not forked, so a script that builds the worker needs the `if __name__ == "__main__":` guard, as with
+TRL's own worker; `host_setup` (picklable) runs first in each host. `rollout_hosts=0` runs the engine in
+a daemon thread of the trainer's process instead (the engine's own mode, which every host uses inside).
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -97,6 +101,7 @@ from swe_grpo.agents import AGENTS, Agent, AgentConfig, make_agent
 from swe_grpo.grading import DEFAULT_TIMEOUT_S
 from swe_grpo.interception import InterceptionServer, Policy
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
+from swe_grpo.rollout_hosts import EngineArgs, HostSpec, ProcessHost, RolloutHosts
 from swe_grpo.sandbox import make_backend
 from swe_grpo.sandbox.base import MAX_PATCH_BYTES, SandboxBackend
 from swe_grpo.tasks import Task, tasks_from_dataset
@@ -159,6 +164,7 @@ class WorkerConfig:
     seed: int = 0  # task order: shuffled every pass over the tasks
     queue_maxsize: int = 0  # launch no new group while this many samples wait for the trainer (0: no limit)
     log_traces: bool = False  # one group's agent conversations per policy version to the trainer's trackio run
+    rollout_hosts: int = 1  # 0: rollouts run in a thread of this process; N: in N child processes (rollout_hosts.py)
     agent: str = "pi"  # the harness (swe_grpo.agents.AGENTS) when the worker is not given an Agent
 
     def __post_init__(self) -> None:
@@ -166,6 +172,10 @@ class WorkerConfig:
             raise ValueError("num_generations must be at least 2: advantages are relative to the group")
         if self.max_concurrent_rollouts < 1 or self.max_staleness < 0:
             raise ValueError("max_concurrent_rollouts must be >= 1 and max_staleness >= 0")
+        if not 0 <= self.rollout_hosts <= self.max_concurrent_rollouts:
+            raise ValueError("rollout_hosts must be >= 0 and at most max_concurrent_rollouts (each host runs some)")
+        if self.rollout_hosts > 1 and (self.port or self.public_base_url):
+            raise ValueError("several rollout hosts bind a port each: leave port 0 and public_base_url unset")
         if self.agent not in AGENTS:
             raise ValueError(f"unknown agent {self.agent!r}: choose one of {', '.join(AGENTS)}")
 
@@ -216,6 +226,40 @@ class WorkerConfig:
         return cls(**{**shared, **overrides})
 
 
+class QueueOutlet:
+    """Where a rollout engine's output goes in the trainer's process: its `rollout_buffer` (a group at a
+    time) and `metrics_queue`, and its trackio run for traces. A rollout host has its own outlet, which
+    sends the same to the trainer's side, where this one delivers it."""
+
+    def __init__(
+        self, buffer: queue.Queue[RolloutSample], metrics: queue.Queue[dict[str, float | tuple[float, float]]]
+    ) -> None:
+        self.buffer = buffer
+        self.metrics = metrics
+
+    def put_group(self, samples: list[RolloutSample]) -> None:
+        now = time.time()
+        for sample in samples:
+            sample.enqueued_at = now
+            self.buffer.put(sample)
+
+    def put_metrics(self, metrics: dict[str, float | tuple[float, float]]) -> None:
+        self.metrics.put(metrics)
+
+    def put_traces(self, step: int, traces: list[Any]) -> None:
+        """Log agent traces to the trainer's trackio run; best effort: a failure is logged, never raised."""
+        import trackio
+
+        try:
+            trackio.log({"rollouts/agent": traces}, step=step)
+        except Exception as e:  # e.g. no trackio run: the trainer was not given report_to=trackio
+            log.warning("agent traces not logged: %s: %s", type(e).__name__, e)
+
+    def waiting(self) -> int:
+        """Samples waiting for the trainer."""
+        return self.buffer.qsize()
+
+
 @dataclass(frozen=True)
 class _Failing:
     """Generation has failed since `since` (`time.monotonic()`); `cause` is the latest reason."""
@@ -237,7 +281,10 @@ class SWERolloutWorker:
     `tasks`: `Task`s, or rows in SWE-Gym's shape (a `datasets.Dataset`, a list of dicts).
     `tokenizer`: the policy's tokenizer (its chat template becomes TRL's training template).
     `vllm_url`/`model`: the server and its base model's served name. `sandbox`: a backend name
-    (`local`, `docker`, `hf`) or a `SandboxBackend`.
+    (`local`, `docker`, `hf`) or a `SandboxBackend` (pickled into each rollout host: a backend built there
+    by name needs no pickling). `host_setup`: called first where the rollouts run (each rollout host, or
+    this process with `rollout_hosts=0`), e.g. to configure logging; a module-level function or a
+    `functools.partial` of one, since it is pickled into the hosts.
     """
 
     def __init__(
@@ -251,6 +298,7 @@ class SWERolloutWorker:
         config: WorkerConfig | None = None,
         agent: Agent | None = None,
         vllm_api_key: str | None = None,
+        host_setup: Callable[[], None] | None = None,
     ):
         rows = list(tasks)
         self.tasks = rows if all(isinstance(t, Task) for t in rows) else tasks_from_dataset(rows, source="tasks")
@@ -265,6 +313,11 @@ class SWERolloutWorker:
         self._api_key = vllm_api_key
         self.rollout_buffer: queue.Queue[RolloutSample] = queue.Queue()
         self.metrics_queue: queue.Queue[dict[str, float | tuple[float, float]]] = queue.Queue()
+        self.outlet: Any = QueueOutlet(self.rollout_buffer, self.metrics_queue)  # a rollout host sets its own
+        self.group_ids: Iterator[int] = itertools.count()  # a rollout host numbers its groups apart from the others'
+        self._sandbox = sandbox
+        self._host_setup = host_setup
+        self._hosts: RolloutHosts | None = None
 
         self._policy = Policy(0, None)
         self._thread: threading.Thread | None = None
@@ -286,9 +339,16 @@ class SWERolloutWorker:
     # ----------------------------------------------------------------- RolloutWorkerProtocol
 
     def start(self) -> None:
-        """Start the worker's thread; returns once its InterceptionServer is up (raises if it failed)."""
-        if self._thread is not None:
+        """Start the rollout hosts, or with `rollout_hosts=0` the worker's thread; returns once their
+        InterceptionServers are up (raises if one failed)."""
+        if self._thread is not None or self._hosts is not None:
             raise RuntimeError("worker already started")
+        if self.config.rollout_hosts:
+            self._hosts = RolloutHosts([ProcessHost(spec) for spec in self._host_specs()], self.outlet)
+            self._hosts.start()
+            return
+        if self._host_setup is not None:
+            self._host_setup()
         self._loop_tick = time.monotonic()
         context = contextvars.copy_context()  # carries the trainer's trackio run (a ContextVar) into the thread
         self._thread = threading.Thread(
@@ -301,6 +361,9 @@ class SWERolloutWorker:
 
     def stop(self, timeout_s: float = 120.0) -> None:
         """Cancel every rollout (aborting its generation, killing Pi and the sandbox) and shut down."""
+        if self._hosts is not None:
+            self._hosts.stop(timeout_s)
+            return
         thread, loop, stop = self._thread, self._loop, self._stop
         if thread is None or loop is None or stop is None:
             return
@@ -313,8 +376,17 @@ class SWERolloutWorker:
     def update_model_version(self, model_version: int) -> None:
         """Point generations at policy `model_version` (see the module docstring), then cancel the
         rollouts it leaves too stale to train on."""
-        self._policy = Policy(model_version, self._served_policy_model(model_version))
-        log.info("policy v%d: generations name %s", model_version, self._policy.model or self.model)
+        policy = Policy(model_version, self._served_policy_model(model_version))
+        if self._hosts is not None:
+            self._policy = policy
+            self._hosts.set_policy(policy)
+        else:
+            self.set_policy(policy)
+
+    def set_policy(self, policy: Policy) -> None:
+        """Generate with `policy` from now on; cancel the rollouts it leaves too stale to train on."""
+        self._policy = policy
+        log.info("policy v%d: generations name %s", policy.version, policy.model or self.model)
         if self._loop is not None and self._thread is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._cancel_stale)
 
@@ -322,7 +394,11 @@ class SWERolloutWorker:
         """Raise if the worker crashed (the cause chained) or exited, if its event loop has been blocked,
         generation has kept failing (with the latest cause) or nothing was in flight and nothing happened
         for `stale_after_s` seconds. A rollout in flight is progress at every stage: the worker bounds
-        each one itself (`WorkerConfig.rollout_limit_s`)."""
+        each one itself (`WorkerConfig.rollout_limit_s`). With rollout hosts: the same, asked of each host,
+        and raised with the host's exception chain; also if a host died (with how) or does not answer."""
+        if self._hosts is not None:
+            self._hosts.check_health(stale_after_s)
+            return
         if self._failure is not None:
             raise RolloutWorkerError(f"rollout worker crashed: {self._failure!r}") from self._failure
         if self._thread is None:
@@ -347,6 +423,24 @@ class SWERolloutWorker:
             raise RolloutWorkerError(
                 f"rollout worker made no progress for {idle:.0f}s (limit {stale_after_s:.0f}s) with nothing in flight"
             )
+
+    def _host_specs(self) -> list[HostSpec]:
+        engine = EngineArgs(
+            list(self.tasks),
+            self.tokenizer,
+            self.vllm_url,
+            self.model,
+            self._sandbox,
+            self.config,
+            self.agent,
+            self._api_key,
+        )
+        levels = {name: logging.getLogger(name).getEffectiveLevel() for name in ("", "swe_grpo")}
+        count = self.config.rollout_hosts
+        return [
+            HostSpec(share, self._policy, index, count, levels, self._host_setup)
+            for index, share in enumerate(engine.shares(count))
+        ]
 
     # ----------------------------------------------------------------- policy discovery
 
@@ -443,7 +537,6 @@ class SWERolloutWorker:
         TaskGroup, so an exception in the worker's own code stops the worker (and is what `check_health`
         re-raises). Rollouts never raise: whatever goes wrong inside one is its outcome."""
         slots = asyncio.Semaphore(self.config.max_concurrent_rollouts)
-        group_ids = itertools.count()
         try:
             async with asyncio.TaskGroup() as groups:
                 for task in self._task_stream():
@@ -453,7 +546,7 @@ class SWERolloutWorker:
                     if task.instance_id in self._skipped:  # found unrunnable while we waited
                         slots.release()
                         continue
-                    group = _Group(next(group_ids), task, [])
+                    group = _Group(next(self.group_ids), task, [])
                     for index in range(self.config.num_generations):
                         if index:
                             await slots.acquire()
@@ -561,10 +654,10 @@ class SWERolloutWorker:
         """Backpressure: while `queue_maxsize` samples already wait for the trainer, launch nothing.
         Rollouts the trainer would only drop as stale cost the CPU or GPU it needs itself."""
         limit = self.config.queue_maxsize
-        if not limit or self.rollout_buffer.qsize() < limit:
+        if not limit or self.outlet.waiting() < limit:
             return
         blocked = time.monotonic()
-        while self.rollout_buffer.qsize() >= limit:
+        while self.outlet.waiting() >= limit:
             self._last_progress = time.monotonic()  # waiting on the trainer is not a stall
             await asyncio.sleep(0.2)
         self._push_metrics({"rollout/backpressure_s": time.monotonic() - blocked})
@@ -627,6 +720,7 @@ class SWERolloutWorker:
         """A rollout starts grading, its tokens final: remember their version, and cancel it at once if
         they are already too stale to train on."""
         self._grading[trajectory.rollout_id] = trajectory.oldest_version
+        self._push_metrics({"rollout/grading_started_total": 1.0})
         self._cancel_if_stale(trajectory.rollout_id)
 
     def _cancel_stale(self) -> None:
@@ -666,10 +760,7 @@ class SWERolloutWorker:
         if reason:
             self._push_metrics({f"groups/dropped_{reason}_total": 1.0})
             return
-        now = time.time()
-        for sample in samples:
-            sample.enqueued_at = now
-            self.rollout_buffer.put(sample)
+        self.outlet.put_group(samples)
         self._push_metrics({"groups/pushed_total": 1.0, "groups/samples": float(len(samples))})
 
     def _advantages(self, trajectories: list[Trajectory]) -> tuple[dict[str, float], float]:
@@ -753,15 +844,12 @@ class SWERolloutWorker:
             )
             for t in trajectories
         ]
-        try:
-            trackio.log({"rollouts/agent": traces}, step=self._policy.version)
-        except Exception as e:  # e.g. no trackio run: the trainer was not given report_to=trackio
-            log.warning("agent traces not logged: %s: %s", type(e).__name__, e)
+        self.outlet.put_traces(self._policy.version, traces)
 
     # ----------------------------------------------------------------- metrics
 
     def _push_metrics(self, metrics: dict[str, float | tuple[float, float]]) -> None:
-        self.metrics_queue.put({**metrics, "rollout/in_flight": float(len(self._in_flight))})
+        self.outlet.put_metrics({**metrics, "rollout/in_flight": float(len(self._in_flight))})
 
     @staticmethod
     def _rollout_metrics(t: Trajectory) -> dict[str, float | tuple[float, float]]:

