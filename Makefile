@@ -4,8 +4,10 @@
 setup:
 	bash scripts/setup.sh
 
+# `SEED=1 make demo`: another seed; each seed's curve, result.json and adapter go to runs/demo/seedN/.
+SEED ?= 0
 demo: setup
-	.venv/bin/swe-grpo demo
+	.venv/bin/swe-grpo demo --seed $(SEED)
 
 test: setup
 	.venv/bin/ruff check swe_grpo tests benchmarks examples space_app

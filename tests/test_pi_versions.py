@@ -12,11 +12,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from pi_shapes import SHAPE_REPLIES, capture_shapes, make_repo, pinned_shapes, run_scripted_pi, tool_call
+from pi_shapes import SHAPE_REPLIES, capture_pi_run, capture_shapes, make_repo, pinned_shapes, tool_call
 
 from swe_grpo.agents.pi import (
+    COMPAT_PI_VERSION,
     DEFAULT_PI_VERSION,
-    DEMO_PI_VERSION,
     NODE_PATH,
     SUPPORTED_PI_VERSIONS,
     PiBundle,
@@ -51,7 +51,7 @@ def test_setup_and_image_install_the_supported_versions() -> None:
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     dockerfile = (ROOT / "space_app" / "Dockerfile").read_text()
     pinned = dict(re.findall(r"^(PI_VERSION|PI_COMPAT_VERSION)=(\S+)$", setup, re.MULTILINE))
-    assert pinned == {"PI_VERSION": DEFAULT_PI_VERSION, "PI_COMPAT_VERSION": DEMO_PI_VERSION}
+    assert pinned == {"PI_VERSION": DEFAULT_PI_VERSION, "PI_COMPAT_VERSION": COMPAT_PI_VERSION}
     assert f"ARG PI_VERSION={DEFAULT_PI_VERSION}\n" in dockerfile
 
 
@@ -96,7 +96,7 @@ async def test_pi_authenticates_and_the_token_stays_in_its_environment(
     argv = "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"
     replies = [{"role": "assistant", "content": "", "tool_calls": [tool_call("bash", command=argv)]}, SHAPE_REPLIES[1]]
     files = 'grep -rlsF -e "$TOKEN" /tmp /testbed "$HOME"; grep -rlsF -e printenv /tmp/swe_grpo'
-    run = await run_scripted_pi(bundle, tokenizer, backend, make_repo(tmp_path), replies, after=[files])
+    run = await capture_pi_run(bundle, tokenizer, backend, make_repo(tmp_path), replies, after=[files])
 
     assert run.result.exit_code == 0, run.result.stderr_tail
     assert [h["authorization"] for h, _ in run.captured.requests] == [f"Bearer {run.token}"] * 2
@@ -124,7 +124,7 @@ async def test_a_repository_cannot_configure_pi(bundle: PiBundle, tokenizer, bac
     print mode, until setup renamed its project config directory; 0.74+ ignores an untrusted project."""
     task = make_repo(tmp_path, HOSTILE_REPO)
     markers = "ls /tmp; ls -a /testbed/.pi"
-    run = await run_scripted_pi(bundle, tokenizer, backend, task, SHAPE_REPLIES, after=[markers])
+    run = await capture_pi_run(bundle, tokenizer, backend, task, SHAPE_REPLIES, after=[markers])
 
     assert run.result.exit_code == 0, run.result.stderr_tail
     sent = json.dumps([body for _, body in run.captured.requests])
@@ -141,7 +141,7 @@ async def test_a_repository_cannot_configure_pi(bundle: PiBundle, tokenizer, bac
 
 def test_a_0_73_bundle_that_reads_the_repository_config_is_named(tmp_path: Path, caplog) -> None:
     """A 0.73.1 bundle not installed by setup (its project config directory still `.pi`) is flagged."""
-    pi = PiBundle.installed(DEMO_PI_VERSION)
+    pi = PiBundle.installed(COMPAT_PI_VERSION)
     meta = json.loads((pi.root / pi.package / "package.json").read_text())
     assert meta["piConfig"]["configDir"] != ".pi"  # setup's install is hardened
     PiBundle.at(pi.root)

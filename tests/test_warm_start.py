@@ -1,14 +1,12 @@
-"""The warm-started tiny policy: its training tokens are what a rollout's TokenChain holds for Pi's real
-requests, the shared-prefix loss and the sampler are exact, the built policy acts as the CPU learning
-demo needs at temperature 1 (on any date), the build is cached, and, with the real Pi in real `local`
+"""The warm-started tiny policy: its training tokens are what a rollout's TokenChain holds for the default
+Pi's real requests, the shared-prefix loss and the sampler are exact, the built policy acts as the CPU
+learning demo needs at temperature 1, the build is cached, and, with the real Pi in real `local`
 sandboxes, the capture is still what Pi sends and the policy drives Pi to a graded end."""
 
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import json
-import re
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -18,9 +16,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from swe_grpo.agents.base import AgentConfig
-from swe_grpo.agents.pi import DEMO_PI_VERSION, PiAgent, PiBundle
+from swe_grpo.agents.pi import PiAgent
 from swe_grpo.demo.warm_start import (
     METADATA_FILE,
+    SHIPPED_DIR,
     EpisodeBuilder,
     WarmStartSpec,
     build_warm_policy,
@@ -30,7 +29,6 @@ from swe_grpo.demo.warm_start import (
     load_candidates,
     load_capture,
     sample,
-    with_date,
 )
 from swe_grpo.interception import InterceptionServer
 from swe_grpo.rollout import RolloutConfig, run_rollout
@@ -40,9 +38,6 @@ from swe_grpo.vllm_client import Generation, SamplingParams
 
 # A cold build of the policy takes minutes on a busy 2-core box (then it is cached).
 pytestmark = pytest.mark.timeout(1800)
-
-TODAY = dt.date.today()
-FAR = dt.date(2038, 3, 1)
 
 
 @pytest.fixture(scope="module")
@@ -70,22 +65,22 @@ def test_capture_covers_every_demo_task_and_candidate() -> None:
         assert [c["outcome"] for c in task["candidates"]] == ["resolved" if c.resolves else "unresolved" for c in mine]
 
 
-def test_replay_is_the_token_chain_and_only_the_date_varies(builder: EpisodeBuilder, tokenizer) -> None:
-    early, late = dt.date(2024, 1, 1), dt.date(2033, 6, 15)
-    first, second = builder.episodes(early), builder.episodes(late)
-    assert first == builder.replay(early) and second == builder.replay(late)
-    assert len(first) == 12
-    for a, b in zip(first, second, strict=True):
-        assert a.action_ids == b.action_ids and a.tool_ids == b.tool_ids and a.closing_ids == b.closing_ids
-        assert tokenizer.decode(a.prompt_ids).replace("2024-01-01", "2033-06-15") == tokenizer.decode(b.prompt_ids)
-        assert a.action_ids[-1] == a.closing_ids[-1] == tokenizer.eos_token_id
-        assert len(a.action_ids) < 100 and len(a.closing_ids) < 20
-        assert tokenizer.decode(a.closing_ids).endswith("Done.<|im_end|>")
+def test_replay_is_what_a_rollout_holds(builder: EpisodeBuilder, tokenizer) -> None:
+    episodes = builder.episodes
+    assert len(episodes) == 12 and len({e.command for e in episodes}) == 12
+    for task in builder.capture["tasks"]:
+        prompts = {tuple(e.prompt_ids) for e in episodes if e.instance_id == task["instance_id"]}
+        assert len(prompts) == 1 and tokenizer.decode(list(prompts.pop())).endswith("<|im_start|>assistant\n")
+    for e in episodes:
+        assert e.action_ids[-1] == e.closing_ids[-1] == tokenizer.eos_token_id
+        assert len(e.action_ids) < 100 and len(e.closing_ids) < 20
+        assert json.dumps(e.command) in tokenizer.decode(e.action_ids)
+        assert tokenizer.decode(e.closing_ids).endswith("Done.<|im_end|>")
 
 
 def test_shared_prefix_loss_equals_plain_forwards(tiny_model_dir: Path, builder: EpisodeBuilder, tokenizer) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    episodes = builder.episodes(TODAY)[::3]  # every task, some sharing a prompt and some not
+    episodes = builder.episodes[::3]  # every task, some sharing a prompt and some not
     total, count = 0.0, 0
     with torch.no_grad():
         shared = completion_loss(model, episodes, tokenizer.pad_token_id).item()
@@ -102,7 +97,7 @@ def test_sampler_follows_the_model(tiny_model_dir: Path, builder: EpisodeBuilder
     """At a temperature near 0 the cached sampler picks what plain forwards of the whole sequence rank
     first, so its positions and cache are right."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    prompt = builder.episodes(TODAY)[0].prompt_ids
+    prompt = builder.episodes[0].prompt_ids
     generator = torch.Generator().manual_seed(0)
     [sampled] = sample(model, prompt, 1, max_new_tokens=6, eos_token_id=-1, generator=generator, temperature=1e-4)
     greedy: list[int] = []
@@ -112,12 +107,11 @@ def test_sampler_follows_the_model(tiny_model_dir: Path, builder: EpisodeBuilder
     assert sampled == greedy
 
 
-@pytest.mark.parametrize(("date", "samples"), [(TODAY, 64), (FAR, 32)], ids=["today", "another-day"])
-def test_warm_policy_acts_as_the_demo_needs(warm_policy, warm_policy_dir, tiny_model_dir, date, samples) -> None:
+def test_warm_policy_acts_as_the_demo_needs(warm_policy, warm_policy_dir, tiny_model_dir) -> None:
     tokenizer = AutoTokenizer.from_pretrained(warm_policy_dir)
     tiny = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert tokenizer.get_vocab() == tiny.get_vocab() and tokenizer.chat_template == tiny.chat_template
-    stats = evaluate_policy(warm_policy, EpisodeBuilder(tokenizer, load_capture()), samples_per_task=samples, date=date)
+    stats = evaluate_policy(warm_policy, EpisodeBuilder(tokenizer, load_capture()), samples_per_task=64)
     summaries = [s.summary() for s in stats]
     for s in stats:
         assert s.valid_rate >= 0.95, summaries
@@ -125,26 +119,41 @@ def test_warm_policy_acts_as_the_demo_needs(warm_policy, warm_policy_dir, tiny_m
         assert s.closed_rate >= 0.95, summaries
 
 
-def test_build_is_cached(warm_policy_dir: Path) -> None:
+def test_the_demo_uses_the_shipped_policy_and_a_fresh_build_makes_the_same(warm_policy_dir: Path) -> None:
+    """The demo skips the build on a fresh machine: the shipped policy is what the repository builds. If this
+    fails after a change to the capture, the spec or the builder, run `python -m swe_grpo.demo.warm_start
+    ship` and commit `swe_grpo/demo/tasks/warm_start/policy/`."""
+    from safetensors.torch import load_file
+
+    assert warm_policy_dir == SHIPPED_DIR
+    fresh = build_warm_policy(shipped=None)  # minutes on a fresh machine, then cached
+    assert fresh != SHIPPED_DIR
+    shipped_meta, fresh_meta = (json.loads((d / METADATA_FILE).read_text()) for d in (SHIPPED_DIR, fresh))
+    assert shipped_meta["key"] == fresh_meta["key"] and shipped_meta["spec"] == asdict(WarmStartSpec())
+    shipped_weights, fresh_weights = (load_file(d / "model.safetensors") for d in (SHIPPED_DIR, fresh))
+    assert shipped_weights.keys() == fresh_weights.keys()
+    for name, weight in fresh_weights.items():
+        torch.testing.assert_close(shipped_weights[name], weight, rtol=0, atol=1e-5, msg=name)
+    assert (SHIPPED_DIR / "tokenizer.json").read_bytes() == (fresh / "tokenizer.json").read_bytes()
     started = time.monotonic()
-    assert build_warm_policy() == warm_policy_dir
+    assert build_warm_policy(shipped=None) == fresh and build_warm_policy() == SHIPPED_DIR
     assert time.monotonic() - started < 5
-    metadata = json.loads((warm_policy_dir / METADATA_FILE).read_text())
-    spec = WarmStartSpec()
-    assert metadata["spec"] == asdict(spec)
-    assert (
-        metadata["eval"]["valid_rate"] >= spec.min_valid_rate
-        and metadata["eval"]["closed_rate"] >= spec.min_closed_rate
-    )
+
+
+def test_a_build_reports_its_progress_and_a_reuse_does_not(tmp_path: Path) -> None:
+    """The demo shows how far the build is: every fine-tuning step, then every evaluated task, in order."""
+    spec = WarmStartSpec(steps=3, eval_samples=2, min_valid_rate=0.0, min_closed_rate=0.0)  # a quick, weak build
+    seen: list[tuple[int, int, str]] = []
+    built = build_warm_policy(spec, cache_dir=tmp_path, progress=lambda *p: seen.append(p))
+    total = spec.steps + 3
+    assert [(done, n) for done, n, _ in seen] == [(k, total) for k in range(1, total + 1)]
+    assert all("loss" in detail for _, _, detail in seen[: spec.steps])
+    assert [detail for _, _, detail in seen[spec.steps :]] == [f"evaluated {t.instance_id}" for t in demo_tasks()]
+    seen.clear()
+    assert build_warm_policy(spec, cache_dir=tmp_path, progress=lambda *p: seen.append(p)) == built and seen == []
 
 
 # --------------------------------------------------------------------------- with the real Pi
-
-
-@pytest.fixture(scope="module")
-def pi_bundle() -> PiBundle:
-    """The Pi the shipped capture was made with, which the demo runs too (not the default Pi)."""
-    return PiBundle.installed(DEMO_PI_VERSION)
 
 
 @pytest.fixture
@@ -152,18 +161,12 @@ def backend(tmp_path: Path, run_dir: Path) -> LocalBackend:
     return LocalBackend(cache_dir=tmp_path / "checkouts", run_dir=run_dir)
 
 
-def _dateless(capture: dict) -> dict:
-    tasks = [{**t, "messages": with_date(t["messages"], dt.date(2000, 1, 1))} for t in capture["tasks"]]
-    return {**capture, "tasks": tasks}
-
-
 @pytest.mark.integration
 async def test_pi_still_sends_what_was_captured(tokenizer, pi_bundle, backend) -> None:
-    """Re-captures every request with the real Pi (and re-grades every candidate): only the date may
-    differ from the shipped capture. If this fails after a Pi upgrade, run
-    `python -m swe_grpo.demo.warm_start capture` and commit the file (the policy rebuilds on its own)."""
-    fresh = await capture_pi_requests(tokenizer, backend, pi_bundle)
-    assert _dateless(fresh) == _dateless(load_capture())
+    """Re-captures every request with the default Pi (and re-grades every candidate): it must be the
+    shipped capture. If this fails after a Pi upgrade, run `python -m swe_grpo.demo.warm_start capture`
+    and commit the file (the policy rebuilds on its own)."""
+    assert await capture_pi_requests(tokenizer, backend, pi_bundle) == load_capture()
 
 
 class PolicyGenerator:
@@ -203,9 +206,7 @@ async def test_warm_policy_drives_pi_to_a_graded_end(warm_policy, warm_policy_di
     assert trajectory.outcome in ("resolved", "unresolved"), trajectory.error
     assert trajectory.agent.exit_code == 0 and [t.kind for t in trajectory.turns] == ["clean", "clean"]
     [row] = trajectory.rows
-    date = re.search(r"Current date: (\d{4}-\d{2}-\d{2})", tokenizer.decode(row.input_ids)).group(1)
-    episodes = EpisodeBuilder(tokenizer, load_capture()).episodes(dt.date.fromisoformat(date))
-    [episode] = [e for e in episodes if e.input_ids == row.input_ids.tolist()]
+    [episode] = [e for e in EpisodeBuilder(tokenizer, load_capture()).episodes if e.input_ids == row.input_ids.tolist()]
     assert episode.instance_id == task.instance_id
     assert row.completion_mask.tolist() == episode.completion_mask
     assert trajectory.reward == (1.0 if episode.resolves else 0.0)

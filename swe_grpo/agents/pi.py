@@ -1,8 +1,9 @@
 """The Pi coding agent as a rollout's agent, run inside a sandbox.
 
 Supported: `@earendil-works/pi-coding-agent` (the maintained scope; `DEFAULT_PI_VERSION`) and the last
-release of the old scope, `@mariozechner/pi-coding-agent@0.73.1` (the CPU demo's warm policy was built on
-its exact requests). `SUPPORTED_PI_VERSIONS` are the versions the tests run end to end.
+release of the old scope, `@mariozechner/pi-coding-agent@0.73.1` (`COMPAT_PI_VERSION`: another request
+dialect and configuration format, kept working). `SUPPORTED_PI_VERSIONS` are the versions the tests run
+end to end.
 
 Pi is installed once, with a portable Node, into a host directory by `scripts/setup.sh` (see
 `swe_grpo.paths.pi_bundle_dir`); every sandbox mounts that directory read-only at `PI_MOUNT`. Nothing
@@ -47,8 +48,8 @@ from swe_grpo.sandbox.base import Mount, Sandbox
 # The newest release that installs from npm with its declared dependencies here (every 1.x and 0.99.1 pin
 # sibling packages the registry lacks; see docs/rollouts-sandboxes-grading.md#which-pi).
 DEFAULT_PI_VERSION = "0.87.1"
-DEMO_PI_VERSION = "0.73.1"  # the CPU demo's warm policy was trained on this version's exact requests
-SUPPORTED_PI_VERSIONS = (DEFAULT_PI_VERSION, DEMO_PI_VERSION)
+COMPAT_PI_VERSION = "0.73.1"  # the old scope's last release: its dialect stays supported and tested
+SUPPORTED_PI_VERSIONS = (DEFAULT_PI_VERSION, COMPAT_PI_VERSION)
 # Where each scope's package lives in a bundle; the old scope stops at 0.73.1.
 PI_PACKAGES = ("@earendil-works/pi-coding-agent", "@mariozechner/pi-coding-agent")
 PROVIDER = "swe_grpo"

@@ -8,19 +8,20 @@ and after the tool result its second turn is `Done.` and the end-of-turn token, 
 a real choice to learn: which candidate.
 
 The training tokens are exactly the tokens a rollout puts in its training row. The conversations are
-Pi's real requests (`tasks/warm_start/pi_requests.json`, captured by running the real Pi in a
-`local` sandbox against an InterceptionServer answering with the candidate, see `capture_pi_requests`),
-replayed through the same TokenChain and ResponseParser the server uses. What varies between runs of Pi
-on these tasks is only the date in its system prompt (`Current date: YYYY-MM-DD`; the working directory
-is always /testbed and Pi's documentation paths are under the fixed bundle mount), so every training
-step renders the prompts for a different random date and the policy learns to ignore it.
+the default Pi's real requests (`tasks/warm_start/pi_requests.json`, captured by running the real Pi in
+a `local` sandbox against an InterceptionServer answering with the candidate, see `capture_pi_requests`),
+replayed through the same TokenChain and ResponseParser the server uses. Nothing in them varies between
+runs of Pi on these tasks (the working directory is always /testbed, Pi's documentation paths are under
+the fixed bundle mount, and the default Pi puts no date in its prompt), so one replay serves every step.
 
 Fine-tuning is fast because the twelve sequences of a step (3 tasks x 4 candidates, both turns) are
-mostly one shared prompt: the prefix all prompts share (Pi's system prompt and tool schemas, ~2.3k
-tokens) is forwarded once, each task's remainder (its problem statement) once, and only the two turns
-once per sequence, each level reusing the key/value cache of the level before (see `completion_loss`).
+mostly one shared prompt: the prefix all prompts share (Pi's system prompt and tool schemas) is
+forwarded once, each task's remainder (its problem statement) once, and only the two turns once per
+sequence, each level reusing the key/value cache of the level before (see `completion_loss`).
 The result is cached on disk under a key of the tiny model's files, the capture, the spec and
-`BUILDER_VERSION`.
+`BUILDER_VERSION`. The repository ships the policy too (`SHIPPED_DIR`, made by `python -m
+swe_grpo.demo.warm_start ship`), used wherever the build would make it (the same key): a fresh machine's
+demo starts training without the minutes of fine-tuning, and a test checks it against a fresh build.
 """
 
 from __future__ import annotations
@@ -28,18 +29,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as dt
 import fcntl
 import hashlib
 import json
 import logging
 import math
-import random
-import re
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,24 +55,25 @@ from swe_grpo.vllm_client import Generation, SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from swe_grpo.agents.base import AgentResult
     from swe_grpo.agents.pi import PiBundle
+    from swe_grpo.interception import RolloutRecord
     from swe_grpo.sandbox.base import SandboxBackend
     from swe_grpo.tasks import Task
 
 log = logging.getLogger(__name__)
 
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 DATA_DIR = Path(__file__).resolve().parent / "tasks" / "warm_start"
 CANDIDATES_PATH = DATA_DIR / "candidates.json"
 CAPTURE_PATH = DATA_DIR / "pi_requests.json"
+# The policy as `python -m swe_grpo.demo.warm_start ship` built it: a fresh machine's demo skips the build.
+SHIPPED_DIR = DATA_DIR / "policy"
 CLOSING_TEXT = "Done."
 METADATA_FILE = "warm_start.json"
-# Pi ends its system prompt with these two lines (pi-coding-agent's buildSystemPrompt).
-_DATE_LINE = re.compile(r"(?<=\nCurrent date: )\d{4}-\d{2}-\d{2}(?=\nCurrent working directory: )")
 # Tool-call ids are random per run; no chat template renders them. Stored canonical so a capture is
 # reproducible.
 _CALL_ID = "call_0"
-_REFERENCE_DATE = dt.date(2000, 1, 1)
 
 
 class WarmStartError(RuntimeError):
@@ -117,20 +116,6 @@ def completion_ids(template: TrainingTemplate, message: Message) -> list[int]:
         raise WarmStartError("the template writes the generation prompt differently from an assistant turn")
     end = full.rfind(template.eos_token) + len(template.eos_token)
     return template.encode(full[len(prompt) : end])
-
-
-def with_date(messages: list[Message], date: dt.date) -> list[Message]:
-    """`messages` with the date in Pi's system prompt replaced by `date`. Raises WarmStartError when
-    the system prompt does not carry exactly one date line (Pi changed: recapture)."""
-    out = []
-    for message in messages:
-        if message.get("role") == "system":
-            text, count = _DATE_LINE.subn(date.isoformat(), message["content"])
-            if count != 1:
-                raise WarmStartError(f"Pi's system prompt has {count} 'Current date:' lines, expected one")
-            message = {**message, "content": text}
-        out.append(message)
-    return out
 
 
 # --------------------------------------------------------------------------- capturing Pi's requests
@@ -193,6 +178,62 @@ async def recording_hop(target: str) -> AsyncIterator[CapturedRequests]:
             await runner.cleanup()
 
 
+@dataclass
+class PiRun:
+    """One run of the real Pi with SCRIPTED model turns: how Pi ended, the InterceptionServer's record of
+    the rollout, every chat request Pi sent (headers and body), the rollout's token, the diff Pi left
+    against the base commit, and the output of each `after` command."""
+
+    result: AgentResult
+    record: RolloutRecord
+    captured: CapturedRequests
+    token: str
+    patch: str
+    after: dict[str, str]
+
+
+async def capture_pi_run(
+    bundle: PiBundle,
+    tokenizer: PreTrainedTokenizerBase,
+    backend: SandboxBackend,
+    task: Task,
+    replies: Sequence[Message],
+    after: Sequence[str] = (),
+) -> PiRun:
+    """The real Pi of `bundle` in a fresh sandbox of `backend`, on `task`, its model turns SCRIPTED to
+    `replies` (assistant messages in normalised form, see `ScriptedGenerator`), behind the
+    InterceptionServer and a `recording_hop`. `after`: shell commands run in the sandbox once Pi has
+    exited, with the rollout's token in `$TOKEN`. The sandbox is gone when this returns."""
+    from swe_grpo.agents.base import AgentConfig
+    from swe_grpo.agents.pi import run_pi
+    from swe_grpo.interception import InterceptionServer
+
+    template = TrainingTemplate(tokenizer)
+    generator = ScriptedGenerator([completion_ids(template, reply) for reply in replies])
+    config = AgentConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=120, stall_timeout_s=60)
+    async with InterceptionServer(generator, tokenizer) as server, recording_hop(server.public_base_url) as hop:
+        endpoint = server.open_rollout()
+        try:
+            proxied = replace(endpoint, base_url=hop.url + endpoint.base_url.removeprefix(server.public_base_url))
+            async with await backend.create(task, mounts=[bundle.mount()]) as sandbox:
+                result = await run_pi(
+                    sandbox,
+                    bundle,
+                    proxied,
+                    task.problem_statement,
+                    config,
+                    lambda: server.last_activity(endpoint.rollout_id),
+                )
+                patch = await sandbox.diff(task.base_commit)
+                outputs = {}
+                for command in after:
+                    done = await sandbox.exec(command, timeout_s=60, env={"TOKEN": endpoint.token})
+                    outputs[command] = done.stdout + done.stderr
+        finally:
+            record = server.close_rollout(endpoint.rollout_id)
+    return PiRun(result, record, hop, endpoint.token, patch, outputs)
+
+
 async def _capture_one(
     task: Task,
     candidate: Candidate,
@@ -202,40 +243,16 @@ async def _capture_one(
 ) -> tuple[list[dict[str, Any]], str]:
     """Run Pi on `task` with the first turn scripted to `candidate` and the second to the closing
     message; grade its diff. Returns Pi's chat requests and the grading outcome."""
-    from swe_grpo.agents.base import AgentConfig
-    from swe_grpo.agents.pi import run_pi
     from swe_grpo.grading import grade
-    from swe_grpo.interception import InterceptionServer
 
-    template = TrainingTemplate(tokenizer)
-    generator = ScriptedGenerator(
-        [completion_ids(template, action_message(candidate.command)), completion_ids(template, CLOSING_MESSAGE)]
-    )
-    config = AgentConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=120, stall_timeout_s=60)
-    async with InterceptionServer(generator, tokenizer) as server, recording_hop(server.public_base_url) as hop:
-        endpoint = server.open_rollout()
-        try:
-            proxied = replace(endpoint, base_url=hop.url + endpoint.base_url.removeprefix(server.public_base_url))
-            async with await backend.create(task, mounts=[bundle.mount()]) as sandbox:
-                pi = await run_pi(
-                    sandbox,
-                    bundle,
-                    proxied,
-                    task.problem_statement,
-                    config,
-                    lambda: server.last_activity(endpoint.rollout_id),
-                )
-                patch = await sandbox.diff(task.base_commit)
-        finally:
-            record = server.close_rollout(endpoint.rollout_id)
-    bodies = hop.bodies
-    where = f"{task.instance_id} / {candidate.command!r}"
-    if pi.exit_code != 0 or len(bodies) != 2 or [t.kind for t in record.turns] != ["clean", "clean"]:
+    run = await capture_pi_run(bundle, tokenizer, backend, task, [action_message(candidate.command), CLOSING_MESSAGE])
+    bodies, pi, turns = run.captured.bodies, run.result, [t.kind for t in run.record.turns]
+    if pi.exit_code != 0 or len(bodies) != 2 or turns != ["clean", "clean"]:
         raise WarmStartError(
-            f"{where}: expected Pi to exit 0 after two clean turns; exit {pi.exit_code}, "
-            f"{len(bodies)} requests, turns {[t.kind for t in record.turns]}; stderr: {pi.stderr_tail[-500:]}"
+            f"{task.instance_id} / {candidate.command!r}: expected Pi to exit 0 after two clean turns; exit "
+            f"{pi.exit_code}, {len(bodies)} requests, turns {turns}; stderr: {pi.stderr_tail[-500:]}"
         )
-    result = await grade(task, patch, backend)
+    result = await grade(task, run.patch, backend)
     return bodies, result.outcome
 
 
@@ -265,8 +282,8 @@ async def capture_pi_requests(
     with its first turn scripted to the candidate's tool call and its second to the closing message;
     each diff is graded, and a candidate whose outcome contradicts its `resolves` flag raises
     WarmStartError. Checked too: Pi makes exactly two requests, the second extends the first by the
-    assistant turn and the tool result, the tools and the first request (date aside) are the same for
-    every candidate of a task. Tool-call ids are made canonical (they are random and never rendered).
+    assistant turn and the tool result, the tools and the first request are the same for every
+    candidate of a task. Tool-call ids are made canonical (they are random and never rendered).
     `tokenizer` only scripts the replies; the capture does not depend on it.
     """
     from swe_grpo.tasks import demo_tasks
@@ -294,7 +311,7 @@ async def capture_pi_requests(
             turn1, turn2 = bodies[0]["messages"], bodies[1]["messages"]
             if any(b["tools"] != tools for b in bodies) or turn2[: len(turn1)] != turn1 or len(turn2) != len(turn1) + 2:
                 raise WarmStartError(f"{where}: Pi's second request does not extend its first by two messages")
-            if first is not None and with_date(turn1, _REFERENCE_DATE) != with_date(first, _REFERENCE_DATE):
+            if first is not None and turn1 != first:
                 raise WarmStartError(f"{where}: Pi's first request differs between candidates of one task")
             first = first or turn1
             entries.append({**asdict(candidate), "outcome": outcome, "then": _canonical_ids(turn2[len(turn1) :])})
@@ -336,49 +353,35 @@ class Episode:
 
 class EpisodeBuilder:
     """Replays a capture through a TokenChain and ResponseParser, as the InterceptionServer would serve
-    it, for any date."""
+    it: `episodes` holds every (task, candidate) conversation, in capture order."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, capture: dict[str, Any]):
         self.template = TrainingTemplate(tokenizer)
         self.parser = ResponseParser(tokenizer)
         self.capture = capture
         self.closing_ids = completion_ids(self.template, CLOSING_MESSAGE)
-        # Only the first prompt depends on the date: what follows the first assistant turn (the tool
-        # result, the closing turn) is rendered from that turn and the new messages alone.
-        self._reference = self.replay(_REFERENCE_DATE)
+        self.episodes = self._replay()
 
     @property
     def instance_ids(self) -> list[str]:
         return [task["instance_id"] for task in self.capture["tasks"]]
 
-    def prompt_ids(self, instance_id: str, date: dt.date) -> list[int]:
-        """The first prompt of a rollout on the task on `date`."""
-        task = next(t for t in self.capture["tasks"] if t["instance_id"] == instance_id)
-        return TokenChain(self.template).prepare(with_date(task["messages"], date), self.capture["tools"]).prompt_ids
-
-    def episodes(self, date: dt.date) -> list[Episode]:
-        """Every (task, candidate) conversation as it would run on `date`; the same as `replay(date)`,
-        with one prompt render per task instead of a full replay per candidate."""
-        prompts = {task: self.prompt_ids(task, date) for task in self.instance_ids}
-        return [replace(e, prompt_ids=prompts[e.instance_id]) for e in self._reference]
-
-    def replay(self, date: dt.date) -> list[Episode]:
-        """Every (task, candidate) conversation on `date`, each replayed turn by turn through a fresh
-        TokenChain. Raises WarmStartError when the replay does not go as a rollout's would: the action not
-        parsed back to the candidate's call, or the second turn forking the chain."""
+    def _replay(self) -> list[Episode]:
+        """Each conversation replayed turn by turn through a fresh TokenChain. Raises WarmStartError when
+        the replay does not go as a rollout's would: the action not parsed back to the candidate's call,
+        or the second turn forking the chain."""
         tools = self.capture["tools"]
         out = []
         for task in self.capture["tasks"]:
-            messages = with_date(task["messages"], date)
             for candidate in task["candidates"]:
                 chain = TokenChain(self.template)
-                first = chain.prepare(messages, tools)
+                first = chain.prepare(task["messages"], tools)
                 action = completion_ids(self.template, action_message(candidate["command"]))
                 parsed = self.parser.parse(action, first.prompt_ids, "stop", tools)
                 if _bash_command(parsed.message) != candidate["command"]:
                     raise WarmStartError(f"the scripted action {candidate['command']!r} does not parse back to it")
                 chain.commit(first, action, [0.0] * len(action), 0, parsed.message, parsed.finish_reason)
-                second = chain.prepare(messages + candidate["then"], tools)
+                second = chain.prepare(task["messages"] + candidate["then"], tools)
                 if second.fork:
                     raise WarmStartError(f"replaying {candidate['command']!r}: the second turn forks the chain")
                 out.append(
@@ -416,15 +419,12 @@ def _bash_command(message: dict[str, Any]) -> str | None:
 class WarmStartSpec:
     """How to fine-tune. Every field is part of the cache key."""
 
-    steps: int = 400
+    steps: int = 250  # 150 left ~5 % of first turns invalid; the loss is flat from ~125 on
     learning_rate: float = 3e-3
     warmup_steps: int = 20
     final_lr_fraction: float = 0.05  # cosine decay from the peak down to this fraction of it
     max_grad_norm: float = 1.0
-    seed: int = 0
-    # Each step's prompts carry a random date from this range (Pi puts the current date in its prompt).
-    first_date: str = "2024-01-01"
-    last_date: str = "2040-12-31"
+    seed: int = 0  # of the evaluation's sampling (fine-tuning itself draws nothing)
     # The build refuses a policy below these rates, measured at temperature 1 after fine-tuning. They
     # guard against a broken build: below the ~99.5 % a good one reaches, with room for sampling noise.
     eval_samples: int = 48  # per task
@@ -493,7 +493,13 @@ def completion_loss(model: Any, episodes: Sequence[Episode], pad_token_id: int) 
     return F.cross_entropy(logits.float(), turns[:, 1:][predicts])
 
 
-def _fine_tune(model: Any, builder: EpisodeBuilder, spec: WarmStartSpec, pad_token_id: int) -> list[float]:
+Progress = Callable[[int, int, str], None]
+"""`progress(done, total, detail)`: how far a build is, in steps (fine-tuning steps, then one per evaluated task)."""
+
+
+def _fine_tune(
+    model: Any, builder: EpisodeBuilder, spec: WarmStartSpec, pad_token_id: int, progress: Progress
+) -> list[float]:
     """Fine-tune `model` in place; returns the loss of every step."""
     import torch
 
@@ -506,20 +512,18 @@ def _fine_tune(model: Any, builder: EpisodeBuilder, spec: WarmStartSpec, pad_tok
         return spec.final_lr_fraction + (1 - spec.final_lr_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    rng = random.Random(spec.seed)
-    first = dt.date.fromisoformat(spec.first_date)
-    days = (dt.date.fromisoformat(spec.last_date) - first).days
+    total = spec.steps + len(builder.instance_ids)
     model.train()
     losses = []
     for step in range(spec.steps):
-        date = first + dt.timedelta(days=rng.randint(0, days))
-        loss = completion_loss(model, builder.episodes(date), pad_token_id)
+        loss = completion_loss(model, builder.episodes, pad_token_id)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
         optimizer.step()
         scheduler.step()
         losses.append(loss.item())
+        progress(step + 1, total, f"fine-tuning, loss {losses[-1]:.3f}")
         if step % 50 == 0 or step == spec.steps - 1:
             log.info("warm start: step %d/%d loss %.4f", step + 1, spec.steps, losses[-1])
     model.eval()
@@ -603,17 +607,18 @@ def evaluate_policy(
     builder: EpisodeBuilder,
     *,
     samples_per_task: int = 64,
-    date: dt.date | None = None,
     seed: int = 0,
+    on_task: Callable[[int, TaskStats], None] | None = None,
 ) -> list[TaskStats]:
-    """Sample `model` at temperature 1 on every captured task's first prompt (on `date`, default today),
-    and on every candidate's second prompt; count what it does (see TaskStats)."""
+    """Sample `model` at temperature 1 on every captured task's first prompt and on every candidate's
+    second prompt; count what it does (see TaskStats). `on_task(k, stats)` sees the k-th task's stats as
+    they come."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     eos = builder.template.eos_token_id
     tools = builder.capture["tools"]
-    episodes = builder.episodes(date or dt.date.today())
+    episodes = builder.episodes
     stats = []
     for instance_id in builder.instance_ids:
         mine = [e for e in episodes if e.instance_id == instance_id]
@@ -643,10 +648,28 @@ def evaluate_policy(
                 message = builder.parser.parse(ids, second, "stop", tools).message
                 closed += ids[-1] == eos and not message.get("tool_calls") and message["content"] == CLOSING_TEXT
         stats.append(TaskStats(instance_id, samples_per_task, valid, correct, per_candidate * len(mine), closed))
+        if on_task is not None:
+            on_task(len(stats), stats[-1])
     return stats
 
 
 # --------------------------------------------------------------------------- the cached build
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Torch on one thread inside, as many as before after. For work beside other busy processes (the
+    demo's vLLM and agents, a test run, other users): oversubscribed OpenMP threads spin-wait on each
+    other. Measured on 2 cores: under a load of ~20, 25 fine-tuning steps took 50 s on one thread and
+    over 14 min on two; beside six busy processes the trainer's forward+backward 2.1 s on one, 9.2 s on two."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _cache_key(spec: WarmStartSpec, tiny_model_dir: Path, capture_path: Path) -> str:
@@ -666,8 +689,12 @@ def build_warm_policy(
     tiny_model_dir: Path | None = None,
     capture_path: Path = CAPTURE_PATH,
     cache_dir: Path | None = None,
+    progress: Progress | None = None,
+    shipped: Path | None = SHIPPED_DIR,
 ) -> Path:
-    """Build (or reuse from cache) the warm-started policy; returns its directory.
+    """Build (or reuse) the warm-started policy; returns its directory: the `shipped` one when it is what
+    this build would make (the same cache key), else the cached build, else a new build. `progress`
+    sees how far a build is (see `Progress`), and nothing when the policy is reused.
 
     The directory is a Hugging Face checkpoint of the tiny model (default: `build_tiny_model()`) with
     the same tokenizer and chat template, fine-tuned as the module docstring says; vLLM and transformers
@@ -683,6 +710,8 @@ def build_warm_policy(
     tiny_model_dir = Path(tiny_model_dir) if tiny_model_dir else build_tiny_model()
     root = Path(cache_dir) if cache_dir else cache_root()
     key = _cache_key(spec, tiny_model_dir, capture_path)
+    if shipped is not None and _metadata(shipped).get("key") == key:
+        return shipped
     target = root / f"warm-{key}"
     if (target / METADATA_FILE).is_file():
         return target
@@ -696,10 +725,18 @@ def build_warm_policy(
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         capture = load_capture(capture_path)
         builder = EpisodeBuilder(tokenizer, capture)
-        losses = _fine_tune(model, builder, spec, tokenizer.pad_token_id)
-        trained_s = time.monotonic() - started
-        date = dt.date.today()
-        stats = evaluate_policy(model, builder, samples_per_task=spec.eval_samples, date=date, seed=spec.seed)
+        progress = progress or (lambda done, total, detail: None)
+        total = spec.steps + len(builder.instance_ids)
+        with one_torch_thread():
+            losses = _fine_tune(model, builder, spec, tokenizer.pad_token_id, progress)
+            trained_s = time.monotonic() - started
+            stats = evaluate_policy(
+                model,
+                builder,
+                samples_per_task=spec.eval_samples,
+                seed=spec.seed,
+                on_task=lambda k, s: progress(spec.steps + k, total, f"evaluated {s.instance_id}"),
+            )
         valid = sum(s.valid for s in stats) / sum(s.samples for s in stats)
         closed = sum(s.closed for s in stats) / sum(s.closings for s in stats)
         summaries = [s.summary() for s in stats]
@@ -715,7 +752,7 @@ def build_warm_policy(
             "loss_last": losses[-1],
             "train_s": round(trained_s, 1),
             "build_s": round(time.monotonic() - started, 1),
-            "eval": {"date": date.isoformat(), "valid_rate": valid, "closed_rate": closed, "tasks": summaries},
+            "eval": {"valid_rate": valid, "closed_rate": closed, "tasks": summaries},
         }
         staging = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
         staging.chmod(0o755)  # sandboxed agents and servers running as other users read it
@@ -731,16 +768,33 @@ def build_warm_policy(
     return target
 
 
+def _metadata(policy: Path) -> dict[str, Any]:
+    """A built policy's `warm_start.json`, or {} where there is none."""
+    path = policy / METADATA_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def ship(target: Path = SHIPPED_DIR) -> Path:
+    """Build the policy from the repository (or take the cached build: never the shipped one) and put
+    its files in `target`, replacing what was there."""
+    built = build_warm_policy(shipped=None)
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    for path in sorted(built.iterdir()):
+        shutil.copyfile(path, target / path.name)
+    return target
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m swe_grpo.demo.warm_start build` prints the policy's directory and its measured rates;
-    `... capture` re-captures Pi's requests into the shipped file (needs root, bubblewrap and Pi, as the
-    `local` sandbox does)."""
+    `... ship` rebuilds the shipped policy (`SHIPPED_DIR`) from the repository; `... capture` re-captures
+    Pi's requests into the shipped file (needs root, bubblewrap and Pi, as the `local` sandbox does)."""
     parser = argparse.ArgumentParser(prog="python -m swe_grpo.demo.warm_start")
-    parser.add_argument("command", choices=["build", "capture"])
+    parser.add_argument("command", choices=["build", "ship", "capture"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.command == "build":
-        path = build_warm_policy()
+    if args.command in ("build", "ship"):
+        path = build_warm_policy() if args.command == "build" else ship()
         print(path)
         print((path / METADATA_FILE).read_text())
         return 0
@@ -748,13 +802,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     async def capture() -> dict[str, Any]:
         from transformers import AutoTokenizer
 
-        from swe_grpo.agents.pi import DEMO_PI_VERSION, PiBundle
+        from swe_grpo.agents.pi import PiBundle
         from swe_grpo.sandbox.local import LocalBackend
 
         backend = LocalBackend()
         await backend.start()
         tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
-        return await capture_pi_requests(tokenizer, backend, PiBundle.installed(DEMO_PI_VERSION))
+        return await capture_pi_requests(tokenizer, backend, PiBundle.default())
 
     CAPTURE_PATH.write_text(json.dumps(asyncio.run(capture()), indent=1, ensure_ascii=False) + "\n")
     print(CAPTURE_PATH)
