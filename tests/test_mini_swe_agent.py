@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import SERVED_NAME
 from pi_shapes import make_repo
+from sandbox_helpers import assert_no_local_sandbox_left, host_pids
 from test_pi_integration import RecordingClient, assert_rows_are_exactly_what_vllm_saw
-from test_rollout import STRUTIL, assert_nothing_left, tool_call
+from test_rollout import STRUTIL, tool_call
 
 from swe_grpo.agents.base import AgentConfig
 from swe_grpo.agents.mini_swe import MINI_SWE_AGENT_VERSION, MiniSweAgent
@@ -26,6 +27,7 @@ from swe_grpo.vllm_client import SamplingParams
 pytestmark = pytest.mark.integration
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+MINI_PROCESS = "minisweagent.run.mini"  # in the command line of every running mini
 MINI_SYSTEM = "You are a helpful assistant that can interact with a computer."  # its mini.yaml's
 
 
@@ -76,7 +78,9 @@ async def test_a_guided_fix_is_graded_resolved(vllm_server, tokenizer, mini, bac
     assert trajectory.messages[0] == {"role": "system", "content": MINI_SYSTEM}
     fixed = trajectory.messages[3]  # the fix's result, as mini's observation template sent it to the model
     assert fixed["role"] == "tool" and '"returncode": 0' in fixed["content"]
-    assert_nothing_left(backend, server)
+    # Nothing of it left: no mini process on the host (whatever else runs there), no sandbox, no session.
+    assert host_pids(MINI_PROCESS) == [] and server.open_rollouts == 0
+    assert_no_local_sandbox_left(backend.run_dir)
 
 
 # Everything mini-swe-agent or litellm could read from its working directory or a Python path entry.
@@ -127,7 +131,7 @@ async def test_a_repository_cannot_configure_mini_and_the_token_stays_in_its_env
     assert system == {"role": "system", "content": MINI_SYSTEM}
     assert user["content"].startswith(f"Please solve this issue: {task.problem_statement}")
     listing = record.messages[3]["content"]
-    assert "minisweagent.run.mini" in listing and endpoint.token not in listing
+    assert MINI_PROCESS in listing and endpoint.token not in listing
     assert "REPO_" not in str(record.messages)
     # No file holds the token, and none of the repository's modules was imported.
     assert after.stdout.split() == [name for name in after.stdout.split() if not name.startswith(("/", "repo_"))]
