@@ -124,6 +124,7 @@ class ChaosConfig:
     )
     concurrency: int = 4
     sync_every: int = 2  # pushed groups per policy version
+    calm_after: float = 0.9  # the share of the run after which nothing is injected
     stale_after_s: float = 300.0  # TRL's default heartbeat_stale_after_s
     sample_every_s: float = 30.0
     seed: int = 0
@@ -591,7 +592,7 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
             faults.start()
             next_sync, next_sample = config.sync_every, started
             while (share := progress()) < 1.0:
-                if share >= 0.9 and not injected.calmed:
+                if share >= config.calm_after and not injected.calmed:
                     injected.calm()
                     faults.stopping.set()
                 poll()

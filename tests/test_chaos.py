@@ -32,6 +32,7 @@ def test_a_short_chaos_run_loses_nothing_leaks_nothing_and_training_goes_on(vllm
     work.chmod(0o711)  # the sandbox user traverses it
     config = ChaosConfig(
         rollouts=24,
+        calm_after=0.6,  # a run this short needs a longer quiet end for a group to be pushed after the faults
         faults=FAULTS,
         fault_every_s=8.0,
         turn_fault_rate=0.3,
