@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import requests
 from docker_env import DockerUnavailable, docker_engine, ensure_base_image
 from sandbox_helpers import backend, docker_backend, local_backend, sandbox_limits  # noqa: F401  (fixtures)
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -72,6 +73,23 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def policy_vllm(vllm_server: VLLMServer) -> Iterator[VLLMServer]:
+    """The shared server, for a test that publishes policy adapters or whose trainer pauses it: afterwards,
+    however the test ended, it is resumed and holds no `trl-policy-*` adapter, as every other test expects
+    (a trainer that died between pause and resume, or a leftover `trl-policy-v1`, breaks every later test)."""
+    try:
+        yield vllm_server
+    finally:
+        requests.post(f"{vllm_server.url}/resume", timeout=30)
+        for model in requests.get(f"{vllm_server.url}/v1/models", timeout=10).json()["data"]:
+            if model["id"].startswith("trl-policy-"):
+                unload = requests.post(
+                    f"{vllm_server.url}/v1/unload_lora_adapter", json={"lora_name": model["id"]}, timeout=30
+                )
+                unload.raise_for_status()
 
 
 @pytest.fixture

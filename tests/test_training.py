@@ -29,7 +29,7 @@ STEPS = 3
 
 
 def test_trainer_takes_steps_on_worker_samples_with_adapter_sync(
-    vllm_server, tiny_model_dir: Path, tokenizer, run_dir: Path, tmp_path: Path
+    policy_vllm, tiny_model_dir: Path, tokenizer, run_dir: Path, tmp_path: Path
 ) -> None:
     use_cpu_fallbacks()
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -50,13 +50,13 @@ def test_trainer_takes_steps_on_worker_samples_with_adapter_sync(
         save_strategy="no",
         report_to="none",
         use_cpu=True,
-        vllm_server_base_url=vllm_server.url,
+        vllm_server_base_url=policy_vllm.url,
     )
     backend = LocalBackend(cache_dir=tmp_path / "checkouts", run_dir=run_dir)
     worker = SWERolloutWorker(
         demo_tasks(),
         tokenizer,
-        vllm_url=vllm_server.url,
+        vllm_url=policy_vllm.url,
         model=SERVED_NAME,
         sandbox=backend,
         config=WorkerConfig.from_trainer_args(
@@ -79,13 +79,8 @@ def test_trainer_takes_steps_on_worker_samples_with_adapter_sync(
         peft_config=lora,
         rollout_worker=worker,
     )
-    try:
-        trainer.train()
-    finally:
-        served = [m["id"] for m in requests.get(f"{vllm_server.url}/v1/models", timeout=10).json()["data"]]
-        for name in served:
-            if name.startswith("trl-policy-"):  # leave the shared server as it was
-                requests.post(f"{vllm_server.url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=30)
+    trainer.train()
+    served = [m["id"] for m in requests.get(f"{policy_vllm.url}/v1/models", timeout=10).json()["data"]]
 
     requested_models = [body["model"] for body in recorded_vllm_requests(str(tmp_path / "vllm_requests.jsonl"))]
     logs = [entry for entry in trainer.state.log_history if "ratio" in entry]
