@@ -5,9 +5,17 @@
 #   .deps/pi-0.73.1/  the same with Pi 0.73.1 (the old scope's last release, still supported and tested)
 #   .deps/mini-swe-agent/  a portable Python + mini-swe-agent (the second harness), mounted the same way
 #   bubblewrap    from apt, when missing
+# `setup.sh --demo` (what `make demo` runs) stops at what the demo needs: no docker, no Pi 0.73.1, no
+# mini-swe-agent (those serve the tests and the other backends/harnesses).
 # Idempotent: each step records a stamp of its inputs and is skipped when they have not changed,
 # so a second run takes about a second.
 set -euo pipefail
+DEMO_ONLY=0
+case ${1:-} in
+    --demo) DEMO_ONLY=1 ;;
+    "") ;;
+    *) echo "usage: $0 [--demo]" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
@@ -26,7 +34,8 @@ stamp_ok() { [[ -f "$1" && "$(cat "$1")" == "$2" ]]; }
 # --- system packages and the sandbox user ----------------------------------------------------------
 # bubblewrap + fuse-overlayfs: the `local` sandbox; python3-pytest + git: what sandboxed task tests run
 # with; docker.io + debootstrap: the `docker` sandbox and its offline base image.
-APT_PACKAGES=(bubblewrap fuse-overlayfs git python3 python3-pytest python3-pytest-mock docker.io debootstrap shellcheck)
+APT_PACKAGES=(bubblewrap fuse-overlayfs git python3 python3-pytest python3-pytest-mock)
+((DEMO_ONLY)) || APT_PACKAGES+=(docker.io debootstrap shellcheck)
 if [[ $(id -u) -eq 0 ]]; then SUDO=""; else SUDO="sudo"; fi
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
@@ -43,7 +52,7 @@ id swe-sandbox >/dev/null 2>&1 || $SUDO useradd --system --no-create-home --shel
 # --- Python environment -----------------------------------------------------------------------------
 # Re-run pip only when the dependencies or the install recipe below change (bump PY_RECIPE for the latter).
 PY_RECIPE=1
-py_inputs="$(cat pyproject.toml | sha256sum | cut -d' ' -f1) torch=${TORCH_VERSION} recipe=${PY_RECIPE}"
+py_inputs="$(sha256sum < pyproject.toml | cut -d" " -f1) torch=${TORCH_VERSION} recipe=${PY_RECIPE}"
 if ! stamp_ok "$VENV/.swe_grpo_stamp" "$py_inputs"; then
     [[ -x $VENV/bin/python ]] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
     PIPLOG=$VENV/pip.log
@@ -105,6 +114,10 @@ install_pi() {
     echo "$inputs" > "$dir/.swe_grpo_stamp"
 }
 install_pi @earendil-works/pi-coding-agent "$PI_VERSION" "$DEPS/pi"
+if ((DEMO_ONLY)); then
+    log "ready for the demo: $VENV, $DEPS/pi (Pi ${PI_VERSION})"
+    exit 0
+fi
 install_pi @mariozechner/pi-coding-agent "$PI_COMPAT_VERSION" "$DEPS/pi-${PI_COMPAT_VERSION}"
 
 # --- mini-swe-agent (the second harness) -----------------------------------------------------------
