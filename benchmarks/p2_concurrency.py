@@ -1,4 +1,4 @@
-"""P2: many concurrent rollouts on one InterceptionServer: errors, added latency, throughput, memory.
+"""P2: many concurrent rollouts over 1, 2, 4 rollout hosts: errors, added latency, throughput, memory.
 
 What. 512 simulated Pi agents (default) each run one rollout of 20 turns against one `InterceptionServer`
 whose generator is a stub that sleeps 50 ms and returns a fixed, valid Qwen3 tool call. Each agent
@@ -8,7 +8,13 @@ answers without tool calls, turns the server recorded as errors or forks), added
 requests/s, CPU of both sides, the server's resident memory before the traffic (rollouts opened), after
 it (every rollout still holding its chain) and at its peak, and its full garbage collections.
 
-How. The server runs in its own process (a fresh one per scenario); the agents run in this process on
+Rollout hosts (`--hosts 1,2,4`, default): a rollout host is a process with its own InterceptionServer, and
+a rollout's requests all go to its host's server (its chain lives there), so H hosts are H server
+processes, each owning 1/H of the rollouts; this is the request path of `WorkerConfig.rollout_hosts = H`
+without the agents' sandboxes and grading (which run in other processes either way). Each scenario runs
+once per host count; scaling = saturation requests/s with H hosts / (H x with one host).
+
+How. Each server runs in its own process (fresh ones per scenario); the agents run in this process on
 uvloop (if installed), pinned to the last CPU when there are 2+, and talk to it over 127.0.0.1. Agents behave like Pi
 (`_pi_agent.py`): the whole history re-sent every turn, one request at a time per rollout, and between
 turns a think pause standing in for running the tools. One extra rollout warms the server up first.
@@ -21,8 +27,8 @@ Two scenarios, each stopped after `--max-seconds` (what is unfinished is cancell
 
 Real generations take seconds, so real rollouts send far fewer requests per second than these do.
 
-Run: `SWE_GRPO_CACHE=/tmp/swecache .venv/bin/python benchmarks/p2_concurrency.py` (3-4 minutes;
-options `--rollouts`, `--turns`, `--think`, `--tool-output`, `--no-saturation`, `--max-seconds`).
+Run: `SWE_GRPO_CACHE=/tmp/swecache .venv/bin/python benchmarks/p2_concurrency.py` (~10 minutes;
+options `--hosts`, `--rollouts`, `--turns`, `--think`, `--tool-output`, `--no-saturation`, `--max-seconds`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import os
 import random
 import sys
 import time
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -83,6 +90,19 @@ class ServerReport:
     gc_full: int  # full (generation 2) collections
     gc_pause_max_s: float
     gc_pause_total_s: float
+
+    @classmethod
+    def merged(cls, reports: list[ServerReport]) -> ServerReport:
+        """All hosts' servers as one: requests and counts summed, the longest GC pause kept."""
+        return cls(
+            handler_s=[x for r in reports for x in r.handler_s],
+            turns=sum(r.turns for r in reports),
+            forks=sum(r.forks for r in reports),
+            recorded_errors=sum(r.recorded_errors for r in reports),
+            gc_full=sum(r.gc_full for r in reports),
+            gc_pause_max_s=max(r.gc_pause_max_s for r in reports),
+            gc_pause_total_s=sum(r.gc_pause_total_s for r in reports),
+        )
 
 
 def serve(conn: Connection, rollouts: int, calls: int, cpus: set[int]) -> None:
@@ -204,11 +224,12 @@ async def agent(
 @dataclass
 class Result:
     scenario: Scenario
+    hosts: int
     stats: AgentStats
-    server: ServerReport
+    server: ServerReport  # all hosts' servers merged
     wall_s: float
-    rss_mib: tuple[float, float, float]  # before, after, peak
-    cpu: tuple[float, float]  # server, agents: CPU seconds / wall seconds
+    rss_mib: tuple[float, float, float]  # before, after, peak: summed over the hosts' servers
+    cpu: tuple[float, float]  # servers (summed), agents: CPU seconds / wall seconds
 
 
 def _vm_hwm(pid: int) -> int:
@@ -223,23 +244,36 @@ def _cpu(p: psutil.Process) -> float:
     return t.user + t.system
 
 
-async def run_scenario(args: argparse.Namespace, scenario: Scenario, server_cpus: set[int]) -> Result:
+async def run_scenario(args: argparse.Namespace, scenario: Scenario, hosts: int, server_cpus: set[int]) -> Result:
+    """One scenario over `hosts` server processes; rollout i belongs to host i % hosts."""
     case = TOOL_OUTPUTS[args.tool_output]
-    async with server_process(serve, args.rollouts + 1, case.calls, server_cpus) as running:
-        *endpoints, warmup = running.endpoints
-        process = running.process
-        server, me = psutil.Process(process.pid), psutil.Process()
-        rss_before = rss_peak = server.memory_info().rss
+    shares = [len(range(i, args.rollouts, hosts)) for i in range(hosts)]
+    async with AsyncExitStack() as stack:
+        running = [
+            await stack.enter_async_context(server_process(serve, share + 1, case.calls, server_cpus))
+            for share in shares
+        ]
+        endpoints = [e for r in running for e in r.endpoints[:-1]]
+        servers = [psutil.Process(r.process.pid) for r in running]
+        me = psutil.Process()
 
+        def rss() -> int:
+            return sum(p.memory_info().rss for p in servers)
+
+        def cpu_servers() -> float:
+            return sum(_cpu(p) for p in servers)
+
+        rss_before = rss_peak = rss()
         stats = AgentStats()
         rng = random.Random(0)
         timeout = aiohttp.ClientTimeout(total=args.max_seconds)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-            warm = AgentStats()
-            await agent(session, warmup, WARMUP_TURNS, (0.0, 0.0), case.chars, rng, warm)
-            if warm.errors or warm.unfinished:
-                raise RuntimeError(f"warm-up rollout failed: {warm.errors}")
-            cpu0 = _cpu(server), _cpu(me)
+            for r in running:  # one warm-up rollout per server
+                warm = AgentStats()
+                await agent(session, r.endpoints[-1], WARMUP_TURNS, (0.0, 0.0), case.chars, rng, warm)
+                if warm.errors or warm.unfinished:
+                    raise RuntimeError(f"warm-up rollout failed: {warm.errors}")
+            cpu0 = cpu_servers(), _cpu(me)
             t0 = time.perf_counter()
             tasks = [
                 asyncio.create_task(
@@ -250,19 +284,29 @@ async def run_scenario(args: argparse.Namespace, scenario: Scenario, server_cpus
             pending = set(tasks)
             while pending and time.perf_counter() < t0 + args.max_seconds:
                 _, pending = await asyncio.wait(pending, timeout=0.25)
-                rss_peak = max(rss_peak, server.memory_info().rss)
+                rss_peak = max(rss_peak, rss())
             for task in pending:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         wall = time.perf_counter() - t0
-        cpu = ((_cpu(server) - cpu0[0]) / wall, (_cpu(me) - cpu0[1]) / wall)
-        rss_after = server.memory_info().rss
-        rss_peak = max(rss_peak, rss_after, _vm_hwm(process.pid))
+        cpu = ((cpu_servers() - cpu0[0]) / wall, (_cpu(me) - cpu0[1]) / wall)
+        rss_after = rss()
+        # Each server's own high-water mark, summed: an upper bound of the peak they held together.
+        rss_peak = max(rss_peak, rss_after, sum(_vm_hwm(r.process.pid) for r in running))
 
-        report: ServerReport = running.finish()
-        report.handler_s = report.handler_s[WARMUP_TURNS:]
-        report.turns -= WARMUP_TURNS
-        return Result(scenario, stats, report, wall, (rss_before / MIB, rss_after / MIB, rss_peak / MIB), cpu)
+        reports: list[ServerReport] = [r.finish() for r in running]
+        for report in reports:
+            report.handler_s = report.handler_s[WARMUP_TURNS:]
+            report.turns -= WARMUP_TURNS
+        return Result(
+            scenario,
+            hosts,
+            stats,
+            ServerReport.merged(reports),
+            wall,
+            (rss_before / MIB, rss_after / MIB, rss_peak / MIB),
+            cpu,
+        )
 
 
 # --------------------------------------------------------------------------- report
@@ -282,8 +326,8 @@ def _errors(r: Result) -> int:
 
 def report(results: list[Result], args: argparse.Namespace, load_before: float) -> str:
     out = [
-        f"### P2: {args.rollouts} concurrent rollouts x {args.turns} turns, stub generation "
-        f"{STUB_LATENCY_S * 1e3:.0f} ms, {TOOL_OUTPUTS[args.tool_output].note}",
+        f"### P2: {args.rollouts} concurrent rollouts x {args.turns} turns over {args.hosts_text} rollout hosts, "
+        f"stub generation {STUB_LATENCY_S * 1e3:.0f} ms, {TOOL_OUTPUTS[args.tool_output].note}",
         "",
     ]
     rows = []
@@ -293,6 +337,7 @@ def report(results: list[Result], args: argparse.Namespace, load_before: float) 
         server_added = [x - STUB_LATENCY_S for x in r.server.handler_s]
         rows.append(
             [
+                str(r.hosts),
                 r.scenario.name,
                 f"{think[0]:g}-{think[1]:g} s" if think[1] > 0 else "0",
                 f"{len(s.round_trips):,}" + (f" ({s.unfinished:,} unfinished)" if s.unfinished else ""),
@@ -308,6 +353,7 @@ def report(results: list[Result], args: argparse.Namespace, load_before: float) 
             ]
         )
     headers = [
+        "hosts",
         "scenario",
         "think time",
         "requests answered",
@@ -322,16 +368,17 @@ def report(results: list[Result], args: argparse.Namespace, load_before: float) 
         "full GCs (longest pause)",
     ]
     out += [markdown_table(headers, rows), ""]
-    saturation = next((r for r in results if r.scenario.think_s[1] == 0), None)
+    saturated = {r.hosts: r for r in results if r.scenario.think_s[1] == 0}
     for r in results:
         s = r.stats
+        saturation = saturated.get(r.hosts)
         detail = ", ".join(f"{k}: {v}" for k, v in sorted(s.errors.items())) or "none"
         tokens = s.prompt_tokens_last
         out.append(
-            f"- {r.scenario.name}: wall {r.wall_s:.1f} s; agent-side errors: {detail}; server-recorded errors "
-            f"{r.server.recorded_errors}, forks {r.server.forks} of {r.server.turns} turns; prompt at the last "
-            f"turn {sum(tokens) / max(len(tokens), 1):,.0f} tokens on average; GC pauses in the server "
-            f"{r.server.gc_pause_total_s:.2f} s in total; RSS growth "
+            f"- {r.hosts} host(s), {r.scenario.name}: wall {r.wall_s:.1f} s; agent-side errors: {detail}; "
+            f"server-recorded errors {r.server.recorded_errors}, forks {r.server.forks} of {r.server.turns} turns; "
+            f"prompt at the last turn {sum(tokens) / max(len(tokens), 1):,.0f} tokens on average; "
+            f"GC pauses in the servers {r.server.gc_pause_total_s:.2f} s in total; RSS growth "
             f"{(r.rss_mib[1] - r.rss_mib[0]) / args.rollouts:.2f} MiB per rollout."
         )
         if r.scenario.think_s[1] == 0:
@@ -346,25 +393,37 @@ def report(results: list[Result], args: argparse.Namespace, load_before: float) 
         errors = _errors(r) + s.unfinished
         p99 = percentile([x - STUB_LATENCY_S for x in s.round_trips], 99)
         out.append(
-            f"- Targets (0 errors, added p99 <= 50 ms) with think time {r.scenario.think_s[0]:g}-"
+            f"- Targets (0 errors, added p99 <= 50 ms) with {r.hosts} host(s), think time {r.scenario.think_s[0]:g}-"
             f"{r.scenario.think_s[1]:g} s: **{'met' if errors == 0 and p99 <= 0.050 else 'NOT met'}** ({errors} "
             f"errors, added p99 {_ms(p99)} ms)."
         )
+    if 1 in saturated:
+        one = _rate(saturated[1])
+        cores = os.cpu_count() or 1
+        for hosts, r in sorted(saturated.items()):
+            if hosts > 1:
+                linear = _rate(r) / (hosts * one)
+                beyond = f"; more hosts than the {cores} cores" if hosts > cores else ""
+                out.append(
+                    f"- Scaling, saturation: {hosts} hosts serve {_rate(r):,.0f} requests/s = {_rate(r) / one:.2f}x "
+                    f"one host ({linear:.0%} of linear{beyond})."
+                )
     out.append(
         f'- Added latency = agent-side round-trip - {STUB_LATENCY_S * 1e3:.0f} ms; "in the server" = time in the '
         "chat-completions handler - 50 ms (no transport, no agent-side scheduling). CPU: CPU seconds / wall "
         "seconds of each process (100% = one core)."
     )
     out.append(
-        f"- Server: its own process, asyncio loop; agents: this process, {'uvloop' if uvloop else 'asyncio'} loop, "
-        f"{args.placement}; loopback HTTP. Machine: {os.cpu_count()} CPUs, 1-minute load average "
-        f"{load_before:.2f} before the run, {os.getloadavg()[0]:.2f} after it."
+        "- Servers: one process per host, asyncio loop; agents: this process, "
+        f"{'uvloop' if uvloop else 'asyncio'} loop, {args.placement}; loopback HTTP. Machine: {os.cpu_count()} "
+        f"CPUs, 1-minute load average {load_before:.2f} before the run, {os.getloadavg()[0]:.2f} after it."
     )
     return "\n".join(out)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", default="1,2,4", help="rollout host counts to run, comma-separated")
     parser.add_argument("--rollouts", type=int, default=512)
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument(
@@ -377,6 +436,7 @@ def main() -> int:
     parser.add_argument("--no-saturation", action="store_true", help="skip the zero-think-time scenario")
     parser.add_argument("--max-seconds", type=float, default=150.0, help="time limit of each scenario")
     args = parser.parse_args()
+    args.hosts_text = args.hosts.replace(",", "/")
     logging.basicConfig(level=logging.WARNING)
 
     load_before = os.getloadavg()[0]
@@ -391,10 +451,11 @@ def main() -> int:
 
     t0 = time.perf_counter()
     results = []
-    for scenario in scenarios:
-        print(f"running {scenario.name} ...", file=sys.stderr, flush=True)
-        with asyncio.Runner(loop_factory=uvloop and uvloop.new_event_loop) as runner:
-            results.append(runner.run(run_scenario(args, scenario, set(cpus))))
+    for hosts in (int(h) for h in args.hosts.split(",")):
+        for scenario in scenarios:
+            print(f"running {scenario.name} over {hosts} host(s) ...", file=sys.stderr, flush=True)
+            with asyncio.Runner(loop_factory=uvloop and uvloop.new_event_loop) as runner:
+                results.append(runner.run(run_scenario(args, scenario, hosts, set(cpus))))
     print(report(results, args, load_before))
     print(f"\n(run time {time.perf_counter() - t0:.0f} s)")
     return 0

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from swe_grpo.demo import DemoConfig, run_in_terminal
+from swe_grpo.demo import DemoConfig, plot_results, run_in_terminal
 from swe_grpo.door import check_allow
 
 if TYPE_CHECKING:
@@ -194,6 +194,10 @@ def cmd_grade(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.plot:
+        out = plot_results([Path(p) for p in args.plot], Path(args.output_dir or "runs/demo") / "reward_curves.png")
+        console.print(f"curves of {len(args.plot)} runs: {out}")
+        return 0
     output_dir = Path(args.output_dir) if args.output_dir else Path("runs/demo") / f"seed{args.seed}"
     report_to = () if args.no_trackio else ("trackio",)
     config = DemoConfig(max_steps=args.steps, seed=args.seed, output_dir=output_dir, report_to=report_to)
@@ -260,8 +264,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a tiny policy learns to fix the bundled tasks: GRPO on this CPU")
     demo.add_argument("--steps", type=int, default=DemoConfig.max_steps, help="optimizer steps")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--output-dir", help="where the curve, result.json and the adapter go (default runs/demo/seedN)")
+    demo.add_argument(
+        "-o", "--output-dir", help="where the curve, result.json and the adapter go (default runs/demo/seedN)"
+    )
     demo.add_argument("--no-trackio", action="store_true", help="do not log to trackio")
+    demo.add_argument(
+        "--plot",
+        nargs="+",
+        metavar="RESULT_JSON",
+        help="do not train: draw these runs' curves into OUTPUT_DIR/reward_curves.png (default runs/demo)",
+    )
     demo.set_defaults(func=cmd_demo)
 
     rollout = sub.add_parser("rollout", help="run rollouts without training; one JSON line per rollout")

@@ -17,6 +17,7 @@ import torch
 from rich.console import Console
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from swe_grpo import cli
 from swe_grpo.demo import DemoConfig, run_in_terminal
 from swe_grpo.demo.warm_start import Episode, EpisodeBuilder, load_capture
 
@@ -81,6 +82,12 @@ def test_a_short_demo_run_moves_the_policy_towards_the_fix(tmp_path: Path, run_d
     assert [(s["step"], s["resolved_rate"]) for s in saved["resolved_rate_per_step"]] == result.history
     assert len(result.history) == config.max_steps and saved["config"]["seed"] == config.seed
     assert (config.output_dir / "reward_curve.png").stat().st_size > 0
+    # `swe-grpo demo --plot`: several runs' curves in one figure (the README's three seeds).
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**saved, "config": {**saved["config"], "seed": 7}}))
+    plot = cli.parse_args(["demo", "--plot", str(config.output_dir / "result.json"), str(other), "-o", str(tmp_path)])
+    assert cli.cmd_demo(plot) == 0
+    assert (tmp_path / "reward_curves.png").read_bytes().startswith(b"\x89PNG")
 
     tokenizer = AutoTokenizer.from_pretrained(result.policy_dir)
     episodes = EpisodeBuilder(tokenizer, load_capture()).episodes

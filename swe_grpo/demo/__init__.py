@@ -6,6 +6,6 @@ The tiny model itself (`swe_grpo.tiny_model`) stays in the library: the test fix
 benchmarks build it too.
 """
 
-from swe_grpo.demo.run import DemoConfig, DemoResult, run_demo, run_in_terminal, save_curve, save_result
+from swe_grpo.demo.run import DemoConfig, DemoResult, plot_results, run_demo, run_in_terminal, save_curve, save_result
 
-__all__ = ["DemoConfig", "DemoResult", "run_demo", "run_in_terminal", "save_curve", "save_result"]
+__all__ = ["DemoConfig", "DemoResult", "plot_results", "run_demo", "run_in_terminal", "save_curve", "save_result"]

@@ -19,7 +19,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -209,21 +209,33 @@ def run_demo(config: DemoConfig, report: Report | None = None) -> DemoResult:
     return result
 
 
-def save_curve(result: DemoResult, path: Path) -> Path:
-    """Draw the resolved rate per step to `path` (PNG)."""
+def save_curve(curves: Mapping[str, Sequence[tuple[int, float]]], path: Path) -> Path:
+    """Draw each labelled curve of (step, resolved rate) to `path` (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a server
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([step for step, _ in result.history], [rate for _, rate in result.history], marker="o")
+    for label, history in curves.items():
+        ax.plot([step for step, _ in history], [rate for _, rate in history], marker="o", label=label)
     ax.set(xlabel="training step", ylabel="resolved rate", ylim=(0, 1.02), title="swe-grpo demo: GRPO on CPU")
     ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_results(result_files: Sequence[Path], path: Path) -> Path:
+    """Draw the curves of several runs' `result.json` files into one PNG, labelled by seed and wall time."""
+    curves = {}
+    for file in result_files:
+        data = json.loads(file.read_text())
+        label = f"seed {data['config']['seed']} ({data['wall_s'] / 60:.1f} min)"
+        curves[label] = [(row["step"], row["resolved_rate"]) for row in data["resolved_rate_per_step"]]
+    return save_curve(curves, path)
 
 
 def save_result(result: DemoResult, config: DemoConfig, path: Path) -> Path:
@@ -273,7 +285,7 @@ def run_in_terminal(config: DemoConfig, console: Console) -> DemoResult:
             progress.update(bars[phase], completed=done or 0, total=total, description=detail)
 
         result = run_demo(config, report)
-    curve = save_curve(result, result.output_dir / "reward_curve.png")
+    curve = save_curve({f"seed {config.seed}": result.history}, result.output_dir / "reward_curve.png")
     summary = save_result(result, config, result.output_dir / "result.json")
     table = Table(title="swe-grpo demo")
     table.add_column("")
