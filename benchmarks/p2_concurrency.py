@@ -27,7 +27,7 @@ Two scenarios, each stopped after `--max-seconds` (what is unfinished is cancell
 
 Real generations take seconds, so real rollouts send far fewer requests per second than these do.
 
-Run: `SWE_GRPO_CACHE=/tmp/swecache .venv/bin/python benchmarks/p2_concurrency.py` (~10 minutes;
+Run: `SWE_GRPO_CACHE=/tmp/swecache .venv/bin/python benchmarks/p2_concurrency.py` (~6 minutes;
 options `--hosts`, `--rollouts`, `--turns`, `--think`, `--tool-output`, `--no-saturation`, `--max-seconds`).
 """
 
@@ -399,14 +399,17 @@ def report(results: list[Result], args: argparse.Namespace, load_before: float) 
         )
     if 1 in saturated:
         one = _rate(saturated[1])
+        one_per_cpu = one / saturated[1].cpu[0]
         cores = os.cpu_count() or 1
         for hosts, r in sorted(saturated.items()):
             if hosts > 1:
                 linear = _rate(r) / (hosts * one)
                 beyond = f"; more hosts than the {cores} cores" if hosts > cores else ""
+                per_cpu = _rate(r) / r.cpu[0]
                 out.append(
                     f"- Scaling, saturation: {hosts} hosts serve {_rate(r):,.0f} requests/s = {_rate(r) / one:.2f}x "
-                    f"one host ({linear:.0%} of linear{beyond})."
+                    f"one host ({linear:.0%} of linear{beyond}); per CPU-second the servers got, {per_cpu:,.0f} "
+                    f"requests against {one_per_cpu:,.0f} for one host ({per_cpu / one_per_cpu:.0%})."
                 )
     out.append(
         f'- Added latency = agent-side round-trip - {STUB_LATENCY_S * 1e3:.0f} ms; "in the server" = time in the '
