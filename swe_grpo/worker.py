@@ -80,7 +80,6 @@ import itertools
 import logging
 import os
 import queue
-import random
 import re
 import threading
 import time
@@ -104,6 +103,7 @@ from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
 from swe_grpo.rollout_hosts import EngineArgs, HostSpec, ProcessHost, RolloutHost, RolloutHosts
 from swe_grpo.sandbox import make_backend
 from swe_grpo.sandbox.base import MAX_PATCH_BYTES, SandboxBackend
+from swe_grpo.task_sampling import TASK_SAMPLING, TaskSampler, TaskSampling
 from swe_grpo.tasks import Task, tasks_from_dataset
 from swe_grpo.vllm_client import SamplingParams, VLLMClient, VLLMError
 
@@ -161,7 +161,8 @@ class WorkerConfig:
     host: str = "127.0.0.1"  # the InterceptionServer's bind; sandboxes reach it at public_base_url
     port: int = 0
     public_base_url: str | None = None
-    seed: int = 0  # task order: shuffled every pass over the tasks
+    seed: int = 0  # of the task order
+    task_sampling: TaskSampling = "shuffle"  # or "informative": see swe_grpo/task_sampling.py
     queue_maxsize: int = 0  # launch no new group while this many samples wait for the trainer (0: no limit)
     log_traces: bool = False  # one group's agent conversations per policy version to the trainer's trackio run
     rollout_hosts: int = 1  # 0: rollouts run in a thread of this process; N: in N child processes (rollout_hosts.py)
@@ -179,6 +180,8 @@ class WorkerConfig:
             raise ValueError("rollout_hosts must be >= 0 and at most max_concurrent_rollouts (each host runs some)")
         if self.rollout_hosts > 1 and (self.port or self.public_base_url):
             raise ValueError("several rollout hosts bind a port each: leave port 0 and public_base_url unset")
+        if self.task_sampling not in TASK_SAMPLING:
+            raise ValueError(f"unknown task_sampling {self.task_sampling!r}: choose one of {', '.join(TASK_SAMPLING)}")
         if self.agent not in AGENTS:
             raise ValueError(f"unknown agent {self.agent!r}: choose one of {', '.join(AGENTS)}")
 
@@ -333,6 +336,9 @@ class SWERolloutWorker:
         self._in_flight: dict[str, asyncio.Task] = {}
         self._stale: set[str] = set()
         self._skipped: dict[str, str] = {}  # instance id -> why its sandbox would not start
+        self._sampler = TaskSampler(
+            self.tasks, self.config.task_sampling, seed=self.config.seed, group_size=self.config.num_generations
+        )
         self._grading: dict[str, int | None] = {}  # rollout id -> its oldest version, while it is graded
         self._last_progress = time.monotonic()
         self._loop_tick = time.monotonic()  # the event loop's latest sign of life
@@ -573,20 +579,12 @@ class SWERolloutWorker:
             await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
 
     def _task_stream(self) -> Iterator[Task]:
-        """Tasks, shuffled each pass, without those found unrunnable."""
-        rng = random.Random(self.config.seed)
-        while True:
-            order = list(self.tasks)
-            rng.shuffle(order)
-            runnable = [t for t in order if t.instance_id not in self._skipped]
-            if not runnable:
-                last_cause = next(reversed(self._skipped.values()))
-                raise RolloutWorkerError(
-                    f"no runnable tasks left: all {len(self.tasks)} were skipped; the last because: {last_cause}"
-                )
-            for task in runnable:
-                if task.instance_id not in self._skipped:
-                    yield task
+        """The sampler's tasks (`WorkerConfig.task_sampling`), until every one was found unrunnable."""
+        yield from self._sampler.stream()
+        last_cause = next(reversed(self._skipped.values()))
+        raise RolloutWorkerError(
+            f"no runnable tasks left: all {len(self.tasks)} were skipped; the last because: {last_cause}"
+        )
 
     async def _tick(self) -> None:
         """The event loop's sign of life, once a second (a blocked loop is a hung worker)."""
@@ -688,6 +686,8 @@ class SWERolloutWorker:
         if trajectory is None:
             return None
         self._last_progress = time.monotonic()
+        if trajectory.reward is not None:
+            self._sampler.record(task.instance_id, trajectory.reward)
         failed = [e for e in trajectory.request_errors if e.kind in _GENERATION_FAILURES]
         if failed:
             self._generation_failed(f"{failed[-1].kind}: {failed[-1].message}")
@@ -761,6 +761,7 @@ class SWERolloutWorker:
         if unrunnable and group.task.instance_id not in self._skipped:
             cause = trajectories[-1].error or "its sandbox would not start"
             self._skipped[group.task.instance_id] = cause
+            self._sampler.remove(group.task.instance_id)
             log.warning("skipping %s from now on: %s", group.task.instance_id, cause)
             self._push_metrics({"tasks/skipped_total": 1.0})
         samples, reason = self._group_samples(group, trajectories)

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from swe_grpo.task_sampling import TaskSampling
 from swe_grpo.tasks import demo_tasks
 
 if TYPE_CHECKING:
@@ -45,11 +46,17 @@ class DemoConfig:
     num_generations: int = 8
     groups_per_step: int = 2  # more, smaller steps learn sooner in wall time than fewer, larger ones
     learning_rate: float = 4e-3  # LoRA r=8 on a ~1M-parameter model: TRL's 1e-6 default would take days
-    lr_scheduler: str = "cosine"  # smaller late steps: a learned task is not pushed off by the others' updates
+    # Smaller late steps, so a learned task is not pushed off by the others' updates; but never ~0: late
+    # steps train on what is still mixed (the hardest task), which a plain cosine froze at ~0.9.
+    lr_scheduler: str = "cosine_with_min_lr"
+    min_lr_rate: float = 0.3  # of `learning_rate`, at the last step (used by "cosine_with_min_lr" only)
     lora_rank: int = 8
     max_tokens: int = 96  # per model turn: the candidate tool calls and the closing turn are short
     max_staleness: int = 1  # samples at most one policy behind: learning stays steady (PLATFORM.md)
     max_concurrent_rollouts: int = 6
+    # Groups go to the tasks the policy is still undecided on: a learned task's groups are all solved and
+    # dropped, so late steps would pay for rollouts that teach nothing (see swe_grpo/task_sampling.py).
+    task_sampling: TaskSampling = "informative"
     seed: int = 0
     output_dir: Path = Path("runs/demo/seed0")
     sandbox_dir: Path | None = None  # where the local sandboxes live (default: the system's temp dir)
@@ -156,6 +163,7 @@ def run_demo(config: DemoConfig, report: Report | None = None) -> DemoResult:
             num_generations=config.num_generations,
             learning_rate=config.learning_rate,
             lr_scheduler_type=config.lr_scheduler,
+            lr_scheduler_kwargs={"min_lr_rate": config.min_lr_rate} if "min_lr" in config.lr_scheduler else {},
             temperature=1.0,
             max_completion_length=config.max_tokens,
             token_budget=0,  # fixed-count micro-batches: one group each
@@ -181,6 +189,7 @@ def run_demo(config: DemoConfig, report: Report | None = None) -> DemoResult:
             config=WorkerConfig.from_trainer_args(
                 args,
                 max_concurrent_rollouts=config.max_concurrent_rollouts,
+                task_sampling=config.task_sampling,
                 agent_timeout_s=300,
                 stall_timeout_s=120,
             ),
