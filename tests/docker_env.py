@@ -102,12 +102,8 @@ def tcp_engine(source_url: str, images: tuple[str, ...] = (DEFAULT_IMAGE,)) -> I
                 contextlib.closing(docker.DockerClient(base_url=source_url)) as source,
                 contextlib.closing(docker.DockerClient(base_url=url)) as target,
             ):
-                for image in images:
-                    with tempfile.TemporaryFile(dir=home) as archive:
-                        for chunk in source.api.get_image(image):
-                            archive.write(chunk)
-                        archive.seek(0)
-                        target.images.load(archive)
+                for image in images:  # streamed engine to engine: no copy of the archive on disk
+                    target.images.load(source.api.get_image(image))
             yield url
         shutil.rmtree(exec_root, ignore_errors=True)
 
