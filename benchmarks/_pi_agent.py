@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import orjson
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from swe_grpo.tiny_model import build_tiny_model
@@ -151,6 +152,12 @@ TOOLS: list[dict[str, Any]] = [
     ),
 ]
 
+# What follows the messages in every request Pi sends.
+_REQUEST_TAIL = (
+    b"],"
+    + orjson.dumps({"tools": TOOLS, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 4096})[1:]
+)
+
 # --------------------------------------------------------------------------- how much each turn brings
 
 
@@ -263,7 +270,7 @@ def parse_sse(payload: bytes) -> Answer:
     for event in payload.decode("utf-8").split("\n\n"):
         if not event.startswith("data: ") or event == "data: [DONE]":
             continue
-        chunk = json.loads(event[len("data: ") :])
+        chunk = orjson.loads(event[len("data: ") :])
         answer.usage = chunk.get("usage") or answer.usage
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
@@ -289,18 +296,15 @@ class PiConversation:
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": [{"type": "text", "text": USER_TASK}]},
         ]
+        # Each message is serialised once, when first sent (a sent message is never changed): the load
+        # generator's cost must stay small beside the server's, or a benchmark measures the generator.
+        self._sent: list[bytes] = []
 
     def body(self) -> bytes:
         """The JSON body of the next request: the whole history, as Pi re-sends it every turn."""
-        request = {
-            "model": self.model,
-            "messages": self.messages,
-            "tools": TOOLS,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "max_tokens": 4096,
-        }
-        return json.dumps(request, ensure_ascii=False).encode()
+        self._sent += [orjson.dumps(m) for m in self.messages[len(self._sent) :]]
+        head = b'{"model":' + orjson.dumps(self.model) + b',"messages":['
+        return head + b",".join(self._sent) + _REQUEST_TAIL
 
     def absorb(self, answer: Answer) -> None:
         """Echo the assistant message back and run its tool calls (one result per call)."""
@@ -331,6 +335,7 @@ class PiConversation:
         """Same history (messages are shared, never mutated), its own RNG."""
         other = PiConversation(self.model, rng, self.chars)
         other.messages = list(self.messages)
+        other._sent = list(self._sent)
         return other
 
 
