@@ -65,6 +65,14 @@ class SWEArguments:
         },
     )
 
+    task_sampling: str = field(
+        default="shuffle",
+        metadata={
+            "help": "Which task each group works on: shuffle (every task once per pass) or informative (drawn by the "
+            "chance that the group's rewards differ, from the task's recent resolved rate: fewer groups dropped)."
+        },
+    )
+
     def __post_init__(self) -> None:
         check_allow(self.allow, self.door)  # a bad entry fails the command line, not the worker's start
 
@@ -89,6 +97,7 @@ def worker_config(swe: SWEArguments, args: AsyncGRPOConfig) -> WorkerConfig:
         port=swe.interception_port,
         public_base_url=swe.public_base_url,
         drop_zero_variance_groups=swe.drop_zero_variance_groups,
+        task_sampling=swe.task_sampling,
         door=swe.door,
         allow=tuple(swe.allow),
         agent=swe.agent,
