@@ -26,6 +26,7 @@ from itertools import pairwise
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from accelerate import Accelerator
 from transformers import AttentionInterface
 from transformers.integrations.flash_attention import get_target_dtype
@@ -78,13 +79,7 @@ def tree_attention_cpu(
     outputs = []
     for (q_start, q_end), (k_start, k_end) in zip(pairwise(q_bounds), pairwise(k_bounds), strict=True):
         path = tree_kv_index[k_start:k_end]
-        # Query head h reads key/value head h // heads_per_kv, as transformers' `repeat_kv` lays them out.
-        path_key = key[:, path].repeat_interleave(heads_per_kv, dim=0)
-        path_value = value[:, path].repeat_interleave(heads_per_kv, dim=0)
-        scores = query[:, q_start:q_end] @ path_key.transpose(1, 2) * scaling
-        if softcap:
-            scores = softcap * torch.tanh(scores / softcap)
-
+        segment_query, path_key, path_value = query[:, q_start:q_end], key[:, path], value[:, path]
         # The segment's tokens are the last ones on its path, so the causal diagonal is aligned to the path's end.
         path_len, seg_len = k_end - k_start, q_end - q_start
         query_pos = torch.arange(path_len - seg_len, path_len, device=query.device).unsqueeze(1)
@@ -92,9 +87,19 @@ def tree_attention_cpu(
         visible = key_pos <= query_pos
         if sliding_window:
             visible &= query_pos - key_pos < sliding_window
-        # Softmax in float32 as transformers' eager attention does, so low-precision runs stay comparable.
-        probs = scores.float().masked_fill(~visible, -math.inf).softmax(dim=-1).to(dtype)
-        outputs.append(probs @ path_value)
+        if softcap:  # not expressible in SDPA: scores, cap, softmax in float32 as transformers' eager attention
+            # Query head h reads key/value head h // heads_per_kv, as transformers' `repeat_kv` lays them out.
+            path_key = path_key.repeat_interleave(heads_per_kv, dim=0)
+            path_value = path_value.repeat_interleave(heads_per_kv, dim=0)
+            scores = softcap * torch.tanh(segment_query @ path_key.transpose(1, 2) * scaling / softcap)
+            probs = scores.float().masked_fill(~visible, -math.inf).softmax(dim=-1).to(dtype)
+            outputs.append(probs @ path_value)
+        else:  # PyTorch's fused CPU kernel: ~never materialises the scores (the root segment is thousands long)
+            outputs.append(
+                F.scaled_dot_product_attention(
+                    segment_query, path_key, path_value, attn_mask=visible, scale=scaling, enable_gqa=heads_per_kv > 1
+                )
+            )
 
     output = torch.cat(outputs, dim=1).transpose(0, 1).contiguous()
     return output.unsqueeze(0), None

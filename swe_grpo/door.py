@@ -30,13 +30,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from swe_grpo.sandbox.base import Mount
+from swe_grpo.sandbox.base import Mount, owner_gone
 
 #: Where a door's directory (the socket `s` and `door.cjs`) is mounted inside the sandbox.
 DOOR_MOUNT = "/run/swe-grpo-door"
@@ -44,6 +48,9 @@ DOOR_MOUNT = "/run/swe-grpo-door"
 DOOR_PORT = 18080
 #: The loopback port of the allowlist proxy inside the sandbox (only with an allowlist).
 PROXY_PORT = 18081
+log = logging.getLogger(__name__)
+
+_DIR_PREFIX = "swe-grpo-door-"  # then the pid of the process serving it
 _SCRIPT = Path(__file__).with_name("door.cjs")
 _UNIX_PATH_MAX = 107  # sun_path holds 108 bytes, NUL included
 _PROXY_TIMEOUT_S = 30.0
@@ -67,7 +74,7 @@ class Door:
     def make(cls, rollout_id: str) -> Door:
         """A fresh directory (in the system's temporary directory, which the unprivileged sandbox user can
         traverse: it opens the mount) with the forwarder script in it."""
-        host_dir = Path(tempfile.mkdtemp(prefix="swe-grpo-door-"))
+        host_dir = Path(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-"))
         host_dir.chmod(0o711)
         door = cls(rollout_id, host_dir)
         if len(str(door.socket)) > _UNIX_PATH_MAX:
@@ -157,3 +164,23 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             await writer.drain()
         if writer.can_write_eof():
             writer.write_eof()
+
+
+def remove_orphaned_doors(grace_s: float = 10.0) -> None:
+    """Remove the door directories that a killed process left in the temporary directory: those whose
+    owner (the pid in the name) is gone, and those whose socket nobody serves (a live server removes a
+    door's directory before it stops serving it) and that are older than `grace_s` (a door being opened
+    has no listening socket for a moment)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{_DIR_PREFIX}*"):
+        if not owner_gone(path.name, _DIR_PREFIX):
+            with socket.socket(socket.AF_UNIX) as probe:
+                try:
+                    probe.connect(str(path / "s"))
+                    continue  # served: a live door
+                except OSError:
+                    pass
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - path.stat().st_mtime <= grace_s:
+                    continue
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("removed the orphaned door %s", path)

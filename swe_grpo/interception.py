@@ -46,7 +46,6 @@ activity for stall watchdogs.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import gc
 import hmac
@@ -54,16 +53,12 @@ import logging
 import os
 import re
 import secrets
-import shutil
-import socket
-import tempfile
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -80,7 +75,7 @@ from swe_grpo.chain import (
     TurnRecord,
     oldest_version,
 )
-from swe_grpo.door import Door
+from swe_grpo.door import Door, remove_orphaned_doors
 from swe_grpo.responses import ParsedResponse, ResponseParser
 from swe_grpo.vllm_client import (
     ContextOverflowError,
@@ -192,23 +187,6 @@ def _error_response(status: int, message: str, kind: str, code: str | None = Non
     return _json_response(_HTTPError(status, message, kind, code).body(), status)
 
 
-def _remove_orphaned_doors(grace_s: float = 10.0) -> None:
-    """Remove the door directories (`swe_grpo.door`) that a killed process left in the temporary directory:
-    those whose socket nobody serves (a live server removes a door's directory before it stops serving it)
-    and that are older than `grace_s` (a door being opened has no listening socket for a moment)."""
-    for path in Path(tempfile.gettempdir()).glob("swe-grpo-door-*"):
-        with socket.socket(socket.AF_UNIX) as probe:
-            try:
-                probe.connect(str(path / "s"))
-                continue  # served: a live door
-            except OSError:
-                pass
-        with contextlib.suppress(FileNotFoundError):
-            if time.time() - path.stat().st_mtime > grace_s:
-                shutil.rmtree(path, ignore_errors=True)
-                log.info("removed the orphaned door %s", path)
-
-
 @web.middleware
 async def _errors_as_json(request: web.Request, handler: Callable) -> web.StreamResponse:
     try:
@@ -286,7 +264,7 @@ class InterceptionServer:
         # otherwise shows as latency spikes of hundreds of ms under many concurrent rollouts. (Undone by
         # stop(), so that what was frozen can be freed at exit.)
         gc.freeze()
-        await asyncio.to_thread(_remove_orphaned_doors)
+        await asyncio.to_thread(remove_orphaned_doors)
         # Linux nice values are per thread: the bulk threads yield the CPU to the event loop and to the
         # other rollouts' turns, so a big request takes longer instead of slowing everyone down.
         self._bulk = ThreadPoolExecutor(_BULK_THREADS, "interception-bulk", initializer=os.nice, initargs=(_BULK_NICE,))

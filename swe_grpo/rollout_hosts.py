@@ -25,7 +25,9 @@ What holds across the boundary (on top of everything `swe_grpo.worker` guarantee
 - Nothing leaked: `stop()` stops every host's engine (cancelling every rollout, destroying its
   sandboxes) and joins its process, killing it after the timeout. A host stops the same way when the
   trainer dies, even by SIGKILL: it sees its command pipe close, and the kernel signals it
-  (PR_SET_PDEATHSIG). The local backend's reaper removes what a SIGKILLed host itself left.
+  (PR_SET_PDEATHSIG). What a host that died left (killed, or frozen and then killed by `stop()`): its
+  agents die with it (bubblewrap's --die-with-parent), and `stop()` then removes its sandboxes'
+  directories, mounts and cgroups and its doors; after a SIGKILLed trainer, the next start does.
 """
 
 from __future__ import annotations
@@ -323,7 +325,7 @@ class ProcessHost:
         if cause is not None and process.exitcode != 0:  # a host that had already ended cleanly cannot answer
             raise cause
 
-    def _ask(self, request: str, argument: Any, answer_s: float = _ANSWER_TIMEOUT_S) -> None:
+    def _ask(self, request: str, argument: Any, answer_s: float | None = None) -> None:
         """Send a request and wait for its answer; `RolloutWorkerError` (the host's exception chained) if
         the host raised, died or did not answer."""
         from swe_grpo.worker import RolloutWorkerError
@@ -336,7 +338,7 @@ class ProcessHost:
                 self._commands.send((request, argument))
             except OSError as e:
                 raise RolloutWorkerError(f"{self.name} {self._death()}") from e
-            failure = self._answer(answer_s, request)
+            failure = self._answer(_ANSWER_TIMEOUT_S if answer_s is None else answer_s, request)
         if failure is not None:
             raise failure  # the host's own exception, its chain rebuilt
 

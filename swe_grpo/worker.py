@@ -97,6 +97,7 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 from urllib3.util.retry import Retry
 
 from swe_grpo.agents import AGENTS, Agent, AgentConfig, make_agent
+from swe_grpo.door import remove_orphaned_doors
 from swe_grpo.grading import DEFAULT_TIMEOUT_S
 from swe_grpo.interception import InterceptionServer, Policy
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
@@ -378,7 +379,11 @@ class SWERolloutWorker:
     def stop(self, timeout_s: float = 120.0) -> None:
         """Cancel every rollout (aborting its generation, killing Pi and the sandbox) and shut down."""
         if self._hosts is not None:
-            self._hosts.stop(timeout_s)
+            try:
+                self._hosts.stop(timeout_s)
+            finally:
+                if self.config.ray_resources is None:  # a Ray host's sandboxes are on its node, reaped there
+                    asyncio.run(self._reap_leftovers())
             return
         thread, loop, stop = self._thread, self._loop, self._stop
         if thread is None or loop is None or stop is None:
@@ -388,6 +393,17 @@ class SWERolloutWorker:
             thread.join(timeout_s)
             if thread.is_alive():
                 raise RolloutWorkerError(f"rollout worker did not stop within {timeout_s:.0f}s")
+
+    async def _reap_leftovers(self) -> None:
+        """Remove what a host that died (SIGKILL, the OOM killer) left of its sandboxes and doors: with the
+        hosts ended, the backend's start-up reaper removes what dead processes owned, and nothing of live
+        ones; a door nobody serves any more is removed after a second (one being opened is younger)."""
+        try:
+            await asyncio.to_thread(remove_orphaned_doors)
+            await self.backend.start()
+            await self.backend.close()
+        except Exception as e:  # stopping goes on; the next start reaps them too
+            log.warning("could not remove what the rollout hosts left: %s", e)
 
     def update_model_version(self, model_version: int) -> None:
         """Point generations at policy `model_version` (see the module docstring), then cancel the

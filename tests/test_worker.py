@@ -18,6 +18,7 @@ import os
 import queue
 import shutil
 import signal
+import tempfile
 import time
 import traceback
 from collections import Counter, defaultdict
@@ -383,6 +384,29 @@ def test_a_killed_host_is_reported_with_its_signal(make_worker) -> None:
         time.sleep(0.2)
     else:
         raise AssertionError("check_health did not notice the killed host")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_a_host_killed_or_frozen_mid_rollout_is_reported_and_stop_leaves_nothing(
+    make_worker, monkeypatch, signum: signal.Signals
+) -> None:
+    """The OOM killer or an operator's `kill -9` takes a host with agents at work, or a host hangs (here:
+    SIGSTOP): health names it, and `stop()` leaves no agent, sandbox directory, mount or cgroup of it."""
+    monkeypatch.setattr("swe_grpo.rollout_hosts._ANSWER_TIMEOUT_S", 5.0)  # a frozen host: reported after 5 s
+    worker = make_worker(demo_tasks())
+    worker.start()
+    drain = Drain(worker)
+    drain.until(lambda: host_pids(PI_PROCESS) != [], timeout_s=120)  # agents at work in the host's sandboxes
+    (host,) = [p for p in multiprocessing.active_children() if p.name.startswith("swe-grpo-rollout-host")]
+    doors = list(Path(tempfile.gettempdir()).glob("swe-grpo-door-*"))
+    assert doors  # each agent's door to its endpoint, served by the host
+    os.kill(host.pid, signum)
+    expected = "was killed by SIGKILL" if signum == signal.SIGKILL else "did not answer 'health' within 5s"
+    with pytest.raises(RolloutWorkerError, match=expected):
+        drain.until(lambda: False, timeout_s=60)
+    worker.stop(timeout_s=10)  # the make_worker fixture then asserts that no agent or sandbox is left
+    assert not host.is_alive()
+    assert not any(door.exists() for door in doors)
 
 
 def unrunnable(task: Task) -> Task:

@@ -21,6 +21,7 @@ Guarantees every backend gives:
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import uuid
 from abc import ABC, abstractmethod
@@ -317,3 +318,16 @@ def _merge_sections(text: list[bytes], binary: list[bytes]) -> bytes:
     if not all(_is_text(section) for section in merged):
         raise SandboxError("a change has no text form (a symlink target that is not UTF-8?)")
     return b"".join(merged)
+
+
+def owner_gone(name: str, prefix: str) -> bool:
+    """Whether `name`, made as `<prefix><pid>-...` by the process `pid`, belongs to a process that is gone
+    (what a killed process left on the host: sandbox directories, cgroups, doors)."""
+    owner = re.match(rf"{re.escape(prefix)}(\d+)-", name)
+    if owner is None:
+        return False
+    try:
+        os.kill(int(owner.group(1)), 0)  # as root, only a missing process fails
+    except ProcessLookupError:
+        return True
+    return False

@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING, Literal
 
 from swe_grpo.paths import cache_root
 from swe_grpo.sandbox._common import HOST_GIT_ENV, CgroupLayout, Exhaustion, OutputTail
-from swe_grpo.sandbox.base import WORKDIR, ExecResult, Mount, Sandbox, SandboxBackend, SandboxError
+from swe_grpo.sandbox.base import WORKDIR, ExecResult, Mount, Sandbox, SandboxBackend, SandboxError, owner_gone
 
 if TYPE_CHECKING:
     from swe_grpo.tasks import Task
@@ -784,7 +784,7 @@ def _mounts_under(path: Path) -> list[str]:
 def _reap_leftovers(run_dir: Path, layout: CgroupLayout | None) -> None:
     """Unmount and remove the sandbox directories, and remove the cgroups, whose owning process is dead."""
     for entry in run_dir.glob(f"{_PREFIX}*"):
-        if not entry.is_dir() or not _orphaned(entry.name):
+        if not entry.is_dir() or not owner_gone(entry.name, _PREFIX):
             continue
         for point in sorted(_mounts_under(entry), reverse=True):  # innermost first
             subprocess.run(["umount", "-l", point], capture_output=True)
@@ -793,20 +793,6 @@ def _reap_leftovers(run_dir: Path, layout: CgroupLayout | None) -> None:
             log.info("removed the leftover sandbox %s", entry)
     if layout is not None:
         for entry in (layout.memory / CGROUP_PARENT).glob(f"{_PREFIX}*"):
-            if _orphaned(entry.name):
+            if owner_gone(entry.name, _PREFIX):
                 _Cgroup(layout, entry.name).remove()
                 log.info("removed the leftover cgroup %s", entry.name)
-
-
-def _orphaned(name: str) -> bool:
-    """Whether `swe-grpo-<pid>-...` names a sandbox of a process that is gone."""
-    owner = re.match(rf"{_PREFIX}(\d+)-", name)
-    return owner is not None and not _alive(int(owner.group(1)))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # as root, only a missing process fails
-    except ProcessLookupError:
-        return False
-    return True
