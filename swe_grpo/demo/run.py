@@ -177,6 +177,9 @@ def run_demo(config: DemoConfig, report: Report | None = None) -> DemoResult:
             run_name=f"demo-seed{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}",  # a new trackio run each time
             disable_tqdm=True,  # the caller shows progress (`report`); every metric is in trackio
             use_cpu=True,
+            # TRL turns it on by default; here it only recomputes the forward (a third of the trainer's step,
+            # measured) to save memory a ~1M-parameter policy does not need.
+            gradient_checkpointing=False,
             seed=config.seed,
             vllm_server_base_url=server.url,
         )
