@@ -21,12 +21,12 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 from swe_grpo.tasks import Task
 
 TaskSampling = Literal["shuffle", "informative"]
-TASK_SAMPLING: tuple[TaskSampling, ...] = ("shuffle", "informative")
+TASK_SAMPLING: tuple[TaskSampling, ...] = get_args(TaskSampling)
 
 
 class TaskSampler:

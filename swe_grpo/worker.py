@@ -396,8 +396,8 @@ class SWERolloutWorker:
 
     async def _reap_leftovers(self) -> None:
         """Remove what a host that died (SIGKILL, the OOM killer) left of its sandboxes and doors: with the
-        hosts ended, the backend's start-up reaper removes what dead processes owned, and nothing of live
-        ones; a door nobody serves any more is removed after a second (one being opened is younger)."""
+        hosts ended, the backend's start-up reaper and `remove_orphaned_doors` remove what dead processes
+        owned, and nothing of live ones."""
         try:
             await asyncio.to_thread(remove_orphaned_doors)
             await self.backend.start()
