@@ -8,6 +8,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 
+import psutil
 import pytest
 import torch
 from aiohttp import web
@@ -38,6 +39,24 @@ async def test_generate_returns_ids_and_log_probs(vllm_client, tokenizer) -> Non
     if generation.finish_reason == "stop":
         assert generation.token_ids[-1] == tokenizer.eos_token_id  # the stop token is kept, with its log-prob
     assert vllm_client.max_model_len == 8192
+
+
+async def test_the_cpu_server_does_not_spin_between_requests(vllm_server, vllm_client, tokenizer) -> None:
+    """vLLM's CPU default runs the model in a worker process that busy-polls its queue for a second after
+    every step: on a 2-core box beside agents and a trainer that spin cost ~a core. The server runs the
+    model in its engine process instead (`VLLMServer.cpu_threads`), so between requests it is idle."""
+    server = psutil.Process(vllm_server.pid)
+    processes = [server, *server.children(recursive=True)]
+    assert not [p.name() for p in processes if "Worker" in p.name()]
+
+    def cpu_s() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in processes)
+
+    for _ in range(5):
+        await vllm_client.generate(prompt(tokenizer), SamplingParams(max_tokens=8))
+    before = cpu_s()
+    await asyncio.sleep(2)
+    assert cpu_s() - before < 0.3
 
 
 async def test_log_probs_match_the_trainers_forward(vllm_client, tokenizer, tiny_model_dir) -> None:
