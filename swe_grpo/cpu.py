@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.flash_attention import get_target_dtype
 from trl.experimental.async_grpo import async_grpo_trainer, packing
@@ -79,26 +80,34 @@ def tree_attention_cpu(
     outputs = []
     for (q_start, q_end), (k_start, k_end) in zip(pairwise(q_bounds), pairwise(k_bounds), strict=True):
         path = tree_kv_index[k_start:k_end]
-        segment_query, path_key, path_value = query[:, q_start:q_end], key[:, path], value[:, path]
+        segment_query = query[:, q_start:q_end]
+        # Query head h reads key/value head h // heads_per_kv, as transformers' `repeat_kv` lays them out.
+        # Repeated here rather than SDPA's `enable_gqa`, which its fused CPU kernel does not take.
+        path_key = key[:, path].repeat_interleave(heads_per_kv, dim=0)
+        path_value = value[:, path].repeat_interleave(heads_per_kv, dim=0)
         # The segment's tokens are the last ones on its path, so the causal diagonal is aligned to the path's end.
         path_len, seg_len = k_end - k_start, q_end - q_start
+        if not (sliding_window or softcap):
+            # No mask tensor: SDPA's fused CPU kernel takes a lower-right causal bias as is (3-4x faster
+            # forward+backward than a boolean mask on a ~2.6k-token root segment, measured).
+            outputs.append(
+                F.scaled_dot_product_attention(
+                    segment_query, path_key, path_value, attn_mask=causal_lower_right(seg_len, path_len), scale=scaling
+                )
+            )
+            continue
         query_pos = torch.arange(path_len - seg_len, path_len, device=query.device).unsqueeze(1)
         key_pos = torch.arange(path_len, device=query.device).unsqueeze(0)
         visible = key_pos <= query_pos
         if sliding_window:
             visible &= query_pos - key_pos < sliding_window
         if softcap:  # not expressible in SDPA: scores, cap, softmax in float32 as transformers' eager attention
-            # Query head h reads key/value head h // heads_per_kv, as transformers' `repeat_kv` lays them out.
-            path_key = path_key.repeat_interleave(heads_per_kv, dim=0)
-            path_value = path_value.repeat_interleave(heads_per_kv, dim=0)
             scores = softcap * torch.tanh(segment_query @ path_key.transpose(1, 2) * scaling / softcap)
             probs = scores.float().masked_fill(~visible, -math.inf).softmax(dim=-1).to(dtype)
             outputs.append(probs @ path_value)
-        else:  # PyTorch's fused CPU kernel: ~never materialises the scores (the root segment is thousands long)
+        else:
             outputs.append(
-                F.scaled_dot_product_attention(
-                    segment_query, path_key, path_value, attn_mask=visible, scale=scaling, enable_gqa=heads_per_kv > 1
-                )
+                F.scaled_dot_product_attention(segment_query, path_key, path_value, attn_mask=visible, scale=scaling)
             )
 
     output = torch.cat(outputs, dim=1).transpose(0, 1).contiguous()
