@@ -24,6 +24,10 @@ import orjson
 
 log = logging.getLogger(__name__)
 
+# vLLM closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE). aiohttp keeps idle ones for 15 s, so a
+# loop busy past 5 s would send its next request on a connection the server already closed.
+_KEEPALIVE_S = 2.0
+
 
 class VLLMError(Exception):
     """Base class of the errors below."""
@@ -122,7 +126,7 @@ class VLLMClient:
             self._session = aiohttp.ClientSession(
                 headers=self._headers,
                 timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
-                connector=aiohttp.TCPConnector(limit=0),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S),
             )
         if self._max_model_len is None:
             models = await self._request("GET", "/v1/models")

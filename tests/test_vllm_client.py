@@ -59,6 +59,16 @@ async def test_the_cpu_server_does_not_spin_between_requests(vllm_server, vllm_c
     assert cpu_s() - before < 0.3
 
 
+async def test_a_connection_the_server_closed_while_the_loop_was_busy_is_not_reused(vllm_server, tokenizer) -> None:
+    """vLLM closes a connection idle for 5 s. A client whose event loop was busy past that (many rollouts
+    on one loop) must not send its next request on the closed connection: that request fails ("Can not
+    write request body"), and was retried with a warning in every demo run."""
+    async with VLLMClient(vllm_server.url, SERVED_NAME, stop_token_ids=[tokenizer.eos_token_id], max_retries=0) as c:
+        await c.generate(prompt(tokenizer), SamplingParams(max_tokens=2))
+        time.sleep(5.5)  # the loop is blocked: it cannot see the server's close
+        await c.generate(prompt(tokenizer), SamplingParams(max_tokens=2))
+
+
 async def test_log_probs_match_the_trainers_forward(vllm_client, tokenizer, tiny_model_dir) -> None:
     """What the trainer computes for these tokens (HF forward, float32, temperature 1) is what vLLM
     reported: the premise of old_log_probs."""
