@@ -47,8 +47,8 @@ class VLLMServer:
     the trainer's `max_staleness + 2`). The dev routes are admin routes: keep such a server on loopback.
     `cpu_threads` (CPU builds only): the model runs on this many threads inside vLLM's engine process
     (the uniprocess executor). vLLM's CPU default, a worker process of its own, busy-polls its queue
-    for a second after every step, so under steady traffic it holds a core whatever the load: on the
-    2-core demo box that was ~40 % of all the CPU the demo used. `None` keeps vLLM's default.
+    for a second after every step, so under steady traffic it holds most of a core whatever else needs
+    it (on the 2-core demo box, ~57 % of a core; docs/demo.md). `None` keeps vLLM's default.
     `extra_args` are appended to the command line; `extra_env` to the environment. The server's output
     goes to `log_path`.
     """
