@@ -149,6 +149,7 @@ def vllm_flags() -> argparse.ArgumentParser:
     flags.add_argument("--max-lora-rank", type=int, default=16)
     flags.add_argument("--max-loras", type=int, default=1)
     flags.add_argument("--data-parallel-size", type=int, default=1)
+    flags.add_argument("--distributed-executor-backend")  # VLLMServer's on CPU (`cpu_threads`)
     return flags
 
 
