@@ -341,7 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="float32")
     serve.add_argument("--log")
     serve.add_argument(
-        "--for-trainer", action="store_true", help="enable the routes AsyncGRPOTrainer syncs weights through"
+        "--for-trainer",
+        action="store_true",
+        help="serve as AsyncGRPOTrainer needs: the routes it syncs weights through, log-probs after temperature",
     )
     serve.add_argument("--max-lora-rank", type=int, help="with --for-trainer: runtime LoRA adapters up to this rank")
     serve.add_argument("--max-loras", type=int, default=4, help="adapters resident at once (>= max_staleness + 2)")

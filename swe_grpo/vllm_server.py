@@ -41,9 +41,10 @@ def is_cpu_build() -> bool:
 class VLLMServer:
     """A vLLM server for `model`, bound to loopback. Use as a context manager or call start()/stop().
 
-    `for_trainer` turns on what `AsyncGRPOTrainer` needs from its server: the dev routes it syncs
-    weights through (`/pause`, `/resume`, `/server_info`) and, when `max_lora_rank` is set, runtime
-    LoRA loading so a PEFT policy syncs as a versioned adapter (`max_loras` adapters resident: at least
+    `for_trainer` turns on what `AsyncGRPOTrainer` needs from its server: log-probs of the distribution
+    it sampled from (`processed_logprobs`: at any temperature, what the trainer computes), the dev
+    routes it syncs weights through (`/pause`, `/resume`, `/server_info`) and, when `max_lora_rank` is
+    set, runtime LoRA loading so a PEFT policy syncs as a versioned adapter (`max_loras` adapters resident: at least
     the trainer's `max_staleness + 2`). The dev routes are admin routes: keep such a server on loopback.
     `cpu_threads` (CPU builds only): the model runs on this many threads inside vLLM's engine process
     (the uniprocess executor). vLLM's CPU default, a worker process of its own, busy-polls its queue
@@ -106,6 +107,8 @@ class VLLMServer:
         ]  # fmt: skip
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
+        if self.for_trainer:  # log-probs of the distribution sampled from (temperature applied), as the trainer's
+            cmd += ["--logprobs-mode", "processed_logprobs"]
         if self.for_trainer and self.max_lora_rank:
             cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
         if self._in_engine_process:

@@ -69,15 +69,17 @@ async def test_a_connection_the_server_closed_while_the_loop_was_busy_is_not_reu
         await c.generate(prompt(tokenizer), SamplingParams(max_tokens=2))
 
 
-async def test_log_probs_match_the_trainers_forward(vllm_client, tokenizer, tiny_model_dir) -> None:
-    """What the trainer computes for these tokens (HF forward, float32, temperature 1) is what vLLM
-    reported: the premise of old_log_probs."""
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_log_probs_match_the_trainers_forward(vllm_client, tokenizer, tiny_model_dir, temperature) -> None:
+    """What the trainer computes for these tokens (HF forward, float32, logits over the temperature) is
+    what vLLM reported: the premise of old_log_probs. A trainer's server reports the log-probs it sampled
+    from (`processed_logprobs`), not the model's raw ones, which agree at temperature 1 only."""
     ids = prompt(tokenizer)
-    generation = await vllm_client.generate(ids, SamplingParams(temperature=1.0, max_tokens=24))
+    generation = await vllm_client.generate(ids, SamplingParams(temperature=temperature, max_tokens=24))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     full = torch.tensor([ids + generation.token_ids])
     with torch.no_grad():
-        logits = model(full).logits[0, len(ids) - 1 : -1]
+        logits = model(full).logits[0, len(ids) - 1 : -1] / temperature
     expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(generation.token_ids)[:, None])[:, 0]
     assert torch.allclose(expected, torch.tensor(generation.log_probs), atol=1e-4)
 
