@@ -1,18 +1,20 @@
 """The demo's learning, simulated in minutes: GRPO on the warm policy's first turn, without Pi, vLLM or sandboxes.
 
 What. A real demo run takes 10-15 minutes and one seed says little, so tuning its learning (lr, schedule,
-group sizes, task sampling) by real runs is slow. This replays what decides a demo rollout's reward: the
-policy's first turn on each bundled task, sampled at temperature 1 from the shipped warm policy plus a
-LoRA adapter shaped as the demo's (torch, one thread), rewarded 1 when it is exactly the fixing candidate
-call (`tasks/warm_start/candidates.json`) and 0 otherwise, as grading would. A sampled candidate goes on
-with its captured tool result and the closing turn, as Pi would. Then the demo's trainer step: groups
-drawn by the demo's `TaskSampler` until `--groups` have mixed rewards (the others are dropped, as the
-worker drops them), advantages as the worker computes them, TRL's clipped token loss over the step's
-trained tokens, AdamW and the HF lr schedule; samples come from the policy `--staleness` versions behind.
+group sizes, task sampling, temperature) by real runs is slow. This replays what decides a demo rollout's
+reward: the policy's first turn on each bundled task, sampled at the demo's temperature from the shipped
+warm policy plus a LoRA adapter shaped as the demo's (torch, one thread), rewarded 1 when it is exactly
+the fixing candidate call (`tasks/warm_start/candidates.json`) and 0 otherwise, as grading would. A
+sampled candidate goes on with its captured tool result and the closing turn, as Pi would. Then the
+demo's trainer step: groups drawn by the demo's `TaskSampler` until `--groups` have mixed rewards (the
+others are dropped, as the worker drops them), advantages as the worker computes them, TRL's clipped
+token loss over the step's trained tokens, AdamW and the HF lr schedule; samples come from the policy
+`--staleness` versions behind.
 
 Reported (one JSON line): per-step resolved rate over every rollout drawn (the demo's
-`rollout/resolved_rate`), its last-two-steps mean, and the final policy's resolved rate per task over
-`--eval` samples (and their mean: the rate a uniform task draw would see).
+`rollout/resolved_rate`), its last-two-steps mean, the final policy's resolved rate per task over
+`--eval` samples (and their mean: the rate a uniform task draw would see), and the rollouts drawn per
+step: what a real run's wall time follows once the policy is good, since groups all solved are dropped.
 
 Not simulated: Pi's own failures, malformed turns after the first, vLLM's batching and the timing of the
 asynchronous pipeline (staleness is fixed here). On 2026-11-24 it reproduced the demo's plateau: last two
@@ -50,14 +52,17 @@ from swe_grpo.tasks import demo_tasks
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # as the demo's
 
 
-def token_log_probs(lm: Any, prompt: list[int], rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of every token of each row after `prompt` under `lm`, and the mask of real tokens."""
+def token_log_probs(
+    lm: Any, prompt: list[int], rows: list[list[int]], pad: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob at `temperature` of every token of each row after `prompt` under `lm` (as TRL's trainer and
+    vLLM's processed log-probs compute it), and the mask of real tokens."""
     cache = _prefix_cache(lm, prompt[:-1], len(rows))
     ids, real = _padded([[prompt[-1], *row] for row in rows], pad)
     positions = len(prompt) - 1 + torch.arange(ids.shape[1]).expand(len(rows), -1)
     mask = torch.cat([torch.ones(len(rows), len(prompt) - 1, dtype=torch.long), real], dim=1)
     hidden = lm.model(input_ids=ids, past_key_values=cache, position_ids=positions, attention_mask=mask)
-    log_probs = lm.lm_head(hidden.last_hidden_state[:, :-1]).float().log_softmax(-1)
+    log_probs = (lm.lm_head(hidden.last_hidden_state[:, :-1]).float() / temperature).log_softmax(-1)
     return log_probs.gather(-1, ids[:, 1:, None])[..., 0], real[:, 1:].bool()
 
 
@@ -74,6 +79,7 @@ def main() -> None:
     parser.add_argument("--task-sampling", default=demo.task_sampling)
     parser.add_argument("--staleness", type=int, default=demo.max_staleness)
     parser.add_argument("--lora-rank", type=int, default=demo.lora_rank)
+    parser.add_argument("--temperature", type=float, default=demo.temperature)
     parser.add_argument("--epsilon", type=float, default=0.2, help="TRL's clip range (its default)")
     parser.add_argument("--eval", type=int, default=64, help="samples per task for the final policy's rates")
     args = parser.parse_args()
@@ -103,25 +109,27 @@ def main() -> None:
     tasks = sampler.stream()
     generator = torch.Generator().manual_seed(args.seed)
 
-    def draw(lm: Any, instance_id: str, n: int) -> list[tuple[list[int], Episode | None]]:
+    def draw(lm: Any, instance_id: str, n: int, temperature: float) -> list[tuple[list[int], Episode | None]]:
         """`n` first turns sampled from `lm`, each with the candidate it is exactly (None: none)."""
         mine = episodes[instance_id]
         prompt = mine[0].prompt_ids
         longest = max(len(e.action_ids) for e in mine)
         out = []
-        for ids in sample(lm, prompt, n, max_new_tokens=2 * longest, eos_token_id=eos, generator=generator):
+        for ids in sample(
+            lm, prompt, n, max_new_tokens=2 * longest, eos_token_id=eos, generator=generator, temperature=temperature
+        ):
             command = _bash_command(builder.parser.parse(ids, prompt, "stop", tools).message)
             out.append((ids, next((e for e in mine if ids[-1] == eos and command == e.command), None)))
         return out
 
-    history = []
+    history, drawn_per_step = [], []
     for _ in range(args.steps):
         served.load_state_dict(versions[max(0, len(versions) - 1 - args.staleness)], strict=False)
         drawn = resolved = 0
         groups = []
         while len(groups) < args.groups:
             task = next(tasks)
-            turns = draw(served, task.instance_id, args.generations)
+            turns = draw(served, task.instance_id, args.generations, args.temperature)
             rewards = torch.tensor([float(e is not None and e.resolves) for _, e in turns])
             for reward in rewards.tolist():
                 sampler.record(task.instance_id, reward)
@@ -130,6 +138,7 @@ def main() -> None:
                 advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
                 groups.append((episodes[task.instance_id][0].prompt_ids, turns, advantages))
         history.append(resolved / drawn)
+        drawn_per_step.append(drawn)
 
         batch = []
         for prompt, turns, advantages in groups:
@@ -142,8 +151,8 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         for prompt, rows, trained, advantages in batch:
             with torch.no_grad():
-                old, _ = token_log_probs(served, prompt, rows, pad)
-            new, real = token_log_probs(policy, prompt, rows, pad)
+                old, _ = token_log_probs(served, prompt, rows, pad, args.temperature)
+            new, real = token_log_probs(policy, prompt, rows, pad, args.temperature)
             ratio = torch.exp(new - old)
             clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon)
             loss = -torch.min(ratio * advantages, clipped * advantages)
@@ -155,7 +164,9 @@ def main() -> None:
 
     with torch.no_grad():
         final = {
-            instance_id.split("__")[1]: sum(bool(e and e.resolves) for _, e in draw(policy, instance_id, args.eval))
+            instance_id.split("__")[1]: sum(
+                bool(e and e.resolves) for _, e in draw(policy, instance_id, args.eval, args.temperature)
+            )
             / args.eval
             for instance_id in episodes
         }
@@ -167,6 +178,8 @@ def main() -> None:
                 "final_resolved_rate_per_task": final,
                 "final_resolved_rate_mean": round(sum(final.values()) / len(final), 3),
                 "resolved_rate_per_step": [round(rate, 3) for rate in history],
+                "rollouts": sum(drawn_per_step),
+                "rollouts_per_step": drawn_per_step,
             }
         )
     )

@@ -62,6 +62,7 @@ def test_a_short_demo_run_moves_the_policy_towards_the_fix(tmp_path: Path, run_d
 
     config = DemoConfig(
         max_steps=3,
+        num_generations=8,  # two groups of 8 a step: three steps reach more tasks than three groups of 16
         groups_per_step=2,
         lr_scheduler="constant",  # the demo's cosine would decay to ~0 within 3 steps and barely learn
         output_dir=tmp_path / "demo",
