@@ -7,9 +7,9 @@ warm policy plus a LoRA adapter shaped as the demo's (torch, one thread), reward
 the fixing candidate call (`tasks/warm_start/candidates.json`) and 0 otherwise, as grading would. A
 sampled candidate goes on with its captured tool result and the closing turn, as Pi would. Then the
 demo's trainer step: groups drawn by the demo's `TaskSampler` until `--groups` have mixed rewards (the
-others are dropped, as the worker drops them), advantages as the worker computes them, TRL's clipped
-token loss over the step's trained tokens, AdamW and the HF lr schedule; samples come from the policy
-`--staleness` versions behind.
+others are dropped, as the worker drops them, up to `--max-zero-variance-drops` in a row), advantages as
+the worker computes them, TRL's clipped token loss over the step's trained tokens, AdamW and the HF lr
+schedule; samples come from the policy `--staleness` versions behind.
 
 Reported (one JSON line): per-step resolved rate over every rollout drawn (the demo's
 `rollout/resolved_rate`), its last-two-steps mean, the final policy's resolved rate per task over
@@ -78,6 +78,7 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=demo.num_generations)
     parser.add_argument("--task-sampling", default=demo.task_sampling)
     parser.add_argument("--staleness", type=int, default=demo.max_staleness)
+    parser.add_argument("--max-zero-variance-drops", type=int, default=demo.max_zero_variance_drops)
     parser.add_argument("--lora-rank", type=int, default=demo.lora_rank)
     parser.add_argument("--temperature", type=float, default=demo.temperature)
     parser.add_argument("--epsilon", type=float, default=0.2, help="TRL's clip range (its default)")
@@ -125,7 +126,7 @@ def main() -> None:
     history, drawn_per_step = [], []
     for _ in range(args.steps):
         served.load_state_dict(versions[max(0, len(versions) - 1 - args.staleness)], strict=False)
-        drawn = resolved = 0
+        drawn = resolved = drops = 0
         groups = []
         while len(groups) < args.groups:
             task = next(tasks)
@@ -134,9 +135,12 @@ def main() -> None:
             for reward in rewards.tolist():
                 sampler.record(task.instance_id, reward)
             drawn, resolved = drawn + len(turns), resolved + int(rewards.sum())
-            if rewards.std() > 0:  # a group whose rewards are all equal teaches nothing: dropped
+            if rewards.std() > 0 or drops == args.max_zero_variance_drops:  # all equal: dropped, up to the limit
                 advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
                 groups.append((episodes[task.instance_id][0].prompt_ids, turns, advantages))
+                drops = 0
+            else:
+                drops += 1
         history.append(resolved / drawn)
         drawn_per_step.append(drawn)
 

@@ -15,9 +15,10 @@ What it guarantees:
   `(r - mean) / (std + eps)` over the group's *valid* members: a rollout that ended in an
   infrastructure outcome (reward None: infra_error, rollout_error, timeout, context_overflow, or
   cancelled as stale) is left out of the baseline and not trained on. A group with fewer than two
-  valid members, or with zero reward variance (configurable), or whose oldest tokens are already too
-  stale, is dropped and counted. A group is pushed whole or not at all, one `RolloutSample` per
-  training row (a forked conversation gives several rows, all with the conversation's advantage).
+  valid members, or with zero reward variance (configurable, and boundable: `max_zero_variance_drops`),
+  or whose oldest tokens are already too stale, is dropped and counted. A group is pushed whole or not
+  at all, one `RolloutSample` per training row (a forked conversation gives several rows, all with the
+  conversation's advantage).
 - One honest version per group. Every sample of a group carries the group's `model_version`: the
   oldest policy version that produced any token of any member. The trainer's staleness filter
   (`version - model_version > max_staleness` drops a sample) therefore keeps or drops a group whole.
@@ -149,6 +150,9 @@ class WorkerConfig:
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     max_tokens: int = 2048
     drop_zero_variance_groups: bool = True
+    # At most this many groups in a row are dropped for zero variance; the next is trained on (advantage 0),
+    # so a policy that solves every task does not leave the trainer waiting on ever rarer mixed groups.
+    max_zero_variance_drops: int | None = None  # None: no limit
     advantage_eps: float = 1e-6
     agent_timeout_s: float = 1800.0
     stall_timeout_s: float = 300.0
@@ -175,6 +179,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.num_generations < 2:
             raise ValueError("num_generations must be at least 2: advantages are relative to the group")
+        if self.max_zero_variance_drops is not None and self.max_zero_variance_drops < 0:
+            raise ValueError("max_zero_variance_drops must be >= 0, or None for no limit")
         if self.max_concurrent_rollouts < 1 or self.max_staleness < 0:
             raise ValueError("max_concurrent_rollouts must be >= 1 and max_staleness >= 0")
         if not 0 <= self.rollout_hosts <= self.max_concurrent_rollouts:
@@ -345,6 +351,7 @@ class SWERolloutWorker:
         self._loop_tick = time.monotonic()  # the event loop's latest sign of life
         self._generation_failing: _Failing | None = None
         self._traced_version = -1
+        self._zero_variance_drops = 0  # groups dropped for zero variance since the last one pushed
 
     # ----------------------------------------------------------------- RolloutWorkerProtocol
 
@@ -788,7 +795,10 @@ class SWERolloutWorker:
             self._push_metrics({f"groups/dropped_{reason}_total": 1.0})
             return
         self.outlet.put_group(samples)
-        self._push_metrics({"groups/pushed_total": 1.0, "groups/samples": float(len(samples))})
+        pushed = {"groups/pushed_total": 1.0, "groups/samples": float(len(samples))}
+        if samples and samples[0].metrics["reward_std"] == 0.0:
+            pushed["groups/pushed_zero_variance_total"] = 1.0
+        self._push_metrics(pushed)
 
     def _advantages(self, trajectories: list[Trajectory]) -> tuple[dict[str, float], float]:
         """Rollout id -> advantage over the group's valid members (a reward and some tokens), and the
@@ -806,7 +816,13 @@ class SWERolloutWorker:
         advantages, std = self._advantages(trajectories)
         if len(advantages) < 2:
             return [], "too_few_valid"
-        if std == 0.0 and self.config.drop_zero_variance_groups:
+        limit = self.config.max_zero_variance_drops
+        if (
+            std == 0.0
+            and self.config.drop_zero_variance_groups
+            and (limit is None or self._zero_variance_drops < limit)
+        ):
+            self._zero_variance_drops += 1
             return [], "zero_variance"
         valid = [t for t in trajectories if t.rollout_id in advantages]
         oldest = min(v for t in valid if (v := t.oldest_version) is not None)
@@ -840,6 +856,7 @@ class SWERolloutWorker:
                         metrics=dict(metrics),
                     )
                 )
+        self._zero_variance_drops = 0
         return samples, None
 
     # ----------------------------------------------------------------- traces

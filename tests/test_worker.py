@@ -177,6 +177,32 @@ def test_zero_variance_groups_can_be_kept(offline_worker) -> None:
     assert reason is None and [s.advantage for s in samples] == [0.0, 0.0]
 
 
+def test_after_max_zero_variance_drops_in_a_row_the_next_such_group_is_trained(tokenizer) -> None:
+    """A policy that solves every task makes nearly every group all-solved: dropping them all would leave
+    the trainer waiting ever longer for a mixed one (a demo step drew 225 rollouts). With the limit set,
+    the group after that many drops in a row is pushed with advantage 0; a mixed group resets the count."""
+    config = WorkerConfig(max_zero_variance_drops=2)
+    worker = SWERolloutWorker(demo_tasks(), tokenizer, vllm_url="http://127.0.0.1:9", model=SERVED_NAME, config=config)
+
+    def reasons(*groups: tuple[float, ...]) -> list[str | None]:
+        return [worker._group_samples(*group_of(*(trajectory(r, [row(4, 2, 1)]) for r in g)))[1] for g in groups]
+
+    solved, mixed = (1.0, 1.0), (1.0, 0.0)
+    assert reasons(solved, solved, solved, solved, solved, solved) == ["zero_variance", "zero_variance", None] * 2
+    assert reasons(solved, mixed, solved, solved, solved) == [
+        "zero_variance",
+        None,
+        "zero_variance",
+        "zero_variance",
+        None,
+    ]
+    reasons(solved, solved)
+    samples, reason = worker._group_samples(*group_of(*(trajectory(1.0, [row(4, 2, 1)]) for _ in range(2))))
+    assert reason is None and [s.advantage for s in samples] == [0.0, 0.0]
+    with pytest.raises(ValueError, match="max_zero_variance_drops"):
+        WorkerConfig(max_zero_variance_drops=-1)
+
+
 def test_a_group_whose_oldest_tokens_are_too_stale_is_dropped(offline_worker) -> None:
     offline_worker._policy = dataclasses.replace(offline_worker._policy, version=5)
     try:

@@ -62,6 +62,9 @@ class DemoConfig:
     # Groups go to the tasks the policy is still undecided on: a learned task's groups are all solved and
     # dropped, so late steps would pay for rollouts that teach nothing (see swe_grpo/task_sampling.py).
     task_sampling: TaskSampling = "informative"
+    # Once every task is solved, mixed groups get rare (a step drew 225 rollouts to find one): after two
+    # all-equal groups in a row the next is trained on with advantage 0, so a step draws at most 48.
+    max_zero_variance_drops: int = 2
     seed: int = 0
     output_dir: Path = Path("runs/demo/seed0")
     sandbox_dir: Path | None = None  # where the local sandboxes live (default: the system's temp dir)
@@ -198,6 +201,7 @@ def run_demo(config: DemoConfig, report: Report | None = None) -> DemoResult:
                 args,
                 max_concurrent_rollouts=config.max_concurrent_rollouts,
                 task_sampling=config.task_sampling,
+                max_zero_variance_drops=config.max_zero_variance_drops,
                 agent_timeout_s=300,
                 stall_timeout_s=120,
             ),
