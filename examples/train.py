@@ -64,6 +64,13 @@ class SWEArguments:
             "that never succeeds (a plumbing check), or the trainer waits forever for samples."
         },
     )
+    max_zero_variance_drops: int | None = field(
+        default=None,
+        metadata={
+            "help": "Drop at most this many all-equal groups in a row; train on the next with advantage 0, so a "
+            "policy that solves (or fails) every task does not stall the trainer. Default: no limit."
+        },
+    )
 
     task_sampling: str = field(
         default="shuffle",
@@ -97,6 +104,7 @@ def worker_config(swe: SWEArguments, args: AsyncGRPOConfig) -> WorkerConfig:
         port=swe.interception_port,
         public_base_url=swe.public_base_url,
         drop_zero_variance_groups=swe.drop_zero_variance_groups,
+        max_zero_variance_drops=swe.max_zero_variance_drops,
         task_sampling=swe.task_sampling,
         door=swe.door,
         allow=tuple(swe.allow),

@@ -328,6 +328,7 @@ def test_build_trainer_gives_the_worker_the_trainers_sampling_and_staleness(
     assert c.max_tokens == args.max_completion_length
     # And the rest of the rollout settings come from the config, not from defaults.
     assert (c.drop_zero_variance_groups, c.task_sampling) == (swe.drop_zero_variance_groups, swe.task_sampling)
+    assert c.max_zero_variance_drops == swe.max_zero_variance_drops
     assert (c.max_concurrent_rollouts, c.agent_timeout_s) == (swe.max_concurrent_rollouts, swe.agent_timeout_s)
     assert (c.stall_timeout_s, c.grade_timeout_s) == (swe.stall_timeout_s, swe.grade_timeout_s)
     assert worker.vllm_url == args.vllm_server_base_url.rstrip("/")
