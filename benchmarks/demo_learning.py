@@ -124,9 +124,10 @@ def main() -> None:
         return out
 
     history, drawn_per_step = [], []
+    drops = 0  # all-equal groups dropped in a row (the worker's count runs across steps too)
     for _ in range(args.steps):
         served.load_state_dict(versions[max(0, len(versions) - 1 - args.staleness)], strict=False)
-        drawn = resolved = drops = 0
+        drawn = resolved = 0
         groups = []
         while len(groups) < args.groups:
             task = next(tasks)
