@@ -107,10 +107,10 @@ class VLLMServer:
         ]  # fmt: skip
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
-        if self.for_trainer:  # log-probs of the distribution sampled from (temperature applied), as the trainer's
-            cmd += ["--logprobs-mode", "processed_logprobs"]
-        if self.for_trainer and self.max_lora_rank:
-            cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
+        if self.for_trainer:
+            cmd += ["--logprobs-mode", "processed_logprobs"]  # after temperature, as the trainer computes them
+            if self.max_lora_rank:
+                cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
         if self._in_engine_process:
             cmd += ["--distributed-executor-backend", "uni"]
         return cmd + list(self.extra_args)
