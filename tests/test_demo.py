@@ -18,7 +18,7 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swe_grpo import cli
-from swe_grpo.demo import DemoConfig, run_in_terminal
+from swe_grpo.demo import DemoConfig, DemoResult, run_in_terminal, save_result
 from swe_grpo.demo.warm_start import Episode, EpisodeBuilder, load_capture
 
 pytestmark = pytest.mark.integration
@@ -55,6 +55,17 @@ def assert_one_trackio_run_with_training_rollout_metrics_and_agent_traces(projec
     assert traces and {t["key"] for t in traces} == {"rollouts/agent"}
     assert any(m.get("tool_calls") for t in traces for m in t["messages"])  # Pi's actions, as it took them
     assert all({"outcome", "reward", "advantage", "patch"} <= t["metadata"].keys() for t in traces)
+
+
+def test_plot_draws_saved_runs_into_a_directory_it_creates(tmp_path: Path) -> None:
+    """`swe-grpo demo --plot a.json b.json -o DIR`: DIR need not exist yet (a user's first figure)."""
+    runs = []
+    for seed in (0, 1):
+        result = DemoResult(steps=2, rollouts=40, history=[(1, 0.3), (2, 0.5 + seed / 10)], wall_s=600.0)
+        runs.append(str(save_result(result, DemoConfig(seed=seed), tmp_path / f"seed{seed}.json")))
+    out = tmp_path / "figures" / "readme"
+    assert cli.cmd_demo(cli.parse_args(["demo", "--plot", *runs, "-o", str(out)])) == 0
+    assert (out / "reward_curves.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_a_short_demo_run_moves_the_policy_towards_the_fix(tmp_path: Path, run_dir: Path) -> None:

@@ -245,6 +245,7 @@ def save_curve(curves: Mapping[str, Sequence[tuple[int, float]]], path: Path) ->
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
