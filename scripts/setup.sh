@@ -52,7 +52,7 @@ id swe-sandbox >/dev/null 2>&1 || $SUDO useradd --system --no-create-home --shel
 # --- Python environment -----------------------------------------------------------------------------
 # Re-run pip only when the dependencies or the install recipe below change (bump PY_RECIPE for the latter).
 # The demo needs neither Ray (~240 MB) nor the test tools; a full install serves the demo too.
-PY_RECIPE=2
+PY_RECIPE=3
 EXTRAS=cpu,dev,ray
 ((DEMO_ONLY)) && EXTRAS=cpu
 py_inputs() { echo "$(sha256sum < pyproject.toml | cut -d" " -f1) torch=${TORCH_VERSION} extras=$1 recipe=${PY_RECIPE}"; }
@@ -61,10 +61,11 @@ if ! stamp_ok "$VENV/.swe_grpo_stamp" "$(py_inputs "$EXTRAS")" \
     [[ -x $VENV/bin/python ]] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
     PIPLOG=$VENV/pip.log
     : > "$PIPLOG" 2>/dev/null || true
-    # --no-compile: byte-compiling all ~27k installed modules took over a minute of a 2-core box's setup;
-    # Python compiles the ones it imports, once, on first use (uv does not compile by default either).
+    # pip byte-compiles what it installs (over a minute here), and must: with PYTHONDONTWRITEBYTECODE set (as
+    # on this project's CI box and in many images) nothing compiles later, and every Python process would
+    # recompile what it imports (~12 s more per process for torch + vLLM + TRL; the suite took 35 min, not 27).
     pip_install() {  # the full log stays in .venv/pip.log; every 15 s a line says what pip is at
-        "$VENV/bin/python" -m pip install --disable-pip-version-check --no-compile "$@" >>"$PIPLOG" 2>&1 &
+        "$VENV/bin/python" -m pip install --disable-pip-version-check "$@" >>"$PIPLOG" 2>&1 &
         local pid=$! start=$SECONDS next=15
         while kill -0 "$pid" 2>/dev/null; do
             sleep 1
