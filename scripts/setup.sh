@@ -53,11 +53,12 @@ id swe-sandbox >/dev/null 2>&1 || $SUDO useradd --system --no-create-home --shel
 # Re-run pip only when the dependencies or the install recipe below change (bump PY_RECIPE for the latter).
 # The demo needs neither Ray (~240 MB) nor the test tools; a full install serves the demo too.
 PY_RECIPE=3
-EXTRAS=cpu,dev,ray
+ALL_EXTRAS=cpu,dev,ray
+EXTRAS=$ALL_EXTRAS
 ((DEMO_ONLY)) && EXTRAS=cpu
 py_inputs() { echo "$(sha256sum < pyproject.toml | cut -d" " -f1) torch=${TORCH_VERSION} extras=$1 recipe=${PY_RECIPE}"; }
 if ! stamp_ok "$VENV/.swe_grpo_stamp" "$(py_inputs "$EXTRAS")" \
-    && ! stamp_ok "$VENV/.swe_grpo_stamp" "$(py_inputs cpu,dev,ray)"; then
+    && ! stamp_ok "$VENV/.swe_grpo_stamp" "$(py_inputs "$ALL_EXTRAS")"; then
     [[ -x $VENV/bin/python ]] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
     PIPLOG=$VENV/pip.log
     : > "$PIPLOG" 2>/dev/null || true

@@ -42,7 +42,7 @@ class DemoConfig:
     """The demo's run. The defaults learn within the target time on a 2-core box (measured runs, and
     `benchmarks/demo_learning.py` for the choices); a shortened run (the CI test) turns `max_steps` down."""
 
-    max_steps: int = 22  # 14 ended at 0.84-0.98 (last two steps) on a quiet box: the late steps settle it
+    max_steps: int = 22  # 20 before all-equal groups were trained on: two more for the steps they leave flat
     # One group of 16 a step, not two of 8: a step trains on one task's group, and a group of 16 of a task
     # the policy mostly solves still holds a failure to learn from more often than a group of 8.
     num_generations: int = 16
@@ -60,7 +60,7 @@ class DemoConfig:
     max_staleness: int = 1  # samples at most one policy behind: learning stays steady (PLATFORM.md)
     max_concurrent_rollouts: int = 6
     # Groups go to the tasks the policy is still undecided on: a learned task's groups are all solved and
-    # dropped, so late steps would pay for rollouts that teach nothing (see swe_grpo/task_sampling.py).
+    # teach nothing, so late steps would pay for rollouts without signal (see swe_grpo/task_sampling.py).
     task_sampling: TaskSampling = "informative"
     # Every group is trained on, all-equal ones with advantage 0 (no gradient): a step costs one group, so
     # the run's time is fixed. Dropping them instead, once the policy solves every task a step drew 225
