@@ -57,6 +57,17 @@ def assert_one_trackio_run_with_training_rollout_metrics_and_agent_traces(projec
     assert all({"outcome", "reward", "advantage", "patch"} <= t["metadata"].keys() for t in traces)
 
 
+def test_a_step_is_one_point_and_the_closing_summary_none() -> None:
+    """The trainer's closing summary carries the rollouts graded after the last step's log: they count as
+    rollouts, but are no step's resolved rate (a run once reported 23 points for 22 steps, two at 22)."""
+    result = DemoResult()
+    assert result.record(1, {"rollout/resolved_rate": 0.25, "rollout/finished_total": 16.0}) == 0.25
+    assert result.record(2, {"rollout/resolved_rate": 0.75, "rollout/finished_total": 16.0}) == 0.75
+    closing = {"train_runtime": 600.0, "rollout/resolved_rate": 1.0, "rollout/finished_total": 5.0}
+    assert result.record(2, closing) is None
+    assert result.history == [(1, 0.25), (2, 0.75)] and result.last == 0.5 and result.rollouts == 37
+
+
 def test_plot_draws_saved_runs_into_a_directory_it_creates(tmp_path: Path) -> None:
     """`swe-grpo demo --plot a.json b.json -o DIR`: DIR need not exist yet (a user's first figure)."""
     runs = []
