@@ -73,7 +73,8 @@ from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend, LocalLimits
 from swe_grpo.tasks import demo_tasks
 from swe_grpo.tiny_model import build_tiny_model
 from swe_grpo.vllm_server import VLLMServer
-from swe_grpo.worker import RolloutWorkerError, SWERolloutWorker, WorkerConfig
+from swe_grpo.worker import RolloutWorkerError, SWERolloutWorker
+from swe_grpo.worker_config import WorkerConfig
 
 log = logging.getLogger("chaos")
 

@@ -58,7 +58,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.tasks import demo_tasks
 from swe_grpo.tiny_model import build_tiny_model
-from swe_grpo.worker import SWERolloutWorker, WorkerConfig
+from swe_grpo.worker import SWERolloutWorker
+from swe_grpo.worker_config import WorkerConfig
 
 MODES = ("none", "in-process", "out-of-process")
 log = logging.getLogger("p7")

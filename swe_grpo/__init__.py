@@ -30,7 +30,7 @@ from swe_grpo.vllm_client import (
 _LAZY = {
     "RolloutWorkerError": "swe_grpo.worker",
     "SWERolloutWorker": "swe_grpo.worker",
-    "WorkerConfig": "swe_grpo.worker",
+    "WorkerConfig": "swe_grpo.worker_config",
     "use_cpu_fallbacks": "swe_grpo.cpu",
 }
 

@@ -59,7 +59,8 @@ from swe_grpo.tasks import Task
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from swe_grpo.worker import QueueOutlet, WorkerConfig
+    from swe_grpo.worker import QueueOutlet
+    from swe_grpo.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 

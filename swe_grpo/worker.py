@@ -11,8 +11,8 @@ What it guarantees:
   and the `chat_template_kwargs` it renders prompts with (e.g. `enable_thinking`); each reaches every
   vLLM request or the rendered prompt. A setting the worker cannot honour (`max_tool_calling_iterations`:
   Pi runs its own tool loop) is refused with the reason.
-- Groups. Each task drawn is attempted `num_generations` times. Advantages are
-  `(r - mean) / (std + eps)` over the group's *valid* members: a rollout that ended in an
+- Groups. Each task drawn is attempted `num_generations` times, and swe_grpo/groups.py assembles the
+  group. Advantages are `(r - mean) / (std + eps)` over the group's *valid* members: a rollout that ended in an
   infrastructure outcome (reward None: infra_error, rollout_error, timeout, context_overflow, or
   cancelled as stale) is left out of the baseline and not trained on. A group with fewer than two
   valid members, or with zero reward variance (configurable, and boundable: `max_zero_variance_drops`),
@@ -79,38 +79,34 @@ import asyncio
 import contextvars
 import itertools
 import logging
-import os
 import queue
 import re
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 import requests
 from requests.adapters import HTTPAdapter
 from transformers import PreTrainedTokenizerBase
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 from urllib3.util.retry import Retry
 
-from swe_grpo.agents import AGENTS, Agent, AgentConfig, make_agent
+from swe_grpo.agents import Agent, AgentConfig, make_agent
 from swe_grpo.door import remove_orphaned_doors
-from swe_grpo.grading import DEFAULT_TIMEOUT_S
+from swe_grpo.groups import GroupAssembler, group_advantages
 from swe_grpo.interception import InterceptionServer, Policy
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
 from swe_grpo.rollout_hosts import EngineArgs, HostSpec, ProcessHost, RolloutHost, RolloutHosts
 from swe_grpo.sandbox import make_backend
-from swe_grpo.sandbox.base import MAX_PATCH_BYTES, SandboxBackend
-from swe_grpo.task_sampling import TASK_SAMPLING, TaskSampler, TaskSampling
+from swe_grpo.sandbox.base import SandboxBackend
+from swe_grpo.task_sampling import TaskSampler
 from swe_grpo.tasks import Task, tasks_from_dataset
 from swe_grpo.vllm_client import SamplingParams, VLLMClient, VLLMError
-
-if TYPE_CHECKING:
-    from trl.experimental.async_grpo import AsyncGRPOConfig
+from swe_grpo.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +114,6 @@ log = logging.getLogger(__name__)
 # model it no longer serves), as opposed to what the model or the agent did.
 _GENERATION_FAILURES = ("server_unavailable", "bad_response")
 _UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9_.-]")  # what the InterceptionServer refuses in a rollout id
-_SANDBOX_ALLOWANCE_S = 900.0  # creating and removing a rollout's two sandboxes (an image pull included)
 # Listing vLLM's models at a weight sync: a vLLM unreachable or answering 5xx for a while (a restart, a burst)
 # is waited for, about a minute (backoff 0, 2, 4 ... 32 s), instead of stopping training with an exception.
 _LIST_RETRIES = Retry(total=6, backoff_factor=1.0, status_forcelist=(500, 502, 503, 504), raise_on_status=False)
@@ -126,117 +121,6 @@ _LIST_RETRIES = Retry(total=6, backoff_factor=1.0, status_forcelist=(500, 502, 5
 
 class RolloutWorkerError(RuntimeError):
     """The worker crashed, stalled, or was misconfigured; raised by `check_health` and `start`."""
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """How the worker samples, schedules and judges rollouts.
-
-    `max_tokens` caps each model turn; the sampling settings (`temperature` ... `repetition_penalty`)
-    and `chat_template_kwargs` must be the trainer's (its log-probs assume the same distribution), and
-    so must `max_staleness`. `from_trainer_args` copies those. `adapter_dir` is where the trainer
-    writes the policy adapters it publishes (`{adapter_dir}/{adapter_prefix}-v{N}`), so the worker can
-    re-load one a restarted vLLM lost; None: it reports what to do instead.
-    """
-
-    num_generations: int = 8
-    max_concurrent_rollouts: int = 8
-    max_staleness: int = 2
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    max_tokens: int = 2048
-    drop_zero_variance_groups: bool = True
-    # At most this many groups in a row are dropped for zero variance; the next is trained on (advantage 0),
-    # so a policy that solves every task does not leave the trainer waiting on ever rarer mixed groups.
-    max_zero_variance_drops: int | None = None  # None: no limit
-    advantage_eps: float = 1e-6
-    agent_timeout_s: float = 1800.0
-    stall_timeout_s: float = 300.0
-    grade_timeout_s: float = DEFAULT_TIMEOUT_S
-    plugin_autoload: bool = True  # pytest plugin autoload when grading; a task's own setting wins
-    max_patch_bytes: int = MAX_PATCH_BYTES  # a larger patch ends the rollout patch_too_large (reward 0.0)
-    door: bool = True  # the agent's only network is its own endpoint (swe_grpo.door); False: the backend's
-    allow: tuple[str, ...] = ()  # with the door: host:port targets the agent may also reach (HTTPS proxy)
-    adapter_prefix: str = "trl-policy"  # what AsyncGRPOTrainer names the adapters it publishes
-    adapter_dir: str | None = None
-    host: str = "127.0.0.1"  # the InterceptionServer's bind; sandboxes reach it at public_base_url
-    port: int = 0
-    public_base_url: str | None = None
-    seed: int = 0  # of the task order
-    task_sampling: TaskSampling = "shuffle"  # or "informative": see swe_grpo/task_sampling.py
-    queue_maxsize: int = 0  # launch no new group while this many samples wait for the trainer (0: no limit)
-    log_traces: bool = False  # one group's agent conversations per policy version to the trainer's trackio run
-    rollout_hosts: int = 1  # 0: rollouts run in a thread of this process; N: in N child processes (rollout_hosts.py)
-    agent: str = "pi"  # the harness (swe_grpo.agents.AGENTS) when the worker is not given an Agent
-    # The rollout hosts as Ray actors (swe_grpo/ray_hosts.py, extra swe_grpo[ray]) on nodes offering these resources
-    # each, e.g. {"swe_grpo_sandboxes": 1}; None: child processes of the trainer. Unused with rollout_hosts=0.
-    ray_resources: Mapping[str, float] | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_generations < 2:
-            raise ValueError("num_generations must be at least 2: advantages are relative to the group")
-        if self.max_zero_variance_drops is not None and self.max_zero_variance_drops < 0:
-            raise ValueError("max_zero_variance_drops must be >= 0, or None for no limit")
-        if self.max_concurrent_rollouts < 1 or self.max_staleness < 0:
-            raise ValueError("max_concurrent_rollouts must be >= 1 and max_staleness >= 0")
-        if not 0 <= self.rollout_hosts <= self.max_concurrent_rollouts:
-            raise ValueError("rollout_hosts must be >= 0 and at most max_concurrent_rollouts (each host runs some)")
-        if self.rollout_hosts > 1 and (self.port or self.public_base_url):
-            raise ValueError("several rollout hosts bind a port each: leave port 0 and public_base_url unset")
-        if self.task_sampling not in TASK_SAMPLING:
-            raise ValueError(f"unknown task_sampling {self.task_sampling!r}: choose one of {', '.join(TASK_SAMPLING)}")
-        if self.agent not in AGENTS:
-            raise ValueError(f"unknown agent {self.agent!r}: choose one of {', '.join(AGENTS)}")
-
-    @property
-    def rollout_limit_s(self) -> float:
-        """The longest a rollout may take, all stages: the agent's run, grading (a test run and, without
-        a verdict, a control run) and its sandboxes. Past it the worker ends the rollout as `timeout`."""
-        return self.agent_timeout_s + 2 * self.grade_timeout_s + _SANDBOX_ALLOWANCE_S
-
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            max_tokens=self.max_tokens,
-        )
-
-    @classmethod
-    def from_trainer_args(cls, args: AsyncGRPOConfig, **overrides: Any) -> WorkerConfig:
-        """The fields the trainer and the worker must agree on, taken from the trainer's config: every
-        sampling setting TRL's own worker sends to vLLM, the chat template kwargs it renders prompts
-        with, and where the trainer writes its adapters. Raises ValueError, with the reason, for a
-        setting the worker cannot honour."""
-        if args.max_tool_calling_iterations is not None:
-            raise ValueError(
-                f"max_tool_calling_iterations={args.max_tool_calling_iterations} cannot be honoured: the agent (Pi) "
-                "runs its own tool loop and ends its run itself, so the worker cannot cut a conversation after N "
-                "tool calls as TRL's worker does. Leave it unset; agent_timeout_s and max_completion_length bound "
-                "a rollout."
-            )
-        shared = {
-            "num_generations": args.num_generations,
-            "max_staleness": args.max_staleness,
-            "temperature": args.temperature,
-            "top_p": args.top_p,
-            "top_k": args.top_k if args.top_k is not None else -1,
-            "min_p": args.min_p if args.min_p is not None else 0.0,  # None: off (TRL's worker then sends none)
-            "repetition_penalty": args.repetition_penalty,
-            "chat_template_kwargs": dict(args.chat_template_kwargs or {}),
-            "adapter_dir": os.path.abspath(os.path.join(args.output_dir, ".vllm_lora")),  # TRL 1.16's `_lora_dir`
-            "max_tokens": args.max_completion_length,
-            "seed": args.seed,
-            "queue_maxsize": args.queue_maxsize,
-            "log_traces": "trackio" in (args.report_to or []),
-        }
-        return cls(**{**shared, **overrides})
 
 
 class QueueOutlet:
@@ -351,7 +235,7 @@ class SWERolloutWorker:
         self._loop_tick = time.monotonic()  # the event loop's latest sign of life
         self._generation_failing: _Failing | None = None
         self._traced_version = -1
-        self._zero_variance_drops = 0  # groups dropped for zero variance since the last one pushed
+        self._groups = GroupAssembler(tokenizer, self.config)
 
     # ----------------------------------------------------------------- RolloutWorkerProtocol
 
@@ -787,7 +671,7 @@ class SWERolloutWorker:
             self._sampler.remove(group.task.instance_id)
             log.warning("skipping %s from now on: %s", group.task.instance_id, cause)
             self._push_metrics({"tasks/skipped_total": 1.0})
-        samples, reason = self._group_samples(group, trajectories)
+        samples, reason = self._groups.assemble(group.group_id, group.task, trajectories, self._policy.version)
         if self.config.log_traces and self._traced_version < self._policy.version:
             self._traced_version = self._policy.version
             await asyncio.to_thread(self._log_traces, group, trajectories, reason)
@@ -800,65 +684,6 @@ class SWERolloutWorker:
             pushed["groups/pushed_zero_variance_total"] = 1.0
         self._push_metrics(pushed)
 
-    def _advantages(self, trajectories: list[Trajectory]) -> tuple[dict[str, float], float]:
-        """Rollout id -> advantage over the group's valid members (a reward and some tokens), and the
-        rewards' std."""
-        valid = [t for t in trajectories if t.reward is not None and t.rows]
-        if not valid:
-            return {}, 0.0
-        rewards = np.array([t.reward for t in valid], dtype=np.float64)
-        std = float(rewards.std())
-        advantages = (rewards - rewards.mean()) / (std + self.config.advantage_eps)
-        return {t.rollout_id: float(a) for t, a in zip(valid, advantages, strict=True)}, std
-
-    def _group_samples(self, group: _Group, trajectories: list[Trajectory]) -> tuple[list[RolloutSample], str | None]:
-        """The group's samples, or the reason it is dropped."""
-        advantages, std = self._advantages(trajectories)
-        if len(advantages) < 2:
-            return [], "too_few_valid"
-        limit = self.config.max_zero_variance_drops
-        if (
-            std == 0.0
-            and self.config.drop_zero_variance_groups
-            and (limit is None or self._zero_variance_drops < limit)
-        ):
-            self._zero_variance_drops += 1
-            return [], "zero_variance"
-        valid = [t for t in trajectories if t.rollout_id in advantages]
-        oldest = min(v for t in valid if (v := t.oldest_version) is not None)
-        if self._policy.version - oldest > self.config.max_staleness:
-            return [], "stale"
-        prompt = [{"role": "user", "content": group.task.problem_statement}]
-        samples = []
-        for trajectory in valid:
-            metrics = {
-                "reward": float(trajectory.reward),  # type: ignore[arg-type]
-                "reward_std": std,
-                "resolved": float(trajectory.outcome == "resolved"),
-                "turns": float(len(trajectory.turns)),
-            }
-            for row in trajectory.rows:
-                if row.model_version is None:  # a row with no generated token trains nothing
-                    continue
-                mask = np.frombuffer(row.completion_mask, dtype=np.int8).astype(np.int64)
-                first = int(mask.argmax())
-                completion = [{"role": "assistant", "content": self.tokenizer.decode(row.input_ids[first:].tolist())}]
-                samples.append(
-                    RolloutSample(
-                        prompt=prompt,
-                        completion=completion,
-                        input_ids=np.asarray(row.input_ids, dtype=np.int64),
-                        completion_mask=mask,
-                        old_log_probs=np.asarray(row.old_log_probs, dtype=np.float32),
-                        advantage=advantages[trajectory.rollout_id],
-                        model_version=oldest,  # the group's: the trainer keeps or drops the group whole
-                        group_id=group.group_id,
-                        metrics=dict(metrics),
-                    )
-                )
-        self._zero_variance_drops = 0
-        return samples, None
-
     # ----------------------------------------------------------------- traces
 
     def _log_traces(self, group: _Group, trajectories: list[Trajectory], dropped: str | None) -> None:
@@ -867,7 +692,7 @@ class SWERolloutWorker:
         by side. Best effort: a tracing failure is logged and never stops training."""
         import trackio
 
-        advantages, _ = self._advantages(trajectories)
+        advantages, _ = group_advantages(trajectories, self.config.advantage_eps)
         traces = [
             trackio.Trace(
                 messages=t.messages,

@@ -9,6 +9,7 @@ import asyncio
 import json
 from typing import Any
 
+from swe_grpo.groups import GroupAssembler
 from swe_grpo.vllm_client import SamplingParams, VLLMClient
 from swe_grpo.worker import SWERolloutWorker
 
@@ -16,10 +17,10 @@ from swe_grpo.worker import SWERolloutWorker
 def break_group_assembly() -> None:
     """A defect in the worker's own code: assembling any group raises."""
 
-    def broken(self: SWERolloutWorker, group: Any, trajectories: Any) -> Any:
+    def broken(self: GroupAssembler, *args: Any) -> Any:
         raise ValueError("injected fault in group assembly")
 
-    SWERolloutWorker._group_samples = broken  # type: ignore[method-assign]
+    GroupAssembler.assemble = broken  # type: ignore[method-assign]
 
 
 def block_launches() -> None:

@@ -26,7 +26,8 @@ from test_worker import FAST
 from swe_grpo.sandbox._common import CgroupLayout
 from swe_grpo.sandbox.local import CGROUP_PARENT
 from swe_grpo.tasks import demo_tasks
-from swe_grpo.worker import RolloutWorkerError, SWERolloutWorker, WorkerConfig
+from swe_grpo.worker import RolloutWorkerError, SWERolloutWorker
+from swe_grpo.worker_config import WorkerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import pytest
 
 from swe_grpo.task_sampling import TaskSampler
 from swe_grpo.tasks import demo_tasks
-from swe_grpo.worker import WorkerConfig
+from swe_grpo.worker_config import WorkerConfig
 
 TASKS = demo_tasks()
 SOLVED, MIXED, FAILED = (t.instance_id for t in TASKS)

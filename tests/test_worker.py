@@ -15,33 +15,31 @@ import functools
 import logging
 import multiprocessing
 import os
-import queue
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import requests
-from accelerate import PartialState
 from conftest import LORA_RANK, SERVED_NAME
 from host_hooks import block_launches, break_group_assembly, record_vllm_requests, recorded_vllm_requests
 from sandbox_helpers import PI_PROCESS, assert_no_agent_or_sandbox_left, host_pids
 from trl.experimental.async_grpo import AsyncGRPOConfig
-from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset
 
-from swe_grpo.chain import TrainingRow
 from swe_grpo.grading import DEFAULT_TEST_CMD
-from swe_grpo.rollout import Trajectory
 from swe_grpo.sandbox.base import SandboxError
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.tasks import Task, demo_tasks
 from swe_grpo.vllm_client import VLLMClient
-from swe_grpo.worker import RolloutWorkerError, SWERolloutWorker, WorkerConfig, _Group
+from swe_grpo.worker import RolloutWorkerError, SWERolloutWorker
+from swe_grpo.worker_config import WorkerConfig
 
 FAST = WorkerConfig(
     num_generations=2,
@@ -53,170 +51,19 @@ FAST = WorkerConfig(
 )
 
 
-# --------------------------------------------------------------------------- groups -> samples
-
-
-def row(prompt: int, completion: int, version: int | None) -> TrainingRow:
-    r = TrainingRow()
-    r.extend_prompt(list(range(10, 10 + prompt)))
-    if version is not None:
-        r.extend_completion(list(range(50, 50 + completion)), [-0.5] * completion, version)
-    return r
-
-
-def trajectory(reward: float | None, rows: list[TrainingRow], outcome: str | None = None) -> Trajectory:
-    outcome = outcome or {1.0: "resolved", 0.0: "unresolved", None: "infra_error"}[reward]
-    return Trajectory("t", f"r{id(rows)}", outcome, reward, rows=rows, timings={"sandbox_create": 0.1})
-
-
-@pytest.fixture(scope="module")
-def offline_worker(tokenizer) -> SWERolloutWorker:
-    """A worker that is never started (its group logic needs only the tokenizer); keeps zero-variance groups."""
-    return SWERolloutWorker(demo_tasks(), tokenizer, vllm_url="http://127.0.0.1:9", model=SERVED_NAME, config=FAST)
-
-
-def group_of(*trajectories: Trajectory) -> tuple[_Group, list[Trajectory]]:
-    return _Group(7, demo_tasks()[0], []), list(trajectories)
-
-
-def test_advantages_use_valid_members_only(offline_worker) -> None:
-    members = [trajectory(1.0, [row(5, 3, 1)]), trajectory(0.0, [row(5, 2, 1)]), trajectory(0.0, [row(5, 4, 1)])]
-    infra = trajectory(None, [row(5, 3, 1)])
-    samples, reason = offline_worker._group_samples(*group_of(*members, infra))
-    assert reason is None
-    assert len(samples) == 3  # the infrastructure failure is neither in the baseline nor trained on
-    mean, std = 1 / 3, (2 / 9) ** 0.5
-    eps = offline_worker.config.advantage_eps
-    assert [s.advantage for s in samples] == pytest.approx([(r - mean) / (std + eps) for r in (1, 0, 0)])
-    assert sum(s.advantage for s in samples) == pytest.approx(0.0, abs=1e-9)
-    assert {s.group_id for s in samples} == {7}
-    first = samples[0]
-    assert first.input_ids.tolist() == list(range(10, 15)) + list(range(50, 53))
-    assert first.completion_mask.tolist() == [0] * 5 + [1] * 3
-    assert first.old_log_probs.tolist() == [0.0] * 5 + [-0.5] * 3
-    assert first.metrics["reward"] == 1.0 and first.metrics["reward_std"] == pytest.approx(std)
-
-
-def test_a_forked_rollout_gives_one_sample_per_row_with_its_advantage_and_the_groups_version(offline_worker) -> None:
-    forked = trajectory(1.0, [row(5, 3, 2), row(9, 2, 3)])
-    samples, reason = offline_worker._group_samples(*group_of(forked, trajectory(0.0, [row(5, 3, 3)])))
-    assert reason is None
-    assert [s.model_version for s in samples] == [2, 2, 2]  # the group's oldest token, on every sample
-    assert samples[0].advantage == samples[1].advantage > 0 > samples[2].advantage
-
-
-def trainer_keeps(samples: list, trainer_version: int, max_staleness: int) -> list:
-    """The samples AsyncGRPOTrainer trains on when it reads them at `trainer_version`: TRL's own
-    `RolloutQueueDataset` (the trainer's staleness filter, trl/experimental/async_grpo/async_grpo_trainer.py,
-    `__iter__`: `version - sample.model_version > max_staleness` drops the sample) drains a queue of them."""
-
-    class Drained(Exception):
-        pass
-
-    def empty(stale_after_s: float) -> None:  # the trainer calls check_health when the queue stays empty
-        raise Drained
-
-    PartialState(cpu=True)  # the dataset logs through accelerate, as inside the trainer
-    buffer: queue.Queue = queue.Queue()
-    for sample in samples:
-        buffer.put(sample)
-    dataset = RolloutQueueDataset(
-        buffer,
-        lambda: trainer_version,
-        empty,
-        300.0,
-        defaultdict(list),
-        max_staleness=max_staleness,
-        poll_interval_s=0.01,
-    )
-    kept = []
-    with pytest.raises(Drained):
-        for item in dataset:
-            kept.append(item)
-    return kept
-
-
-def test_the_trainers_staleness_filter_keeps_or_drops_a_group_whole(offline_worker) -> None:
-    """Members whose oldest tokens come from v2, v3 and v4 (one of them forked across v2 and v3): pushed
-    at v4, read by the trainer at v5 (max_staleness 2), the group must not lose its v2 rows only."""
-    offline_worker._policy = dataclasses.replace(offline_worker._policy, version=4)
-    try:
-        members = [
-            trajectory(1.0, [row(5, 3, 2), row(9, 2, 3)]),
-            trajectory(0.0, [row(5, 3, 3)]),
-            trajectory(0.0, [row(5, 2, 4)]),
-        ]
-        samples, reason = offline_worker._group_samples(*group_of(*members))
-    finally:
-        offline_worker._policy = dataclasses.replace(offline_worker._policy, version=0)
-    assert reason is None and len(samples) == 4
-    for trainer_version in range(4, 8):
-        kept = trainer_keeps(samples, trainer_version, offline_worker.config.max_staleness)
-        assert len(kept) in (0, len(samples)), f"part of the group trained at v{trainer_version}"
-    assert len(trainer_keeps(samples, 4, 2)) == 4 and trainer_keeps(samples, 5, 2) == []
-
-
-@pytest.mark.parametrize(
-    ("rewards", "reason"),
-    [
-        ((1.0, None, None), "too_few_valid"),
-        ((0.0, 0.0, 0.0), "zero_variance"),
-        ((1.0, 1.0), "zero_variance"),
-    ],
-)
-def test_groups_that_cannot_teach_are_dropped_whole(tokenizer, rewards, reason: str) -> None:
-    worker = SWERolloutWorker(
-        demo_tasks(), tokenizer, vllm_url="http://127.0.0.1:9", model=SERVED_NAME, config=WorkerConfig()
-    )
-    samples, dropped = worker._group_samples(*group_of(*(trajectory(r, [row(4, 2, 1)]) for r in rewards)))
-    assert (samples, dropped) == ([], reason)
-
-
-def test_zero_variance_groups_can_be_kept(offline_worker) -> None:
-    samples, reason = offline_worker._group_samples(*group_of(*(trajectory(0.0, [row(4, 2, 1)]) for _ in range(2))))
-    assert reason is None and [s.advantage for s in samples] == [0.0, 0.0]
-
-
-def test_after_max_zero_variance_drops_in_a_row_the_next_such_group_is_trained(tokenizer) -> None:
-    """A policy that solves every task makes nearly every group all-solved: dropping them all would leave
-    the trainer waiting ever longer for a mixed one (a demo step drew 225 rollouts). With the limit set,
-    the group after that many drops in a row is pushed with advantage 0; a mixed group resets the count."""
-    config = WorkerConfig(max_zero_variance_drops=2)
-    worker = SWERolloutWorker(demo_tasks(), tokenizer, vllm_url="http://127.0.0.1:9", model=SERVED_NAME, config=config)
-
-    def reasons(*groups: tuple[float, ...]) -> list[str | None]:
-        return [worker._group_samples(*group_of(*(trajectory(r, [row(4, 2, 1)]) for r in g)))[1] for g in groups]
-
-    solved, mixed = (1.0, 1.0), (1.0, 0.0)
-    assert reasons(solved, solved, solved, solved, solved, solved) == ["zero_variance", "zero_variance", None] * 2
-    assert reasons(solved, mixed, solved, solved, solved) == [
-        "zero_variance",
-        None,
-        "zero_variance",
-        "zero_variance",
-        None,
-    ]
-    reasons(solved, solved)
-    samples, reason = worker._group_samples(*group_of(*(trajectory(1.0, [row(4, 2, 1)]) for _ in range(2))))
-    assert reason is None and [s.advantage for s in samples] == [0.0, 0.0]
-    with pytest.raises(ValueError, match="max_zero_variance_drops"):
-        WorkerConfig(max_zero_variance_drops=-1)
-
-
-def test_a_group_whose_oldest_tokens_are_too_stale_is_dropped(offline_worker) -> None:
-    offline_worker._policy = dataclasses.replace(offline_worker._policy, version=5)
-    try:
-        members = [trajectory(1.0, [row(4, 2, 3)]), trajectory(0.0, [row(4, 2, 2)])]  # max_staleness 2: v2 is out
-        assert offline_worker._group_samples(*group_of(*members)) == ([], "stale")
-        members = [trajectory(1.0, [row(4, 2, 3)]), trajectory(0.0, [row(4, 2, 4)])]
-        assert offline_worker._group_samples(*group_of(*members))[1] is None
-    finally:
-        offline_worker._policy = dataclasses.replace(offline_worker._policy, version=0)
-
-
 def test_config_rejects_groups_of_one() -> None:
     with pytest.raises(ValueError, match="num_generations"):
         WorkerConfig(num_generations=1)
+
+
+def test_the_config_builds_without_importing_trls_trainer() -> None:
+    """A script or the CLI checks its WorkerConfig before paying for TRL's async GRPO trainer's import."""
+    code = (
+        "import sys; from swe_grpo import WorkerConfig; WorkerConfig(num_generations=4); "
+        "print('trl.experimental.async_grpo.async_grpo_trainer' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
 
 
 # --------------------------------------------------------------------------- the trainer's sampling settings

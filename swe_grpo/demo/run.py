@@ -136,7 +136,8 @@ def run_demo(config: DemoConfig, report: Report | None = None) -> DemoResult:
     from swe_grpo.demo.warm_start import build_warm_policy, one_torch_thread
     from swe_grpo.sandbox import make_backend
     from swe_grpo.vllm_server import VLLMServer
-    from swe_grpo.worker import SWERolloutWorker, WorkerConfig
+    from swe_grpo.worker import SWERolloutWorker
+    from swe_grpo.worker_config import WorkerConfig
 
     use_cpu_fallbacks()
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer

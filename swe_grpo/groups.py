@@ -1,0 +1,96 @@
+"""GRPO groups: one task's graded attempts, as the samples `AsyncGRPOTrainer` trains on.
+
+`GroupAssembler.assemble` takes a finished group's trajectories and returns either its samples or the
+reason the whole group is dropped. What it guarantees (the worker's contract, swe_grpo/worker.py):
+- Advantages are `(r - mean) / (std + eps)` over the group's *valid* members (a reward and some tokens):
+  an infrastructure outcome (reward None) is neither in the baseline nor trained on.
+- A group is pushed whole or not at all: dropped as `too_few_valid` (under two valid members),
+  `zero_variance` (all rewards equal, when dropping is on; at most `max_zero_variance_drops` in a row,
+  then the next one is trained with advantage 0), or `stale` (its oldest tokens are past `max_staleness`).
+- One sample per training row (a forked conversation gives several, all with the conversation's
+  advantage), and every sample carries the group's `model_version`, the oldest policy version of any of
+  its tokens, so the trainer's staleness filter keeps or drops the group whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+from swe_grpo.rollout import Trajectory
+from swe_grpo.tasks import Task
+from swe_grpo.worker_config import WorkerConfig
+
+DropReason = Literal["too_few_valid", "zero_variance", "stale"]
+
+
+def group_advantages(trajectories: Sequence[Trajectory], eps: float) -> tuple[dict[str, float], float]:
+    """Rollout id -> advantage over the group's valid members (a reward and some tokens), and the
+    rewards' std."""
+    valid = [t for t in trajectories if t.reward is not None and t.rows]
+    if not valid:
+        return {}, 0.0
+    rewards = np.array([t.reward for t in valid], dtype=np.float64)
+    std = float(rewards.std())
+    advantages = (rewards - rewards.mean()) / (std + eps)
+    return {t.rollout_id: float(a) for t, a in zip(valid, advantages, strict=True)}, std
+
+
+class GroupAssembler:
+    """Judges and assembles groups in the order they finish (the zero-variance limit counts drops in a row)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, config: WorkerConfig) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+        self._zero_variance_drops = 0  # groups dropped for zero variance since the last one assembled
+
+    def assemble(
+        self, group_id: int, task: Task, trajectories: Sequence[Trajectory], policy_version: int
+    ) -> tuple[list[RolloutSample], DropReason | None]:
+        """The group's samples at the trainer's `policy_version`, or the reason it is dropped."""
+        c = self.config
+        advantages, std = group_advantages(trajectories, c.advantage_eps)
+        if len(advantages) < 2:
+            return [], "too_few_valid"
+        limit = c.max_zero_variance_drops
+        if std == 0.0 and c.drop_zero_variance_groups and (limit is None or self._zero_variance_drops < limit):
+            self._zero_variance_drops += 1
+            return [], "zero_variance"
+        valid = [t for t in trajectories if t.rollout_id in advantages]
+        oldest = min(v for t in valid if (v := t.oldest_version) is not None)
+        if policy_version - oldest > c.max_staleness:
+            return [], "stale"
+        prompt = [{"role": "user", "content": task.problem_statement}]
+        samples = []
+        for trajectory in valid:
+            metrics = {
+                "reward": float(trajectory.reward),  # type: ignore[arg-type]
+                "reward_std": std,
+                "resolved": float(trajectory.outcome == "resolved"),
+                "turns": float(len(trajectory.turns)),
+            }
+            for row in trajectory.rows:
+                if row.model_version is None:  # a row with no generated token trains nothing
+                    continue
+                mask = np.frombuffer(row.completion_mask, dtype=np.int8).astype(np.int64)
+                first = int(mask.argmax())
+                completion = [{"role": "assistant", "content": self.tokenizer.decode(row.input_ids[first:].tolist())}]
+                samples.append(
+                    RolloutSample(
+                        prompt=prompt,
+                        completion=completion,
+                        input_ids=np.asarray(row.input_ids, dtype=np.int64),
+                        completion_mask=mask,
+                        old_log_probs=np.asarray(row.old_log_probs, dtype=np.float32),
+                        advantage=advantages[trajectory.rollout_id],
+                        model_version=oldest,  # the group's: the trainer keeps or drops the group whole
+                        group_id=group_id,
+                        metrics=dict(metrics),
+                    )
+                )
+        self._zero_variance_drops = 0
+        return samples, None

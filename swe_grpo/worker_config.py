@@ -1,0 +1,134 @@
+"""WorkerConfig: how the rollout worker (swe_grpo/worker.py) samples, schedules and judges rollouts.
+
+Kept apart from the worker so that a script can build and check a configuration without importing TRL's
+async GRPO trainer (~3 s), which the worker needs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from swe_grpo.agents import AGENTS
+from swe_grpo.grading import DEFAULT_TIMEOUT_S
+from swe_grpo.sandbox.base import MAX_PATCH_BYTES
+from swe_grpo.task_sampling import TASK_SAMPLING, TaskSampling
+from swe_grpo.vllm_client import SamplingParams
+
+if TYPE_CHECKING:
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+_SANDBOX_ALLOWANCE_S = 900.0  # creating and removing a rollout's two sandboxes (an image pull included)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How the worker samples, schedules and judges rollouts.
+
+    `max_tokens` caps each model turn; the sampling settings (`temperature` ... `repetition_penalty`)
+    and `chat_template_kwargs` must be the trainer's (its log-probs assume the same distribution), and
+    so must `max_staleness`. `from_trainer_args` copies those. `adapter_dir` is where the trainer
+    writes the policy adapters it publishes (`{adapter_dir}/{adapter_prefix}-v{N}`), so the worker can
+    re-load one a restarted vLLM lost; None: it reports what to do instead.
+    """
+
+    num_generations: int = 8
+    max_concurrent_rollouts: int = 8
+    max_staleness: int = 2
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    max_tokens: int = 2048
+    drop_zero_variance_groups: bool = True
+    # At most this many groups in a row are dropped for zero variance; the next is trained on (advantage 0),
+    # so a policy that solves every task does not leave the trainer waiting on ever rarer mixed groups.
+    max_zero_variance_drops: int | None = None  # None: no limit
+    advantage_eps: float = 1e-6
+    agent_timeout_s: float = 1800.0
+    stall_timeout_s: float = 300.0
+    grade_timeout_s: float = DEFAULT_TIMEOUT_S
+    plugin_autoload: bool = True  # pytest plugin autoload when grading; a task's own setting wins
+    max_patch_bytes: int = MAX_PATCH_BYTES  # a larger patch ends the rollout patch_too_large (reward 0.0)
+    door: bool = True  # the agent's only network is its own endpoint (swe_grpo.door); False: the backend's
+    allow: tuple[str, ...] = ()  # with the door: host:port targets the agent may also reach (HTTPS proxy)
+    adapter_prefix: str = "trl-policy"  # what AsyncGRPOTrainer names the adapters it publishes
+    adapter_dir: str | None = None
+    host: str = "127.0.0.1"  # the InterceptionServer's bind; sandboxes reach it at public_base_url
+    port: int = 0
+    public_base_url: str | None = None
+    seed: int = 0  # of the task order
+    task_sampling: TaskSampling = "shuffle"  # or "informative": see swe_grpo/task_sampling.py
+    queue_maxsize: int = 0  # launch no new group while this many samples wait for the trainer (0: no limit)
+    log_traces: bool = False  # one group's agent conversations per policy version to the trainer's trackio run
+    rollout_hosts: int = 1  # 0: rollouts run in a thread of this process; N: in N child processes (rollout_hosts.py)
+    agent: str = "pi"  # the harness (swe_grpo.agents.AGENTS) when the worker is not given an Agent
+    # The rollout hosts as Ray actors (swe_grpo/ray_hosts.py, extra swe_grpo[ray]) on nodes offering these resources
+    # each, e.g. {"swe_grpo_sandboxes": 1}; None: child processes of the trainer. Unused with rollout_hosts=0.
+    ray_resources: Mapping[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 2:
+            raise ValueError("num_generations must be at least 2: advantages are relative to the group")
+        if self.max_zero_variance_drops is not None and self.max_zero_variance_drops < 0:
+            raise ValueError("max_zero_variance_drops must be >= 0, or None for no limit")
+        if self.max_concurrent_rollouts < 1 or self.max_staleness < 0:
+            raise ValueError("max_concurrent_rollouts must be >= 1 and max_staleness >= 0")
+        if not 0 <= self.rollout_hosts <= self.max_concurrent_rollouts:
+            raise ValueError("rollout_hosts must be >= 0 and at most max_concurrent_rollouts (each host runs some)")
+        if self.rollout_hosts > 1 and (self.port or self.public_base_url):
+            raise ValueError("several rollout hosts bind a port each: leave port 0 and public_base_url unset")
+        if self.task_sampling not in TASK_SAMPLING:
+            raise ValueError(f"unknown task_sampling {self.task_sampling!r}: choose one of {', '.join(TASK_SAMPLING)}")
+        if self.agent not in AGENTS:
+            raise ValueError(f"unknown agent {self.agent!r}: choose one of {', '.join(AGENTS)}")
+
+    @property
+    def rollout_limit_s(self) -> float:
+        """The longest a rollout may take, all stages: the agent's run, grading (a test run and, without
+        a verdict, a control run) and its sandboxes. Past it the worker ends the rollout as `timeout`."""
+        return self.agent_timeout_s + 2 * self.grade_timeout_s + _SANDBOX_ALLOWANCE_S
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            max_tokens=self.max_tokens,
+        )
+
+    @classmethod
+    def from_trainer_args(cls, args: AsyncGRPOConfig, **overrides: Any) -> WorkerConfig:
+        """The fields the trainer and the worker must agree on, taken from the trainer's config: every
+        sampling setting TRL's own worker sends to vLLM, the chat template kwargs it renders prompts
+        with, and where the trainer writes its adapters. Raises ValueError, with the reason, for a
+        setting the worker cannot honour."""
+        if args.max_tool_calling_iterations is not None:
+            raise ValueError(
+                f"max_tool_calling_iterations={args.max_tool_calling_iterations} cannot be honoured: the agent (Pi) "
+                "runs its own tool loop and ends its run itself, so the worker cannot cut a conversation after N "
+                "tool calls as TRL's worker does. Leave it unset; agent_timeout_s and max_completion_length bound "
+                "a rollout."
+            )
+        shared = {
+            "num_generations": args.num_generations,
+            "max_staleness": args.max_staleness,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k if args.top_k is not None else -1,
+            "min_p": args.min_p if args.min_p is not None else 0.0,  # None: off (TRL's worker then sends none)
+            "repetition_penalty": args.repetition_penalty,
+            "chat_template_kwargs": dict(args.chat_template_kwargs or {}),
+            "adapter_dir": os.path.abspath(os.path.join(args.output_dir, ".vllm_lora")),  # TRL 1.16's `_lora_dir`
+            "max_tokens": args.max_completion_length,
+            "seed": args.seed,
+            "queue_maxsize": args.queue_maxsize,
+            "log_traces": "trackio" in (args.report_to or []),
+        }
+        return cls(**{**shared, **overrides})
