@@ -1,15 +1,9 @@
 """GRPO groups: one task's graded attempts, as the samples `AsyncGRPOTrainer` trains on.
 
 `GroupAssembler.assemble` takes a finished group's trajectories and returns either its samples or the
-reason the whole group is dropped. What it guarantees (the worker's contract, swe_grpo/worker.py):
-- Advantages are `(r - mean) / (std + eps)` over the group's *valid* members (a reward and some tokens):
-  an infrastructure outcome (reward None) is neither in the baseline nor trained on.
-- A group is pushed whole or not at all: dropped as `too_few_valid` (under two valid members),
-  `zero_variance` (all rewards equal, when dropping is on; at most `max_zero_variance_drops` in a row,
-  then the next one is trained with advantage 0), or `stale` (its oldest tokens are past `max_staleness`).
-- One sample per training row (a forked conversation gives several, all with the conversation's
-  advantage), and every sample carries the group's `model_version`, the oldest policy version of any of
-  its tokens, so the trainer's staleness filter keeps or drops the group whole.
+reason the whole group is dropped (`DropReason`). It keeps the worker's "Groups" and "One honest version
+per group" guarantees, stated once in swe_grpo/worker.py's docstring: advantages over the valid members
+only, a group pushed or dropped whole, one sample per training row, the group's oldest version on each.
 """
 
 from __future__ import annotations

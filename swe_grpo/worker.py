@@ -11,8 +11,8 @@ What it guarantees:
   and the `chat_template_kwargs` it renders prompts with (e.g. `enable_thinking`); each reaches every
   vLLM request or the rendered prompt. A setting the worker cannot honour (`max_tool_calling_iterations`:
   Pi runs its own tool loop) is refused with the reason.
-- Groups. Each task drawn is attempted `num_generations` times, and swe_grpo/groups.py assembles the
-  group. Advantages are `(r - mean) / (std + eps)` over the group's *valid* members: a rollout that ended in an
+- Groups (assembled by swe_grpo/groups.py). Each task drawn is attempted `num_generations` times.
+  Advantages are `(r - mean) / (std + eps)` over the group's *valid* members: a rollout that ended in an
   infrastructure outcome (reward None: infra_error, rollout_error, timeout, context_overflow, or
   cancelled as stale) is left out of the baseline and not trained on. A group with fewer than two
   valid members, or with zero reward variance (configurable, and boundable: `max_zero_variance_drops`),
