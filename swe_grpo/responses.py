@@ -10,8 +10,9 @@ what the tokens say (no whitespace stripped, no value retyped):
   XML; see `_xml_value` for how a value's type is decided);
 - a bare `{"name": ..., "parameters": {...}}` reply, for templates that write calls that way (Llama 3.x).
 
-A reply with any malformed call attempt (not an object, not JSON, unknown tool, no name, an opener without its
-closer) goes back to the agent as plain text, all attempted calls counted: never raised, never half passed on.
+A reply with any malformed call attempt (not an object, not JSON, no name, an opener without its closer) goes
+back to the agent as plain text, all attempted calls counted: never raised, never half passed on. A call to a
+tool the request did not list is a call (as vLLM's parsers return it): the agent's "tool not found" is feedback.
 At construction the parser renders a probe call through the tokenizer's template and refuses
 (`UnsupportedTemplateError`) a template whose calls it cannot read back exactly.
 """
@@ -144,7 +145,7 @@ def _xml_value(text: str, schema: Any) -> Any:
 
 
 def _tool_properties(tools: list | None) -> dict[str, dict] | None:
-    """Tool name -> its parameters' schemas; None when the request named no tools (any name is accepted)."""
+    """Tool name -> its parameters' schemas (for typing `<parameter>` values); None when the request named none."""
     if tools is None:
         return None
     out: dict[str, dict] = {}
@@ -200,8 +201,10 @@ def _call(body: str, schemas: dict[str, dict] | None) -> dict[str, Any]:
     """One attempted call's text -> an OpenAI tool call. Raises ValueError (or RecursionError, for absurdly
     nested JSON) for any defect. `schemas` is `_tool_properties` of the request's tools."""
     name, arguments = _xml_call(body, schemas) if body.lstrip().startswith("<function=") else _json_call(body)
-    if not isinstance(name, str) or not name or (schemas is not None and name not in schemas):
-        raise _Malformed(f"no such tool: {name!r}")
+    # A name the request's tools do not list is still a call, as vLLM's own tool parsers return it: the agent
+    # answers it ("tool not found"), and that answer is what the policy learns from.
+    if not isinstance(name, str) or not name:
+        raise _Malformed(f"a call needs a name, got {name!r}")
     if not isinstance(arguments, dict):
         raise _Malformed("arguments are not an object")
     serialised = json.dumps(arguments, ensure_ascii=False)

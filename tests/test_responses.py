@@ -68,7 +68,6 @@ MALFORMED = [
     ("qwen3", '<tool_call>\n{"name": "bash", "arguments": "ls -la"}\n</tool_call><|im_end|>', "stop", 1),
     ("qwen3", '<tool_call>\n{"name": "bash", "arguments": ["ls"]}\n</tool_call><|im_end|>', "stop", 1),
     ("qwen3", '<tool_call>\n{"name": "bash", "arguments": {"command": }\n</tool_call><|im_end|>', "stop", 1),
-    ("qwen3", '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call><|im_end|>', "stop", 1),
     ("qwen3", '<tool_call>\n{"arguments": {"command": "ls"}}\n</tool_call><|im_end|>', "stop", 1),
     ("qwen3", '<tool_call>\n{"name": "", "arguments": {}}\n</tool_call><|im_end|>', "stop", 1),
     ("qwen3", '<tool_call>\n{"name": ["bash"], "arguments": {}}\n</tool_call><|im_end|>', "stop", 1),
@@ -90,7 +89,6 @@ MALFORMED = [
     ),
     ("qwen3_6", THOUGHT + "<tool_call>\n<function=bash>\nls -la\n</function>\n</tool_call><|im_end|>", "stop", 1),
     ("qwen3_6", THOUGHT + "<tool_call>\n<function=>\n</function>\n</tool_call><|im_end|>", "stop", 1),
-    ("qwen3_6", THOUGHT + "<tool_call>\n<function=nope>\n</function>\n</tool_call><|im_end|>", "stop", 1),
     ("qwen3_6", THOUGHT + "<tool_call>\n<function=bash>\n<parameter=command>\nls\n</parameter>\n", "length", 1),
     (
         "qwen3_6",
@@ -102,7 +100,6 @@ MALFORMED = [
     ("llama3_2", '{"name": "bash", "parameters": "ls -la"}<|eot_id|>', "stop", 1),
     ("llama3_2", '{"name": "bash", "parameters": {"command": "ls"}<|eot_id|>', "stop", 1),
     ("llama3_2", '{"name": "bash", "parameters": {"command": ', "length", 1),
-    ("llama3_2", '{"name": "nope", "parameters": {}}<|eot_id|>', "stop", 1),
     # Llama 3.x writes a call as the whole reply: JSON after text is text, and no call was attempted.
     ("llama3_2", 'Sure: {"name": "bash", "parameters": {"command": "ls"}}<|eot_id|>', "stop", 0),
     ("llama3_2", '<tool_call>\n{"name": "bash", "arguments": "ls"}\n</tool_call><|eot_id|>', "stop", 1),
@@ -150,7 +147,7 @@ def _not_json(constant: str) -> None:
 
 
 def _assert_well_formed(parsed: ParsedResponse, tools: list | None) -> None:
-    """What any reply must be: valid JSON for the agent; either calls that name a given tool with JSON-object
+    """What any reply must be: valid JSON for the agent; either named calls with JSON-object
     arguments (nothing malformed), or plain text."""
     message = parsed.message
     assert message["role"] == "assistant"
@@ -159,10 +156,9 @@ def _assert_well_formed(parsed: ParsedResponse, tools: list | None) -> None:
         assert parsed.finish_reason in ("stop", "length") and isinstance(message["content"], str)
         return
     assert parsed.finish_reason == "tool_calls" and parsed.malformed_tool_calls == 0 and message["tool_calls"]
-    names = {t["function"]["name"] for t in tools} if tools is not None else None
     for call in message["tool_calls"]:
         name = call["function"]["name"]
-        assert isinstance(name, str) and name and (names is None or name in names)
+        assert isinstance(name, str) and name  # a name `tools` does not list is still a call, as vLLM returns it
         assert isinstance(json.loads(call["function"]["arguments"], parse_constant=_not_json), dict)
 
 
