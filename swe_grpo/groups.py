@@ -3,7 +3,8 @@
 `GroupAssembler.assemble` takes a finished group's trajectories and returns either its samples or the
 reason the whole group is dropped (`DropReason`). It keeps the worker's "Groups" and "One honest version
 per group" guarantees, stated once in swe_grpo/worker.py's docstring: advantages over the valid members
-only, a group pushed or dropped whole, one sample per training row, the group's oldest version on each.
+only, a group pushed or dropped whole, one sample per training row, the group's oldest version on each,
+and no row the trainer's `token_budget` would drop alone.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from swe_grpo.rollout import Trajectory
 from swe_grpo.tasks import Task
 from swe_grpo.worker_config import WorkerConfig
 
-DropReason = Literal["too_few_valid", "zero_variance", "stale"]
+DropReason = Literal["too_few_valid", "zero_variance", "stale", "oversize"]
 
 
 def group_advantages(trajectories: Sequence[Trajectory], eps: float) -> tuple[dict[str, float], float]:
@@ -86,5 +87,7 @@ class GroupAssembler:
                         metrics=dict(metrics),
                     )
                 )
+        if c.token_budget is not None and any(len(s.input_ids) > c.token_budget for s in samples):
+            return [], "oversize"  # the trainer would drop that row alone and train the rest of the group
         self._zero_variance_drops = 0
         return samples, None

@@ -15,13 +15,13 @@ What it guarantees:
   Advantages are `(r - mean) / (std + eps)` over the group's *valid* members: a rollout that ended in an
   infrastructure outcome (reward None: infra_error, rollout_error, timeout, context_overflow, or
   cancelled as stale) is left out of the baseline and not trained on. A group with fewer than two
-  valid members, or with zero reward variance (configurable, and boundable: `max_zero_variance_drops`),
-  or whose oldest tokens are already too stale, is dropped and counted. A group is pushed whole or not
-  at all, one `RolloutSample` per training row (a forked conversation gives several rows, all with the
-  conversation's advantage).
-- One honest version per group. Every sample of a group carries the group's `model_version`: the
-  oldest policy version that produced any token of any member. The trainer's staleness filter
-  (`version - model_version > max_staleness` drops a sample) therefore keeps or drops a group whole.
+  valid members, with zero reward variance (configurable, and boundable: `max_zero_variance_drops`), whose
+  oldest tokens are too stale, or a row over the trainer's `token_budget`, is dropped and counted. A group
+  is pushed whole or not at all, one `RolloutSample` per training row (a forked conversation gives several
+  rows, all with the conversation's advantage).
+- One honest version per group. Every sample of a group carries the group's `model_version`: the oldest
+  policy version that produced any token of any member. The trainer's per-sample staleness filter keeps or
+  drops a group whole, even across a sync mid-group: `rollout_buffer` is a GroupQueue (group_queue.py).
   When the trainer's version moves on, rollouts whose oldest tokens can no longer be consumed are
   cancelled at any stage, grading included: their vLLM request is aborted, Pi and the sandboxes are
   killed.
@@ -97,6 +97,7 @@ from urllib3.util.retry import Retry
 
 from swe_grpo.agents import Agent, AgentConfig, make_agent
 from swe_grpo.door import remove_orphaned_doors
+from swe_grpo.group_queue import GroupQueue
 from swe_grpo.groups import GroupAssembler, group_advantages
 from swe_grpo.interception import InterceptionServer, Policy
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
@@ -128,9 +129,7 @@ class QueueOutlet:
     time) and `metrics_queue`, and its trackio run for traces. A rollout host has its own outlet, which
     sends the same to the trainer's side, where this one delivers it."""
 
-    def __init__(
-        self, buffer: queue.Queue[RolloutSample], metrics: queue.Queue[dict[str, float | tuple[float, float]]]
-    ) -> None:
+    def __init__(self, buffer: GroupQueue, metrics: queue.Queue[dict[str, float | tuple[float, float]]]) -> None:
         self.buffer = buffer
         self.metrics = metrics
 
@@ -138,7 +137,7 @@ class QueueOutlet:
         now = time.time()
         for sample in samples:
             sample.enqueued_at = now
-            self.buffer.put(sample)
+        self.buffer.put_group(samples)
 
     def put_metrics(self, metrics: dict[str, float | tuple[float, float]]) -> None:
         self.metrics.put(metrics)
@@ -208,8 +207,8 @@ class SWERolloutWorker:
         self.config = config or WorkerConfig()
         self.agent = agent or make_agent(self.config.agent)
         self._api_key = vllm_api_key
-        self.rollout_buffer: queue.Queue[RolloutSample] = queue.Queue()
         self.metrics_queue: queue.Queue[dict[str, float | tuple[float, float]]] = queue.Queue()
+        self.rollout_buffer = GroupQueue(self.metrics_queue)  # keeps TRL from training part of a group
         self.outlet: Any = QueueOutlet(self.rollout_buffer, self.metrics_queue)  # a rollout host sets its own
         self.group_ids: Iterator[int] = itertools.count()  # a rollout host numbers its groups apart from the others'
         self._sandbox = sandbox
@@ -299,6 +298,7 @@ class SWERolloutWorker:
     def update_model_version(self, model_version: int) -> None:
         """Point generations at policy `model_version` (see the module docstring), then cancel the
         rollouts it leaves too stale to train on."""
+        self.rollout_buffer.set_version(model_version)  # first: the trainer reads its next sample at this version
         policy = Policy(model_version, self._served_policy_model(model_version))
         if self._hosts is not None:
             self._policy = policy

@@ -64,6 +64,9 @@ class WorkerConfig:
     seed: int = 0  # of the task order
     task_sampling: TaskSampling = "shuffle"  # or "informative": see swe_grpo/task_sampling.py
     queue_maxsize: int = 0  # launch no new group while this many samples wait for the trainer (0: no limit)
+    # The trainer's: its TokenBudgetBatcher drops a longer sample alone, so a group with one is dropped whole here.
+    # None: no limit (the trainer's default budget, vLLM's max_model_len, fits any row; <= 0 batches by count).
+    token_budget: int | None = None
     log_traces: bool = False  # one group's agent conversations per policy version to the trainer's trackio run
     rollout_hosts: int = 1  # 0: rollouts run in a thread of this process; N: in N child processes (rollout_hosts.py)
     agent: str = "pi"  # the harness (swe_grpo.agents.AGENTS) when the worker is not given an Agent
@@ -129,6 +132,7 @@ class WorkerConfig:
             "max_tokens": args.max_completion_length,
             "seed": args.seed,
             "queue_maxsize": args.queue_maxsize,
+            "token_budget": args.token_budget if args.token_budget and args.token_budget > 0 else None,
             "log_traces": "trackio" in (args.report_to or []),
         }
         return cls(**{**shared, **overrides})

@@ -5,17 +5,23 @@ and groups that cannot teach dropped whole with the reason — read back through
 from __future__ import annotations
 
 import dataclasses
+import http.server
+import json
 import queue
+import threading
 from collections import defaultdict
+from collections.abc import Iterator
 
 import pytest
 from accelerate import PartialState
-from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset
+from trl.experimental.async_grpo.async_grpo_config import AsyncGRPOConfig
+from trl.experimental.async_grpo.async_grpo_trainer import FixedCountBatcher, RolloutQueueDataset, TokenBudgetBatcher
 
 from swe_grpo.chain import TrainingRow
 from swe_grpo.groups import GroupAssembler
 from swe_grpo.rollout import Trajectory
 from swe_grpo.tasks import demo_tasks
+from swe_grpo.worker import SWERolloutWorker
 from swe_grpo.worker_config import WorkerConfig
 
 KEEP_ALL = WorkerConfig(num_generations=2, drop_zero_variance_groups=False)
@@ -176,3 +182,109 @@ def test_a_group_whose_oldest_tokens_are_too_stale_is_dropped(assemble) -> None:
     members = [trajectory(1.0, [row(4, 2, 3)]), trajectory(0.0, [row(4, 2, 4)])]
     assert assemble(members, version=5)[1] is None
     assert assemble(members, version=4, config=dataclasses.replace(KEEP_ALL, max_staleness=0)) == ([], "stale")
+
+
+class ServedModels(http.server.BaseHTTPRequestHandler):
+    """vLLM's `/v1/models` listing the base model only (a FAKE vLLM, for the worker's listing at a weight sync:
+    nothing is generated here)."""
+
+    def do_GET(self) -> None:
+        body = json.dumps({"data": [{"id": "tiny"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def models_url() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ServedModels)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_group_reaches_the_trainer_whole_when_its_version_moves_mid_group(tokenizer, models_url: str) -> None:
+    """The trainer reads the worker's `rollout_buffer` through TRL's own `RolloutQueueDataset` (which checks
+    each SAMPLE against the trainer's version when it reads it) and `FixedCountBatcher`, 3 samples a
+    micro-batch, and syncs weights after each (weight_sync_steps 1): its version moves between samples of
+    one group of 4. Groups from v0 (at the staleness edge when first read at v1), v1, v0 again (too stale
+    when read at v3) and v3, each rewarded (1, 1, 0, 0): the first two must not be trained as (+1, +1, -1)
+    and (+1, +1) with their last samples dropped; every group is trained whole, or dropped whole."""
+    config = WorkerConfig(num_generations=4, max_staleness=1)
+    worker = SWERolloutWorker(demo_tasks(), tokenizer, vllm_url=models_url, model="tiny", config=config)
+    trainer_version = 1
+    worker.update_model_version(trainer_version)  # the trainer's first sync
+    assembler = GroupAssembler(tokenizer, config)
+    for group_id, version in enumerate((0, 1, 0, 3)):
+        members = [trajectory(reward, [row(4, 2, version)]) for reward in (1.0, 1.0, 0.0, 0.0)]
+        samples, reason = assembler.assemble(group_id, demo_tasks()[0], members, version)
+        assert reason is None
+        worker.outlet.put_group(samples)
+
+    class Drained(Exception):
+        pass
+
+    def drained(stale_after_s: float) -> None:  # the trainer calls check_health when the queue stays empty
+        raise Drained
+
+    PartialState(cpu=True)  # the dataset logs through accelerate, as inside the trainer
+    metrics: defaultdict[str, list] = defaultdict(list)
+    dataset = RolloutQueueDataset(
+        worker.rollout_buffer,
+        lambda: trainer_version,
+        drained,
+        300.0,
+        metrics,
+        max_staleness=config.max_staleness,
+        poll_interval_s=0.01,
+    )
+    read: list[dict] = []
+
+    def through_the_staleness_filter() -> Iterator[dict]:
+        for sample in dataset:
+            read.append(sample)
+            yield sample
+
+    with pytest.raises(Drained):
+        for _micro_batch in FixedCountBatcher(through_the_staleness_filter(), num_processes=1, microbatch_size=3):
+            trainer_version += 1  # the micro-batch was one optimizer step; then a weight sync
+            worker.update_model_version(trainer_version)
+    trained: defaultdict[int, list[float]] = defaultdict(list)
+    for sample in read:
+        trained[sample["group_id"]].append(sample["advantage"])
+    assert {group: len(advantages) for group, advantages in trained.items()} == {0: 4, 1: 4, 3: 4}
+    assert all(sum(advantages) == pytest.approx(0.0) for advantages in trained.values())
+    assert sum(metrics["sample/dropped_stale_total"]) == 4  # group 2, whole
+    moved: defaultdict[str, list[float]] = defaultdict(list)
+    while not worker.metrics_queue.empty():
+        for key, value in worker.metrics_queue.get_nowait().items():
+            moved[key].append(value)
+    # Samples read after the version moved within their group (A's last, B's last two, D's last three) were
+    # trained with their group; how stale they really were (B's at v3 from v1) is reported, not hidden.
+    assert sum(moved["groups/read_after_sync_samples_total"]) == 6
+    assert max(moved["groups/read_after_sync_staleness_max"]) == 2
+
+
+def test_a_group_with_a_row_over_the_trainers_token_budget_is_dropped_whole(assemble, tmp_path) -> None:
+    """TRL's `TokenBudgetBatcher` drops a sample longer than `token_budget` alone, leaving the rest of its
+    group to be trained; the worker, knowing the trainer's budget, drops such a group whole instead."""
+    members = [trajectory(1.0, [row(4, 2, 1), row(30, 4, 1)]), trajectory(0.0, [row(4, 2, 1)])]
+    samples, reason = assemble(members)
+    assert reason is None and max(len(s.input_ids) for s in samples) == 34
+    metrics: defaultdict[str, list] = defaultdict(list)
+    fields = ("input_ids", "completion_mask", "old_log_probs", "advantage", "group_id", "metrics")
+    unbatched = [{name: getattr(s, name) for name in fields} for s in samples]  # as RolloutQueueDataset yields
+    PartialState(cpu=True)  # the batcher warns through accelerate, as inside the trainer
+    list(TokenBudgetBatcher(unbatched, num_processes=1, token_budget=20, metrics=metrics))
+    assert metrics["batch/dropped_oversize_total"] == [1.0]  # what the trainer would do: part of the group
+    budget = WorkerConfig.from_trainer_args(AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, token_budget=20))
+    assert budget.token_budget == 20
+    assert assemble(members, config=dataclasses.replace(KEEP_ALL, token_budget=20)) == ([], "oversize")
+    assert assemble(members, config=dataclasses.replace(KEEP_ALL, token_budget=34))[1] is None
+    # 0 or less: the trainer batches a fixed count and drops nothing; None: it uses vLLM's max_model_len.
+    unbounded = WorkerConfig.from_trainer_args(AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, token_budget=0))
+    assert unbounded.token_budget is None
