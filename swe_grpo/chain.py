@@ -16,9 +16,11 @@ recorded as clean or fork.
 
 A turn is a transaction: `prepare` changes nothing, and `commit` validates the reply completely (it
 normalises, and the training template renders it) before it touches the chain, so a failure leaves the
-chain as it was. A request that repeats the last committed turn's request exactly (the agent retrying: it
-never received that reply) is prepared from the same prefix and its commit REPLACES that turn: a reply the
-agent never received is never trained on, and a retry does not fork.
+chain as it was. A request that says again what the last committed turn's request said (the agent retrying: it
+never received that reply, or never used it) REPLACES that turn: a reply the agent never received is never trained
+on. "Says again" is decided by what was said, not by bytes: the same conversation (text parts joined or not, JSON
+re-serialised, numbers respelled) counts, whatever the system prompt or tool list; when those changed, the retry's
+prompt is a fresh render (a fork), else it is the replaced turn's prompt and does not fork.
 
 The template is TRL's prefix-preserving training template (`get_training_chat_template`), verified with
 `is_chat_template_prefix_preserving`; a tokenizer that cannot provide one is refused at construction.
@@ -127,12 +129,32 @@ def normalize_message(message: Any, index: int = 0) -> Message:
     return out
 
 
-def _assistant_key(message: Message) -> tuple:
-    calls = tuple(
-        (c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
-        for c in message.get("tool_calls") or []
+def same_json(a: Any, b: Any) -> bool:
+    """Whether two decoded JSON values are the same value: numbers by value (`30.0` is `30`, as a JavaScript
+    agent re-serialises it), but a boolean is no number (Python's `True == 1` must not decide it)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_json(v, b[k]) for k, v in a.items())
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(same_json, a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+def _same_assistant(held: Message, incoming: Message) -> bool:
+    calls, echoed = held.get("tool_calls") or [], incoming.get("tool_calls") or []
+    return (
+        held["content"].strip() == incoming["content"].strip()
+        and held.get("reasoning_content", "").strip() == incoming.get("reasoning_content", "").strip()
+        and len(calls) == len(echoed)
+        and all(
+            a["function"]["name"] == b["function"]["name"]
+            and same_json(a["function"]["arguments"], b["function"]["arguments"])
+            for a, b in zip(calls, echoed, strict=True)
+        )
     )
-    return message["content"].strip(), message.get("reasoning_content", "").strip(), calls
 
 
 def same_message(held: Message, incoming: Message) -> bool:
@@ -140,11 +162,13 @@ def same_message(held: Message, incoming: Message) -> bool:
 
     Exact for every role but the assistant's: an agent echoing a reply back may re-serialise it (other
     tool-call ids, whitespace around text), and the chain already holds the tokens the model produced,
-    so an assistant message matches when its text, reasoning, tool names and arguments do.
+    so an assistant message matches when its text, reasoning, tool names and argument values (`same_json`) do.
     """
-    if held is incoming or held == incoming:
+    if held is incoming:
         return True
-    return held["role"] == incoming["role"] == "assistant" and _assistant_key(held) == _assistant_key(incoming)
+    if held["role"] == incoming["role"] == "assistant":
+        return _same_assistant(held, incoming)
+    return held == incoming
 
 
 # --------------------------------------------------------------------------- the training template
@@ -365,31 +389,71 @@ class TokenChain:
     def prepare(self, messages: list[Any], tools: list | None = None) -> PreparedTurn:
         """The prompt ids for a request. Raises MessageFormatError for malformed messages (its subclass
         TemplateRefusedError when the template refuses the conversation). Changes nothing."""
-        if not isinstance(messages, list) or not messages:
-            raise MessageFormatError("messages must be a non-empty list")
-        if tools is not None and not isinstance(tools, list):
-            raise MessageFormatError("tools must be a list")
-        if self._undo is not None and messages == self._raw and tools == self._tools:
-            return self._retry()
-        norm = self._normalize(messages)
-        held = self._held
-        extends = len(norm) >= len(held) and all(map(same_message, held, norm))
-        if self.rows and tools == self._tools and extends:
-            chain = self.rows[-1].input_ids
+        plan, norm = self._plan(messages, tools)
+        if plan == "retry":
+            return self._retry(norm, messages)
+        if plan == "extend":
+            held, chain = self._held, self.rows[-1].input_ids
             new_ids = self.template.interstitial_ids(
                 held[-1], norm[len(held) :], tools, closed=chain[-1] == self.template.eos_token_id
             )
             if new_ids is not None:
                 return PreparedTurn(chain.tolist() + new_ids, new_ids, False, norm, messages, tools, 0)
+        replaces = plan == "replace"
         prompt = self.template.prompt_ids(norm, tools)
+        chain = self._chain_before_last() if replaces else self.rows[-1].input_ids if self.rows else None
         drift = 0
-        if self.rows:
-            chain = self.rows[-1].input_ids
+        if chain is not None:
             common = next((i for i, (a, b) in enumerate(zip(chain, prompt, strict=False)) if a != b), None)
             drift = len(chain) - (min(len(chain), len(prompt)) if common is None else common)
-        return PreparedTurn(prompt, prompt, bool(self.rows), norm, messages, tools, drift)
+        return PreparedTurn(prompt, prompt, chain is not None, norm, messages, tools, drift, replaces)
 
-    def _retry(self) -> PreparedTurn:
+    def renders_whole_history(self, messages: list[Any], tools: list | None = None) -> bool:
+        """Whether `prepare` renders the whole conversation (a first turn, a fork, a retry whose prompt
+        changed) instead of only what is new, so that a caller can run it off its event loop. Raises as
+        `prepare` does; changes nothing."""
+        return self._plan(messages, tools)[0] in ("fresh", "replace")
+
+    def _plan(self, messages: list[Any], tools: list | None) -> tuple[str, list[Message]]:
+        """How to prepare a request, and its normalised messages: "retry" (it asks again what the last
+        committed turn asked: the same prompt, replacing that turn), "replace" (it says the same as the last
+        turn's request, but with another system prompt or tool list: a fresh render, replacing that turn),
+        "extend" (it extends the chain) or "fresh" (first turn or fork)."""
+        if not isinstance(messages, list) or not messages:
+            raise MessageFormatError("messages must be a non-empty list")
+        if tools is not None and not isinstance(tools, list):
+            raise MessageFormatError("tools must be a list")
+        if self._undo is not None and messages == self._raw and tools == self._tools:
+            return "retry", self._held[:-1]  # byte-identical: no need to normalise
+        norm = self._normalize(messages)
+        held = self._held
+        if self._repeats_last_request(norm):
+            asked = held[:-1]
+            same = tools == self._tools and len(norm) == len(asked) and all(map(same_message, asked, norm))
+            return ("retry" if same else "replace"), norm
+        if self.rows and tools == self._tools and len(norm) >= len(held) and all(map(same_message, held, norm)):
+            return "extend", norm
+        return "fresh", norm
+
+    def _repeats_last_request(self, norm: list[Message]) -> bool:
+        """Whether `norm` is the last committed turn's request again: an agent re-sending a request whose reply
+        it never used (its client gave up, or rebuilt the request: text parts joined, another tool list, a
+        fresh date in its system prompt). Decided by what was said, every message but the system's (compared
+        as `same_message` does), not by bytes; the reply it replaces was never part of the agent's history."""
+        if self._undo is None:
+            return False
+        said = [m for m in norm if m["role"] != "system"]
+        asked = [m for m in self._held[:-1] if m["role"] != "system"]
+        return len(said) == len(asked) and all(map(same_message, asked, said))
+
+    def _chain_before_last(self) -> array | None:
+        """The tokens the chain holds without its last committed turn (None: that turn started the chain)."""
+        undo = self._undo
+        if not undo.new_row:
+            return self.rows[-1].input_ids[: undo.length]
+        return self.rows[-2].input_ids if len(self.rows) > 1 else None
+
+    def _retry(self, messages: list[Message], raw_messages: list[Any]) -> PreparedTurn:
         """The last committed turn's prompt again, read back from its row (the same request renders the
         same prompt), to be generated from anew and to replace that turn."""
         last, undo = self.turns[-1], self._undo
@@ -399,8 +463,8 @@ class TokenChain:
             prompt_ids=ids[: start + last.new_prompt_tokens].tolist(),
             new_ids=ids[start : start + last.new_prompt_tokens].tolist(),
             fork=last.kind == "fork",
-            messages=self._held[:-1],
-            raw_messages=self._raw,
+            messages=messages,
+            raw_messages=raw_messages,
             tools=self._tools,
             drift_tokens=last.drift_tokens,
             replaces=True,

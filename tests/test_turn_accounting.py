@@ -67,3 +67,90 @@ def test_every_template_reads_a_call_to_an_unlisted_tool_as_a_call(template: str
     (call,) = parsed.message["tool_calls"]
     assert call["function"]["name"] in ("rm_rf", "nope") and json.loads(call["function"]["arguments"]) == {}
     assert parsed.finish_reason == "tool_calls" and parsed.malformed_tool_calls == 0
+
+
+# --------------------------------------------------------------------------- echoes and retries, by meaning
+
+
+async def test_arguments_echoed_with_other_number_spelling_stay_clean(http) -> None:
+    """The model writes `1.0`; a JavaScript agent echoes the value back as `1` (under a call id of its own): the
+    same value, a clean turn. A boolean is not a number, though: `1.0` echoed as `true` is another value and forks
+    (Python's `1.0 == True` must not decide it)."""
+    text = '<tool_call>\n{"name": "bash", "arguments": {"command": "sleep 1", "timeout": 1.0}}\n</tool_call><|im_end|>'
+    generator = ScriptedGenerator.texts(training("qwen3"), [text, "Done.<|im_end|>"] * 2)
+    async with stub_server("qwen3", generator) as srv:
+        endpoints = [srv.open_rollout(), srv.open_rollout()]
+        for endpoint, echoed in zip(
+            endpoints, ['{"command":"sleep 1","timeout":1}', '{"command":"sleep 1","timeout":true}'], strict=True
+        ):
+            convo = PiConversation()
+            message = await chat(http, endpoint, convo.request())
+            assert message["tool_calls"][0]["function"]["arguments"].endswith('"timeout": 1.0}')
+            convo.add_reply(message)
+            call = convo.messages[-2]["tool_calls"][0]
+            call["function"]["arguments"] = echoed
+            if echoed.endswith("1}"):
+                call["id"] = convo.messages[-1]["tool_call_id"] = "toolu_01"
+            await chat(http, endpoint, convo.request())
+        clean, forked = (srv.close_rollout(e.rollout_id) for e in endpoints)
+    assert [t.kind for t in clean.turns] == ["clean", "clean"]
+    assert [t.kind for t in forked.turns] == ["clean", "fork"]
+
+
+def _extra_tool(body: dict[str, Any]) -> None:
+    body["tools"].append({"type": "function", "function": {"name": "grep", "parameters": {"type": "object"}}})
+
+
+def _text_as_string(body: dict[str, Any]) -> None:
+    user = body["messages"][-1]
+    user["content"] = "".join(part["text"] for part in user["content"])
+
+
+def _changed_system_line(body: dict[str, Any]) -> None:
+    body["messages"][0]["content"] += "\nCurrent date: 2031-01-02"
+
+
+@pytest.mark.parametrize("change", [_extra_tool, _text_as_string, _changed_system_line])
+@pytest.mark.parametrize("turn", [0, 1])
+async def test_a_retry_that_says_the_same_replaces_the_undelivered_turn(http, change, turn: int) -> None:
+    """The agent re-sends its request after a lost reply, but not byte for byte (its client rebuilt it: another
+    tool list, text parts joined, a fresh date line): the conversation is the same, so it is a retry, and the
+    reply it never used is not trained. `turn`: the retried request is the rollout's first or its second."""
+    template = training("qwen3")
+    outputs = ["Zero.<|im_end|>"] * turn + ["Lost.<|im_end|>", "Used.<|im_end|>", "Done.<|im_end|>"]
+    generator = ScriptedGenerator.texts(template, outputs)
+    async with stub_server("qwen3", generator) as srv:
+        endpoint = srv.open_rollout()
+        convo = PiConversation()
+        for _ in range(turn):
+            convo.add_reply(await chat(http, endpoint, convo.request()))
+            convo.messages.append({"role": "user", "content": [{"type": "text", "text": "Go on."}]})
+        assert (await chat(http, endpoint, convo.request()))["content"] == "Lost."  # the agent never sees it
+        retry = convo.request()
+        change(retry)
+        used = await chat(http, endpoint, retry)
+        assert used["content"] == "Used."
+        convo.messages = retry["messages"]
+        convo.add_reply(used)
+        convo.messages.append({"role": "user", "content": "Go on."})
+        await chat(http, endpoint, {**convo.request(), "tools": retry["tools"]})
+        record = srv.close_rollout(endpoint.rollout_id)
+    trained = "".join(
+        template.tokenizer.decode([i for i, m in zip(row.input_ids, row.completion_mask, strict=True) if m])
+        for row in record.rows
+    )
+    assert "Lost." not in trained and "Used." in trained and "Done." in trained
+    assert [t.retries for t in record.turns] == [0] * turn + [1, 0] and record.retries == 1
+    assert [t.kind for t in record.turns][-1] == "clean"
+
+
+async def test_a_different_conversation_is_not_a_retry(http) -> None:
+    """Same length, other words: a new request (a fork), and the reply before it stays trained."""
+    template = training("qwen3")
+    generator = ScriptedGenerator.texts(template, ["Kept.<|im_end|>", "Other.<|im_end|>"])
+    async with stub_server("qwen3", generator) as srv:
+        endpoint = srv.open_rollout()
+        await chat(http, endpoint, PiConversation().request())
+        await chat(http, endpoint, PiConversation(task="Something else entirely.").request())
+        record = srv.close_rollout(endpoint.rollout_id)
+    assert [(t.kind, t.retries) for t in record.turns] == [("clean", 0), ("fork", 0)] and len(record.rows) == 2
