@@ -143,18 +143,23 @@ def unpacked_log_probs(model: torch.nn.Module, samples: list[dict[str, Any]]) ->
     return torch.cat(per_sample)
 
 
-@pytest.mark.parametrize("config_name", sorted(CONFIGS))
-def test_packed_log_probs_and_grads_equal_per_sample_forward(
-    config_name: str, cpu_only: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    assert use_cpu_fallbacks()
-    async_grpo_trainer.register_tree_attention()  # what the trainer's __init__ does
-    assert AttentionInterface()[TREE_ATTENTION] is tree_attention_cpu
-    # Any attempt to load the FA3 kernel from the Hub now fails loudly instead of downloading.
-    monkeypatch.setitem(sys.modules, "kernels", None)
+# float32 results computed in another order (one packed forward vs one per sample; and CPU kernels reduce in
+# different orders, AVX-512 vs AVX2) differ by rounding that grows with the length of each sum and the size of
+# its terms, not with the element's own value: an element that is a near-cancelling sum may be off by far more
+# than eps times itself. So an element's tolerance is relative to its tensor's scale (its largest magnitude).
+# Measured (2026-11, this 2-core Xeon): at worst 3.4e-7 of scale for log-probs and 1.6e-6 for gradients; the
+# AVX-512 EPYC that failed the former per-element bound was off by 2.1e-5 on a gradient of scale ~31 (6.8e-7).
+# A wrong mask is off by about 1 of scale (test_a_wrong_mask_fails_the_comparison).
+LOG_PROB_TOL = 1e-5  # ~84 float32 eps of scale
+GRAD_TOL = 1e-4  # gradients sum over every token and position: longer reductions
 
+
+def mismatches(model_name: str) -> list[str]:
+    """What differs beyond float32 rounding between a tree-packed forward+backward of the samples (with the
+    attention registered under TREE_ATTENTION) and one eager forward+backward per sample: "log_probs"
+    and the names of the parameters whose gradients differ."""
     torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(CONFIGS[config_name], attn_implementation="eager")
+    reference = AutoModelForCausalLM.from_config(CONFIGS[model_name], attn_implementation="eager")
     packed_model = copy.deepcopy(reference)
     packed_model.set_attn_implementation(TREE_ATTENTION)
     add_fused_lm_head(packed_model)
@@ -164,15 +169,71 @@ def test_packed_log_probs_and_grads_equal_per_sample_forward(
     expected = unpacked_log_probs(reference, samples)
     # The trie really shared tokens, so positions, paths and the end-aligned mask were all exercised.
     assert forwarded < sum(len(sample["input_ids"]) for sample in samples)
-    torch.testing.assert_close(packed, expected, rtol=0, atol=1e-5)
-
     # Training needs the gradients to agree too, not only the forward.
     packed.sum().backward()
     expected.sum().backward()
+    compared = [("log_probs", packed.detach(), expected.detach(), LOG_PROB_TOL)]
     for (name, packed_param), reference_param in zip(
         packed_model.named_parameters(), reference.parameters(), strict=True
     ):
-        torch.testing.assert_close(packed_param.grad, reference_param.grad, rtol=1e-4, atol=1e-5, msg=name)
+        compared.append((name, packed_param.grad, reference_param.grad, GRAD_TOL))
+    return [name for name, actual, wanted, tol in compared if not float32_close(actual, wanted, tol)]
+
+
+def float32_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> bool:
+    """Every element within `tol` times the tensor's scale (its largest magnitude) of the expected one."""
+    return torch.allclose(actual, expected, rtol=0.0, atol=tol * expected.abs().max().item())
+
+
+def test_the_tolerance_is_float32_rounding_at_the_tensors_scale() -> None:
+    """The AVX-512 EPYC's difference (2.1e-5 on a near-zero element of a gradient of scale ~31) is rounding
+    and passes, where a per-element bound (rtol 1e-4, atol 1e-5) failed it; 0.1 % of the scale does not."""
+    grad = torch.linspace(-31.0, 31.0, 4096).reshape(64, 64)
+    grad[0, 0] = 1e-7  # a near-cancelling sum
+    epyc = grad.clone()
+    epyc[0, 0] += 2.1e-5
+    assert float32_close(epyc, grad, GRAD_TOL)
+    assert not torch.allclose(epyc, grad, rtol=1e-4, atol=1e-5)  # the former bound
+    wrong = grad.clone()
+    wrong[0, 0] += 1e-3 * 31.0
+    assert not float32_close(wrong, grad, GRAD_TOL)
+
+
+@pytest.fixture
+def cpu_tree_attention(cpu_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's attention set up as on a CPU box: `tree_attention_cpu` under TREE_ATTENTION."""
+    assert use_cpu_fallbacks()
+    async_grpo_trainer.register_tree_attention()  # what the trainer's __init__ does
+    assert AttentionInterface()[TREE_ATTENTION] is tree_attention_cpu
+    # Any attempt to load the FA3 kernel from the Hub now fails loudly instead of downloading.
+    monkeypatch.setitem(sys.modules, "kernels", None)
+
+
+@pytest.mark.parametrize("config_name", sorted(CONFIGS))
+def test_packed_log_probs_and_grads_equal_per_sample_forward(config_name: str, cpu_tree_attention: None) -> None:
+    assert mismatches(config_name) == []
+
+
+def window_off_by_one(*args: Any, sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """A classic masking bug: every query sees one key more than its sliding window allows."""
+    return tree_attention_cpu(*args, sliding_window=sliding_window + 1 if sliding_window else None, **kwargs)
+
+
+def window_everywhere(*args: Any, sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Another: the sliding window applied to full-attention layers too."""
+    return tree_attention_cpu(*args, sliding_window=SLIDING_WINDOW, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("config_name", "wrong_attention"), [("qwen3-sliding", window_off_by_one), ("qwen3-full", window_everywhere)]
+)
+def test_a_wrong_mask_fails_the_comparison(config_name: str, wrong_attention: Any, cpu_tree_attention: None) -> None:
+    """The tolerances above are loose enough for any CPU's float32 rounding, and still far too tight for a
+    masking bug: the log-probs and the gradients both fail."""
+    AttentionInterface.register(TREE_ATTENTION, wrong_attention)  # the cpu_only fixture restores the registry
+    failed = mismatches(config_name)
+    assert "log_probs" in failed
+    assert len(failed) > len(dict(AutoModelForCausalLM.from_config(CONFIGS[config_name]).named_parameters())) // 2
 
 
 def test_use_cpu_fallbacks_is_idempotent(cpu_only: None) -> None:
