@@ -8,6 +8,9 @@ builds `swe-grpo-base:bookworm` when it is missing: `debootstrap --variant=minba
 mirror apt uses here, trimmed, then `docker import` (~100 s once). Both raise `DockerUnavailable` with
 the cause when they cannot; tests turn that into a skip that prints it.
 
+On CI (`CI=true`) they raise `DockerRequired` instead, which no test turns into a skip: a CI run without a
+Docker engine fails rather than passing with the Docker tests skipped.
+
 `python tests/docker_env.py` does both once (a setup step): it leaves the image built and the engine
 stopped.
 """
@@ -25,7 +28,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import docker
@@ -42,7 +45,25 @@ FALLBACK_MIRROR = "http://deb.debian.org/debian"
 
 
 class DockerUnavailable(Exception):
-    """No Docker engine could be reached or started, or the base image could not be built."""
+    """No Docker engine could be reached or started, or the base image could not be built: the tests that
+    need one skip."""
+
+
+class DockerRequired(RuntimeError):
+    """As `DockerUnavailable`, where an engine is required (`must_have_docker`): the tests that need one fail."""
+
+
+def must_have_docker(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether a missing engine fails the tests instead of skipping them: on CI (`CI=true`, as GitHub Actions,
+    GitLab CI and most others set it), where a skip would pass a run in which no Docker test ran."""
+    return env.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def unavailable(reason: str) -> DockerUnavailable | DockerRequired:
+    """The error for an engine that cannot be had: `DockerRequired` where one must be, else `DockerUnavailable`."""
+    if must_have_docker():
+        return DockerRequired(f"{reason}\n(CI is set: the Docker tests must run, not skip)")
+    return DockerUnavailable(reason)
 
 
 def _reachable(url: str) -> bool:
@@ -63,7 +84,7 @@ def docker_engine(wait_s: float = 900) -> Iterator[str]:
         yield url
         return
     if os.geteuid() != 0 or shutil.which("dockerd") is None:
-        raise DockerUnavailable(f"no Docker engine at {url}, and a private dockerd needs root and `dockerd`")
+        raise unavailable(f"no Docker engine at {url}, and a private dockerd needs root and `dockerd`")
     home = cache_root() / "docker"
     home.mkdir(parents=True, exist_ok=True)
     with open(home / "dockerd.lock", "w") as lock:
@@ -74,7 +95,7 @@ def docker_engine(wait_s: float = 900) -> Iterator[str]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise DockerUnavailable(f"another session holds the private dockerd of {home}") from None
+                    raise unavailable(f"another session holds the private dockerd of {home}") from None
                 time.sleep(1)
         # The exec root holds containerd's unix sockets: a short path (108-byte limit), fixed per data root
         # so that a dockerd started after a crash finds the containers the crashed one left running.
@@ -90,7 +111,7 @@ def tcp_engine(source_url: str, images: tuple[str, ...] = (DEFAULT_IMAGE,)) -> I
     the engine at `source_url`; stopped and its data root removed on exit. Needs root. While it runs, any
     local user who connects to its port is root here: it lives only as long as the tests that use it."""
     if os.geteuid() != 0 or shutil.which("dockerd") is None:
-        raise DockerUnavailable("a second dockerd needs root and `dockerd`")
+        raise unavailable("a second dockerd needs root and `dockerd`")
     cache_root().mkdir(parents=True, exist_ok=True)
     with contextlib.closing(socket.socket()) as probe:
         probe.bind(("127.0.0.1", 0))
@@ -131,7 +152,7 @@ def _private_dockerd(home: Path, exec_root: Path, url: str) -> Iterator[str]:
         while not _reachable(url):
             if proc.poll() is not None or time.monotonic() > deadline:
                 tail = log_path.read_text(errors="replace")[-2000:]
-                raise DockerUnavailable(f"dockerd did not start ({' '.join(cmd)}); log tail:\n{tail}")
+                raise unavailable(f"dockerd did not start ({' '.join(cmd)}); log tail:\n{tail}")
             time.sleep(0.2)
         yield url
     finally:
@@ -179,7 +200,7 @@ def ensure_base_image(url: str, image: str = DEFAULT_IMAGE) -> str:
         if client.images.list(name=image):
             return image
     if os.geteuid() != 0 or shutil.which("debootstrap") is None:
-        raise DockerUnavailable(f"{image} is missing, and building it needs root and `debootstrap`")
+        raise unavailable(f"{image} is missing, and building it needs root and `debootstrap`")
     mirror = debian_mirror()
     with tempfile.TemporaryDirectory(prefix="swe-rootfs-", dir=cache_root()) as tmp:
         rootfs = Path(tmp) / "rootfs"
@@ -196,7 +217,7 @@ def ensure_base_image(url: str, image: str = DEFAULT_IMAGE) -> str:
         if done.returncode != 0:
             log = Path(tmp, "debootstrap.log")
             tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-            raise DockerUnavailable(f"building {image} failed: {done.stderr[-2000:]}\n{tail}")
+            raise unavailable(f"building {image} failed: {done.stderr[-2000:]}\n{tail}")
     return image
 
 

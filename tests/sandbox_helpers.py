@@ -59,7 +59,8 @@ def sandbox_cgroups() -> list[Path]:
     """The cgroups of this process's `local` sandboxes that still exist."""
     layout = CgroupLayout.detect()
     mine = f"swe-grpo-{os.getpid()}-*"
-    return [d for root in {layout.memory, layout.pids} for d in (root / CGROUP_PARENT).glob(mine)]
+    roots = {layout.memory, layout.pids, *([layout.cpu] if layout.cpu is not None else [])}
+    return [d for root in roots for d in (root / CGROUP_PARENT).glob(mine)]
 
 
 def assert_no_local_sandbox_left(run_dir: Path) -> None:

@@ -28,7 +28,7 @@ from swe_grpo.agents.pi import PiAgent
 from swe_grpo.grading import grade
 from swe_grpo.interception import InterceptionServer
 from swe_grpo.rollout import RolloutConfig, run_rollout
-from swe_grpo.sandbox.base import BaseCommitLost, PatchTooLarge, Sandbox, SandboxBackend, SandboxError
+from swe_grpo.sandbox.base import BaseCommitLost, DiffUnreadable, PatchTooLarge, Sandbox, SandboxBackend
 from swe_grpo.sandbox.docker import DockerBackend
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.tasks import Task, demo_tasks
@@ -313,7 +313,7 @@ async def test_lost_base_objects_are_a_named_error(destroy: str, sandbox: Sandbo
 
 async def test_a_symlink_target_that_is_not_utf8_is_a_named_error(sandbox: Sandbox, task: Task) -> None:
     await run_ok(sandbox, "ln -s \"$(printf 'not\\377utf8')\" badlink")
-    with pytest.raises(SandboxError, match="no text form"):
+    with pytest.raises(DiffUnreadable, match="no text form"):
         await sandbox.diff(task.base_commit)
 
 

@@ -98,7 +98,8 @@ def local_leftovers(run_dir: Path, pid: int) -> dict[str, list[str]]:
     """What `pid`'s local sandboxes hold on the host: directories, mounts and cgroups named for it, and
     the processes in those cgroups."""
     layout = CgroupLayout.detect()
-    cgroups = [d for root in {layout.memory, layout.pids} for d in (root / CGROUP_PARENT).glob(f"swe-grpo-{pid}-*")]
+    roots = {layout.memory, layout.pids, *([layout.cpu] if layout.cpu is not None else [])}
+    cgroups = [d for root in roots for d in (root / CGROUP_PARENT).glob(f"swe-grpo-{pid}-*")]
     return {
         "directories": [str(p) for p in run_dir.glob(f"swe-grpo-{pid}-*")],
         "mounts": [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if str(run_dir) in line],

@@ -298,10 +298,15 @@ async def test_limits_and_output_cap(backend: LocalBackend, task: Task, run_dir:
     limited = LocalBackend(limits=limits, cache_dir=backend.cache_dir, run_dir=run_dir, method=backend.method)
     sandbox = await limited.create(task)
     try:
-        assert await run_ok(sandbox, "ulimit -t; ulimit -f") == "7\n1024\n"
+        # The defaults of the limits not set here: 1,024 open files, 2 cores' worth of CPU time.
+        assert await run_ok(sandbox, "ulimit -t; ulimit -f; ulimit -n") == "7\n1024\n1024\n"
         layout, name = CgroupLayout.detect(), sandbox.host_dir.name
         memory, pids = layout.memory / CGROUP_PARENT / name, layout.pids / CGROUP_PARENT / name
-        assert sorted({memory, pids}) == sandbox.cgroup_dirs
+        assert layout.cpu is not None
+        cpu = layout.cpu / CGROUP_PARENT / name
+        assert sorted({memory, pids, cpu}) == sandbox.cgroup_dirs
+        quota = "cpu.cfs_quota_us" if layout.version == 1 else "cpu.max"
+        assert (cpu / quota).read_text().split()[0] == "200000"
         limit = "memory.limit_in_bytes" if layout.version == 1 else "memory.max"
         assert (memory / limit).read_text() == f"{300 << 20}\n"
         assert (pids / "pids.max").read_text() == "77\n"
@@ -456,14 +461,14 @@ def test_cgroup_v2_files_read_and_written(tmp_path: Path) -> None:
     (root / "cgroup.controllers").write_text("cpuset cpu io memory hugetlb pids\n")
     hybrid = "32 31 0:29 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n"
     layout = CgroupLayout.parse(hybrid + f"35 31 0:34 / {root} rw - cgroup2 cgroup2 rw,nsdelegate\n")
-    assert layout == CgroupLayout(2, root, root)
+    assert layout == CgroupLayout(2, root, root, root)
     cgroup = _Cgroup(layout, "swe-grpo-1-x")
     (root / CGROUP_PARENT).mkdir()
-    cgroup.make(LocalLimits(memory_bytes=300 << 20, pids=77))
+    cgroup.make(LocalLimits(memory_bytes=300 << 20, pids=77, cpus=1.5))
     assert cgroup.dirs == [root / CGROUP_PARENT / "swe-grpo-1-x"]
     files = {f.name: f.read_text() for f in cgroup.dirs[0].iterdir()}
     # The kernel would have made memory.swap.max; the fake has none, and that file alone may be missing.
-    assert files == {"memory.max": str(300 << 20), "pids.max": "77"}
+    assert files == {"memory.max": str(300 << 20), "pids.max": "77", "cpu.max": "150000 100000"}
     (cgroup.dirs[0] / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 0\noom_kill 0\n")
     (cgroup.dirs[0] / "pids.events").write_text("max 0\n")
     assert cgroup.exhausted() is None

@@ -9,7 +9,7 @@ user's processes; no capability is needed). What escapes it: a descendant that r
 environment (`env -i ...`) or changes user; destroying the sandbox removes those too.
 
 Cgroups (used by `local`, which makes one per sandbox, and by `docker`, which reads its containers'). The
-memory and pids controllers are found in /proc/self/mountinfo: cgroup v1 (a hierarchy per controller,
+memory, pids and cpu controllers are found in /proc/self/mountinfo: cgroup v1 (a hierarchy per controller,
 as on hosts with a hybrid `unified` mount that carries no controller) or v2 (one hierarchy). Exhaustion
 is read from counters the kernel only ever increments: memory `oom_kill` (v1 `memory.oom_control`, v2
 `memory.events`) and pids `max` (`pids.events`, both versions), so a limit hit once stays visible.
@@ -72,12 +72,13 @@ Exhaustion = Literal["memory", "pids", "disk"]
 
 @dataclass(frozen=True)
 class CgroupLayout:
-    """Where this host mounts the memory and pids controllers: cgroup v1 (one hierarchy each) or v2 (both
-    in one, `memory` == `pids`)."""
+    """Where this host mounts the memory, pids and cpu controllers: cgroup v1 (one hierarchy each) or v2 (all
+    in one, `memory` == `pids` == `cpu`). `cpu` is None where there is no cpu controller."""
 
     version: Literal[1, 2]
     memory: Path
     pids: Path
+    cpu: Path | None = None
 
     @staticmethod
     def detect() -> CgroupLayout:
@@ -93,14 +94,15 @@ class CgroupLayout:
             left, _, right = line.partition(" - ")
             fields, (fstype, _source, options) = left.split(), right.split()[:3]
             if fstype == "cgroup":
-                for controller in set(options.split(",")) & {"memory", "pids"}:
+                for controller in set(options.split(",")) & {"memory", "pids", "cpu"}:
                     v1.setdefault(controller, Path(fields[4]))
             elif fstype == "cgroup2" and v2 is None:
                 v2 = Path(fields[4])
         if "memory" in v1 and "pids" in v1:
-            return CgroupLayout(1, v1["memory"], v1["pids"])
-        if v2 is not None and {"memory", "pids"} <= set((v2 / "cgroup.controllers").read_text().split()):
-            return CgroupLayout(2, v2, v2)
+            return CgroupLayout(1, v1["memory"], v1["pids"], v1.get("cpu"))
+        controllers = set((v2 / "cgroup.controllers").read_text().split()) if v2 is not None else set()
+        if v2 is not None and {"memory", "pids"} <= controllers:
+            return CgroupLayout(2, v2, v2, v2 if "cpu" in controllers else None)
         raise SandboxError(
             f"no memory and pids cgroup controllers here (cgroup v1: {sorted(v1) or 'none'}, cgroup v2: "
             f"{v2 or 'not mounted'}): per-sandbox memory and process limits need them"

@@ -12,8 +12,9 @@ Guarantees every backend gives:
 - `get_file` returns the whole file, never a cut one (there is no output cap as on `exec`; `hf` refuses
   files over huggingface_hub's 512 MiB in-memory read limit with `SandboxError`).
 - `diff(base_commit)` is the agent's work against the base commit whatever the agent did to git, read
-  through a file, never cut; what the agent's doing makes untakeable raises a named `PatchError`
-  (`PatchTooLarge`, `BaseCommitLost`). Written once here, on `exec` and `get_file` only.
+  through a file, never cut, bounded in time and size; what the agent's doing makes untakeable raises a
+  named `PatchError` (`PatchTooLarge`, `BaseCommitLost`, `DiffUnreadable`, `DiffTimeout`). Written once
+  here, on `exec` and `get_file` only.
 - Failures of the sandbox machinery itself raise `SandboxError` (an infrastructure failure, never a
   model failure), with the cause.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -42,9 +44,21 @@ WORKDIR = "/testbed"
 #: The largest patch `Sandbox.diff` returns unless told otherwise (bytes).
 MAX_PATCH_BYTES = 32 << 20
 
+#: How long `Sandbox.diff` may take unless told otherwise (seconds, in all): a 100 MB repository's takes ~1 s.
+DIFF_TIMEOUT_S = 120.0
+
 
 class SandboxError(Exception):
     """The sandbox could not be created or used. An infrastructure failure, not the agent's."""
+
+
+class FileTooLarge(Exception):
+    """`Sandbox.get_file` was asked for a file larger than the caller's `max_bytes`: what the sandbox's
+    content did (the caller names it), not a failure of the sandbox."""
+
+    def __init__(self, path: str, limit: int) -> None:
+        super().__init__(f"{path} is larger than {limit} bytes")
+        self.limit = limit
 
 
 class PatchError(Exception):
@@ -62,6 +76,22 @@ class PatchTooLarge(PatchError):
     def __init__(self, limit: int) -> None:
         super().__init__(f"the patch is larger than {limit} bytes")
         self.limit = limit
+
+
+class DiffUnreadable(PatchError):
+    """git cannot read the agent's tree as a patch, by what the agent left in it: a tracked file replaced by
+    a FIFO, socket or device, a file or directory it made unreadable, a symlink whose target is not UTF-8, an
+    object store that borrows from elsewhere (`objects/info/alternates`) or holds anything but readable
+    files and directories, a damaged object store."""
+
+    outcome = "diff_unreadable"
+
+
+class DiffTimeout(PatchError):
+    """Taking the patch took longer than its bound (the agent's tree or object store is that costly to read,
+    or a process the agent left keeps changing it)."""
+
+    outcome = "diff_timeout"
 
 
 class BaseCommitLost(PatchError):
@@ -113,10 +143,13 @@ class Sandbox(ABC):
         """Write a file inside the sandbox (absolute path, parents created)."""
 
     @abstractmethod
-    async def get_file(self, path: str) -> bytes:
-        """Read a file from inside the sandbox; `SandboxError` if it does not exist."""
+    async def get_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
+        """Read a file from inside the sandbox; `SandboxError` if it does not exist. With `max_bytes`, a file
+        larger than that raises `FileTooLarge`, having been read (and held) no further than about that."""
 
-    async def diff(self, base_commit: str, *, max_bytes: int = MAX_PATCH_BYTES, timeout_s: float = 300.0) -> str:
+    async def diff(
+        self, base_commit: str, *, max_bytes: int = MAX_PATCH_BYTES, timeout_s: float = DIFF_TIMEOUT_S
+    ) -> str:
         """The agent's work: the working tree at `workdir` against `base_commit`, as a patch that
         `git apply` turns a checkout of `base_commit` into that tree.
 
@@ -125,36 +158,48 @@ class Sandbox(ABC):
         agent stashed (`git stash`) or reset away is not in the tree, so it is not in the patch. The patch
         holds every change git can record: modified, new (in new directories too) and deleted files,
         binary files, the executable bit, symlinks, any file name, the files of a repository the agent
-        made inside the tree (not its `.git`); not empty directories, and not the files the tree's own
-        `.gitignore` files ignore unless the base commit tracks them (as `git add -A`).
+        made inside the tree (not its `.git`); not empty directories, not untracked FIFOs, sockets or
+        devices (git does not see them), and not the files the tree's own `.gitignore` files ignore unless
+        the base commit tracks them (as `git add -A`).
         It is UTF-8 text: a file whose diff is not (non-UTF-8 text, a NUL byte) is a git binary patch.
 
         How: a scratch git directory and index under /tmp with a configuration of our own (no system,
-        global or XDG files, no hooks, filters, external diff or textconv, every content-converting
-        attribute reset, no exclude file but the tree's `.gitignore`s), reading the repository's objects
-        through `objects/info/alternates` and writing nothing into the repository (git may refresh the
-        mtime of an object it finds there). So nothing in the agent's `.git` (config, hooks, HEAD, refs,
-        index) or home directory can run code or change the patch; no login shell (whose profile the
-        agent may write) is involved. The patch goes through a file and `get_file`: it is never cut.
+        global or XDG files, no hooks, filters, fsmonitor, external diff or textconv, every
+        content-converting attribute reset, no exclude file but the tree's `.gitignore`s), reading the
+        repository's objects through `objects/info/alternates` and writing nothing into the repository (git
+        may refresh the mtime of an object it finds there). So nothing in the agent's `.git` (config, hooks,
+        HEAD, refs, index) or home directory can run code or change the patch; no login shell (whose
+        profile the agent may write) is involved. The patch goes through a file and `get_file`: it is never
+        cut, and never read back beyond `max_bytes`.
+
+        Bounded: it takes at most `timeout_s` in all, and never waits on anything the agent left. Before
+        git runs, the object store git reads must hold only readable files and directories (no FIFO,
+        device, socket or symlink, which git would open and could block on, no `info/alternates` leading
+        elsewhere), the tree no unreadable directory (git would skip it silently) and no `.git*` file that
+        is not a regular file or a symlink (git opens `.gitignore` and `.gitattributes`). Its memory and
+        processes are the sandbox's own (it runs inside, under the sandbox's limits).
 
         Not guaranteed: the agent runs as the same user, so it can tamper with what this relies on where
         it may: the git and bash binaries (only where it is root: `hf`, `docker` with `uid=None`), a
-        process of its own still running (the backends end the agent's process tree first), the
-        repository's object store. Deleted objects of `base_commit` (`rm -rf .git`, a pruning gc) raise
-        `BaseCommitLost`; otherwise damaged ones make git fail (`SandboxError`) or give a patch that does
-        not apply in grading, never a patch of someone else's work.
+        process of its own still running (the backends end the agent's process tree first). Deleted
+        objects of `base_commit` (`rm -rf .git`, a pruning gc) raise `BaseCommitLost`; otherwise damaged
+        ones make git fail (`DiffUnreadable`) or give a patch that does not apply in grading, never a patch
+        of someone else's work.
 
-        Raises `PatchTooLarge` when the patch is over `max_bytes` (it is never returned cut; when a file
-        needs the binary form, the all-binary rendering it is taken from must fit too), `BaseCommitLost`
-        (above), `SandboxError` when git or the sandbox fails, `timeout_s` passes (per git run), or a
-        symlink's target is not UTF-8 (git writes it raw even in a binary patch: no `str` can carry it)."""
+        Raises, each a `PatchError` the rollout names as the policy's outcome (reward 0.0): `PatchTooLarge`
+        when the patch is over `max_bytes` (it is never returned cut; when a file needs the binary form, the
+        all-binary rendering it is taken from must fit too), `BaseCommitLost` (above), `DiffUnreadable` when
+        what the agent left cannot be read as a patch (above; a symlink target that is not UTF-8, which git
+        writes raw even in a binary patch, included), `DiffTimeout` past `timeout_s`. `SandboxError` only
+        when the sandbox itself fails (an exec or a read that cannot be made)."""
+        deadline = time.monotonic() + timeout_s
         scratch = f"/tmp/swe-grpo-diff-{uuid.uuid4().hex}"
         try:
-            text = await self._render_patch(scratch, base_commit, "text", max_bytes, timeout_s)
+            text = await self._render_patch(scratch, base_commit, "text", max_bytes, deadline)
             sections = _sections(text)
             if all(_is_text(s) for s in sections):
                 return text.decode()
-            binary = await self._render_patch(scratch, base_commit, "binary", max_bytes, timeout_s)
+            binary = await self._render_patch(scratch, base_commit, "binary", max_bytes, deadline)
             patch = _merge_sections(sections, _sections(binary))
             if len(patch) > max_bytes:
                 raise PatchTooLarge(max_bytes)
@@ -164,24 +209,28 @@ class Sandbox(ABC):
                 await self.exec(["rm", "-rf", "--", scratch], timeout_s=60)
 
     async def _render_patch(
-        self, scratch: str, base_commit: str, style: Literal["text", "binary"], max_bytes: int, timeout_s: float
+        self, scratch: str, base_commit: str, style: Literal["text", "binary"], max_bytes: int, deadline: float
     ) -> bytes:
-        """Run `_DIFF_SCRIPT` in `style` (text: also make the scratch git directory and index) and read
-        the patch it wrote."""
+        """Run `_DIFF_SCRIPT` in `style` (text: also check the tree and make the scratch git directory and
+        index) within what is left until `deadline`, and read the patch it wrote."""
         argv = ["bash", "-c", _DIFF_SCRIPT, "swe-grpo-diff", scratch, self.workdir, base_commit, style, str(max_bytes)]
-        result = await self.exec(argv, timeout_s=timeout_s, cwd="/")
-        if result.timed_out:
-            raise SandboxError(f"taking the patch took more than {timeout_s:g} s")
+        left = deadline - time.monotonic()
+        result = await self.exec(argv, timeout_s=left, cwd="/") if left > 0 else None
+        if result is None or result.timed_out:
+            raise DiffTimeout("taking the patch took longer than its time bound")
         if result.exit_code == _BASE_LOST_EXIT:
             raise BaseCommitLost(f"the repository no longer holds base commit {base_commit}: {result.stderr[-500:]}")
         if result.exit_code != 0:
-            raise SandboxError(f"taking the patch failed (exit {result.exit_code}): {result.stderr[-500:]}")
+            raise DiffUnreadable(f"git cannot read the tree (exit {result.exit_code}): {result.stderr[-500:]}")
         size = int(result.stdout.split()[-1])
         if size > max_bytes:
             raise PatchTooLarge(max_bytes)
-        patch = await self.get_file(f"{scratch}/patch")
-        if len(patch) != size:
-            raise SandboxError(f"read {len(patch)} bytes of a {size}-byte patch")
+        try:
+            patch = await self.get_file(f"{scratch}/patch", max_bytes=max_bytes)
+        except FileTooLarge:
+            patch = b""
+        if len(patch) != size:  # only a process the agent left running can have changed it since
+            raise DiffUnreadable(f"the {size}-byte patch changed while it was read back")
         return patch
 
     async def exhausted(self) -> Exhaustion | None:
@@ -227,9 +276,10 @@ class SandboxBackend(ABC):
 
 
 # `Sandbox.diff`'s work inside the sandbox: $1 scratch directory, $2 work tree, $3 base commit, $4 style
-# ("text": make the scratch git directory and index, then diff; "binary": diff again from them, every file
-# as a binary patch), $5 the size limit. Writes $1/patch (at most limit + 1 bytes: head stops git) and
-# prints its size. Exit 3: the base commit's objects are gone.
+# ("text": check what git will read, make the scratch git directory and index, then diff; "binary": diff
+# again from them, every file as a binary patch), $5 the size limit. Writes $1/patch (at most limit + 1
+# bytes: head stops git) and prints its size. Exit 3: the base commit's objects are gone; any other
+# failure: git cannot read what the agent left.
 _BASE_LOST_EXIT = 3
 _DIFF_SCRIPT = r"""
 set -u
@@ -254,13 +304,26 @@ if [ "$style" = text ]; then
   safecrlf = false
   quotePath = true
   hooksPath = /dev/null
+  fsmonitor = false
+  untrackedCache = false
   attributesFile = /dev/null
   excludesFile = /dev/null
 [gc]
   auto = 0
 EOF
-  [ -d "$tree/.git/objects" ] || { echo "$tree/.git/objects is gone" >&2; exit 3; }
-  echo "$tree/.git/objects" > "$GIT_DIR/objects/info/alternates"
+  objects="$tree/.git/objects"
+  [ -d "$objects" ] || { echo "$objects is gone" >&2; exit 3; }
+  # git opens what the object store holds, and the stores its info/alternates names: a FIFO or a device
+  # there would block it. So the store must be readable files and directories only, borrowing nothing.
+  bad=$(find -H "$objects" \( \( ! -type f ! -type d \) -o ! -readable -o \( -type d ! -executable \) \
+    -o -path "$objects/info/alternates" \) -print -quit 2>/dev/null)
+  [ -z "$bad" ] || { echo "the object store holds $bad: only readable files and directories may be there" >&2; exit 1; }
+  # git skips a directory it cannot read without a word (its files would be missing from the patch), and
+  # opens every .gitignore and .gitattributes it meets (a FIFO would block it).
+  bad=$(find "$tree" -name .git -prune -o \( -type d ! \( -readable -executable \) -o -name '.git?*' ! -type f \
+    ! -type l \) -print -quit 2>/dev/null)
+  [ -z "$bad" ] || { echo "the tree holds $bad, which git cannot read" >&2; exit 1; }
+  echo "$objects" > "$GIT_DIR/objects/info/alternates"
   # rev-list --objects fails on any missing object of the base commit's tree, blobs included.
   g rev-list --objects --no-walk "$base^{commit}" > /dev/null && g read-tree "$base" || exit 3
 fi
@@ -313,10 +376,11 @@ def _merge_sections(text: list[bytes], binary: list[bytes]) -> bytes:
     """`text`'s sections with each one that is not text replaced by the same file's binary section (the
     two renderings of one diff have the same files in the same order)."""
     if [s.split(b"\n", 1)[0] for s in text] != [s.split(b"\n", 1)[0] for s in binary]:
-        raise SandboxError("the text and binary renderings of the patch name different files")
+        # Only a process the agent left running can have changed the tree between the two renderings.
+        raise DiffUnreadable("the text and binary renderings of the patch name different files")
     merged = [t if _is_text(t) else b for t, b in zip(text, binary, strict=True)]
     if not all(_is_text(section) for section in merged):
-        raise SandboxError("a change has no text form (a symlink target that is not UTF-8?)")
+        raise DiffUnreadable("a change has no text form (a symlink target that is not UTF-8?)")
     return b"".join(merged)
 
 

@@ -31,8 +31,9 @@ not 127.0.0.1. `none` cuts the network. A sandbox created with `network=False` (
 
 Limits, per container, so that a sandbox that exhausts its own cannot make another fail: memory (the
 container's cgroup; memory+swap equal, so no swap; at the limit the OOM killer kills a process of that
-container only), processes and threads (`pids`: a fork at the limit fails in that container only), CPU,
-and disk (`disk`, 2 GiB by default). The disk limit holds on every engine and storage driver, remote ones
+container only), processes and threads (`pids`: a fork at the limit fails in that container only), CPU
+(`cpus` cores' worth of CPU time, a CFS quota), open files per process (`open_files`, RLIMIT_NOFILE), and
+disk (`disk`, 2 GiB by default). The disk limit holds on every engine and storage driver, remote ones
 included: the container's root filesystem is read-only, and the only places it can write are anonymous
 tmpfs volumes (Docker's `local` driver: the engine mounts them, so `put_archive` reaches them, unlike
 `--tmpfs`) of `disk` bytes each (and one inode per 4 KiB): /testbed, /tmp, /var/tmp and the sandbox
@@ -121,7 +122,7 @@ from swe_grpo.sandbox._common import (
     kill_tree_argv,
     local_repo,
 )
-from swe_grpo.sandbox.base import WORKDIR, ExecResult, Mount, Sandbox, SandboxBackend, SandboxError
+from swe_grpo.sandbox.base import WORKDIR, ExecResult, FileTooLarge, Mount, Sandbox, SandboxBackend, SandboxError
 from swe_grpo.tasks import Task, swe_gym_image
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,8 @@ _GIT_STAT_ENV = {
     "GIT_CONFIG_KEY_1": "core.trustCtime",
     "GIT_CONFIG_VALUE_1": "false",
 }
+# The most a tar archive of one file adds to it (headers with long names, padding, the end blocks).
+_TAR_OVERHEAD = 64 << 10
 # How long a killed exec may take to report back before the kill is declared a failure.
 _KILL_GRACE_S = 15.0
 # Prints the container's cgroup counters ("oom_kill N", "max N": v1 and v2 file names) and, for each
@@ -187,6 +190,7 @@ class DockerLimits:
     cpus: float = 2.0
     pids: int = 1024
     disk: str | None = "2g"
+    open_files: int = 1024  # RLIMIT_NOFILE of every process (soft and hard): at it, EMFILE
     output_bytes: int = 4 << 20
 
 
@@ -313,10 +317,18 @@ class DockerSandbox(Sandbox):
         except _ENGINE_ERRORS as e:
             raise SandboxError(f"cannot write {path} in sandbox {self.name}: {e}") from e
 
-    async def get_file(self, path: str) -> bytes:
+    async def get_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
         def read() -> bytes:
-            stream, _ = self._container.get_archive(path)
-            return b"".join(stream)
+            stream, stat = self._container.get_archive(path)
+            if max_bytes is None:
+                return b"".join(stream)
+            archive = bytearray()
+            for chunk in stream:  # the size in `stat` may be stale by the time the stream runs: count too
+                archive += chunk
+                if stat.get("size", 0) > max_bytes or len(archive) > max_bytes + _TAR_OVERHEAD:
+                    stream.close()
+                    raise FileTooLarge(path, max_bytes)
+            return bytes(archive)
 
         try:
             archive = await self._backend.submit(read)
@@ -329,6 +341,8 @@ class DockerSandbox(Sandbox):
             extracted = tar.extractfile(member) if member is not None and member.isfile() else None
             if extracted is None:
                 raise SandboxError(f"{path} in sandbox {self.name} is not a regular file")
+            if max_bytes is not None and member.size > max_bytes:
+                raise FileTooLarge(path, max_bytes)
             return extracted.read()
 
     async def exhausted(self) -> Exhaustion | None:
@@ -534,6 +548,7 @@ class DockerBackend(SandboxBackend):
             "memswap_limit": self.limits.memory,
             "nano_cpus": int(self.limits.cpus * 1e9),
             "pids_limit": self.limits.pids,
+            "ulimits": [docker.types.Ulimit(name="nofile", soft=self.limits.open_files, hard=self.limits.open_files)],
             "security_opt": ["no-new-privileges"],
             "environment": {},
         }

@@ -60,7 +60,7 @@ from swe_grpo.sandbox._common import (
     kill_tree_argv,
     local_repo,
 )
-from swe_grpo.sandbox.base import WORKDIR, ExecResult, Mount, Sandbox, SandboxBackend, SandboxError
+from swe_grpo.sandbox.base import WORKDIR, ExecResult, FileTooLarge, Mount, Sandbox, SandboxBackend, SandboxError
 from swe_grpo.tasks import Task, swe_gym_image
 
 log = logging.getLogger(__name__)
@@ -164,8 +164,12 @@ class HFSandbox(Sandbox):
         if result.exit_code != 0:
             raise SandboxError(f"cannot chmod {path} in sandbox {self.id}: {result.stderr.strip()}")
 
-    async def get_file(self, path: str) -> bytes:
-        return await self._backend.call(self._hub.files.read, path)
+    async def get_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
+        """The hub reads a file whole (up to its own 512 MiB limit): `max_bytes` is checked once it is here."""
+        data = await self._backend.call(self._hub.files.read, path)
+        if max_bytes is not None and len(data) > max_bytes:
+            raise FileTooLarge(path, max_bytes)
+        return data
 
     async def destroy(self) -> None:
         """Kill the sandbox (its job is cancelled). Concurrent and repeated calls share one kill."""

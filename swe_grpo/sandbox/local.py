@@ -19,8 +19,8 @@ or is killed, its pid namespace, and with it every process it started, is gone.
 
 Limits (`LocalLimits`), per sandbox, whatever runs in it and however many execs at once, so that a
 sandbox that exhausts its own cannot make another fail:
-- memory and processes: a cgroup of its own (`swe-grpo/<host_dir name>` under the root of the memory
-  and pids hierarchies, cgroup v1 or v2; see `_common.CgroupLayout`), made by root before the sandbox's
+- memory, processes and CPU: a cgroup of its own (`swe-grpo/<host_dir name>` under the root of the memory,
+  pids and cpu hierarchies, cgroup v1 or v2; see `_common.CgroupLayout`), made by root before the sandbox's
   first process. Every bwrap run starts through a one-line `sh` that writes its own pid into the
   cgroup and then execs prlimit/setpriv/bwrap, so everything the sandbox runs is in it. The memory limit
   counts the sandbox's files too (they live in RAM, below), without swap; at the limit the kernel's OOM
@@ -38,7 +38,11 @@ sandbox that exhausts its own cannot make another fail:
   GiB): files the sandbox wrote stay charged to its memory, so a sandbox whose files reach its memory
   limit can start nothing more (each new process is OOM-killed): it has exhausted its memory, and only
   `destroy()` frees it.
-- per process (rlimits): CPU seconds and file size.
+  The CPU limit is a CFS quota: `cpus` cores' worth of CPU time per 100 ms, however many processes share
+  it; between sandboxes that want more than the host has, the kernel shares it equally (one cgroup each).
+- per process (rlimits): CPU seconds, file size and open files (a process at `open_files` gets EMFILE).
+- no nested namespaces: each exec has a user namespace of its own in which no other user namespace can
+  be made (`bwrap --disable-userns`), so `unshare -U` and the like fail inside.
 `exhausted()` tells which limit a sandbox hit: "memory" (an OOM kill in its cgroup), "pids" (a fork
 refused at its limit), both from kernel counters that never go down, or "disk" (its tmpfs found full,
 of blocks or inodes, after an exec or when asked: a command that fills it and deletes its files before
@@ -72,7 +76,16 @@ from typing import TYPE_CHECKING, Literal
 
 from swe_grpo.paths import cache_root
 from swe_grpo.sandbox._common import HOST_GIT_ENV, CgroupLayout, Exhaustion, OutputTail
-from swe_grpo.sandbox.base import WORKDIR, ExecResult, Mount, Sandbox, SandboxBackend, SandboxError, owner_gone
+from swe_grpo.sandbox.base import (
+    WORKDIR,
+    ExecResult,
+    FileTooLarge,
+    Mount,
+    Sandbox,
+    SandboxBackend,
+    SandboxError,
+    owner_gone,
+)
 
 if TYPE_CHECKING:
     from swe_grpo.tasks import Task
@@ -97,20 +110,24 @@ _MNT_DETACH = 2  # umount2 flag: lazy unmount
 
 
 CGROUP_PARENT = "swe-grpo"  # under each hierarchy's root; a sandbox's cgroup is named as its host_dir
+_CPU_PERIOD_US = 100_000  # the CFS period a sandbox's CPU quota is given in (the kernel's default)
 
 
 @dataclass(frozen=True)
 class LocalLimits:
     """Resource limits (`None`: unlimited; see the module docstring for how each holds). Per sandbox:
-    `memory_bytes` (its processes' memory plus its files), `pids` (processes and threads) and
-    `disk_bytes` (everything it writes). Per process: `cpu_s` and `file_size_bytes` (rlimits).
-    `output_bytes` caps what `exec` keeps of each of stdout and stderr (the end is kept)."""
+    `memory_bytes` (its processes' memory plus its files), `pids` (processes and threads), `cpus` (CPU
+    time per wall-clock time, in cores) and `disk_bytes` (everything it writes). Per process: `cpu_s`,
+    `file_size_bytes` and `open_files` (rlimits). `output_bytes` caps what `exec` keeps of each of stdout
+    and stderr (the end is kept)."""
 
     memory_bytes: int | None = 4 << 30
     pids: int | None = 1024
+    cpus: float | None = 2.0
     disk_bytes: int | None = 2 << 30
     cpu_s: int | None = 3600
     file_size_bytes: int | None = 1 << 30
+    open_files: int | None = 1024
     output_bytes: int = 4 << 20
 
 
@@ -121,7 +138,8 @@ class _Cgroup:
         self.layout = layout
         self.memory = layout.memory / CGROUP_PARENT / name
         self.pids = layout.pids / CGROUP_PARENT / name
-        self.dirs = sorted({self.memory, self.pids})
+        self.cpu = layout.cpu / CGROUP_PARENT / name if layout.cpu is not None else None
+        self.dirs = sorted({self.memory, self.pids, *([self.cpu] if self.cpu is not None else [])})
 
     def make(self, limits: LocalLimits) -> None:
         """Create it with the limits set (before any process joins)."""
@@ -135,6 +153,13 @@ class _Cgroup:
             }
         else:
             files |= {self.memory / "memory.max": memory, self.memory / "memory.swap.max": "0"}
+        if limits.cpus is not None:  # `cpus` cores' worth of CPU time in every period (CFS bandwidth control)
+            assert self.cpu is not None, "LocalBackend checks that a CPU limit has its controller"
+            quota = str(max(int(limits.cpus * _CPU_PERIOD_US), 1000))
+            if self.layout.version == 1:
+                files |= {self.cpu / "cpu.cfs_period_us": str(_CPU_PERIOD_US), self.cpu / "cpu.cfs_quota_us": quota}
+            else:
+                files |= {self.cpu / "cpu.max": f"{quota} {_CPU_PERIOD_US}"}
         for d in self.dirs:
             d.mkdir()
         for path, value in files.items():
@@ -249,10 +274,13 @@ class LocalSandbox(Sandbox):
         if code != 0:
             raise SandboxError(f"cannot write {path} in the sandbox: {err.text()[-500:]}")
 
-    async def get_file(self, path: str) -> bytes:
-        code, out, err, _, _ = await self._run(["cat", "--", _absolute(path)], timeout_s=60, cwd="/")
+    async def get_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
+        bounded = [] if max_bytes is None else ["head", "-c", str(max_bytes + 1)]
+        code, out, err, _, _ = await self._run([*(bounded or ["cat"]), "--", _absolute(path)], timeout_s=60, cwd="/")
         if code != 0:
             raise SandboxError(f"cannot read {path} in the sandbox: {err.text()[-500:]}")
+        if max_bytes is not None and len(out.data) > max_bytes:
+            raise FileTooLarge(path, max_bytes)
         return bytes(out.data)
 
     async def exhausted(self) -> Exhaustion | None:
@@ -425,17 +453,20 @@ class LocalBackend(SandboxBackend):
     def _cgroup_layout(self) -> CgroupLayout | None:
         """The cgroup controllers, with the sandboxes' parent cgroups made (once); None when no limit
         needs them. `SandboxError` when they cannot be had."""
-        if self.limits.memory_bytes is None and self.limits.pids is None:
+        if self.limits.memory_bytes is None and self.limits.pids is None and self.limits.cpus is None:
             return None
         if self._cgroups is None:
             layout = CgroupLayout.detect()
+            if self.limits.cpus is not None and layout.cpu is None:
+                raise SandboxError("no cpu cgroup controller here: the sandboxes' CPU limit needs it (or cpus=None)")
+            enable = "+memory +pids" + (" +cpu" if layout.cpu is not None else "")
             try:
                 if layout.version == 2:  # a child has only the controllers its parent enables for it
-                    (layout.memory / "cgroup.subtree_control").write_text("+memory +pids")
-                for root in {layout.memory, layout.pids}:
+                    (layout.memory / "cgroup.subtree_control").write_text(enable)
+                for root in {layout.memory, layout.pids, *([layout.cpu] if layout.cpu is not None else [])}:
                     (root / CGROUP_PARENT).mkdir(exist_ok=True)
                 if layout.version == 2:
-                    (layout.memory / CGROUP_PARENT / "cgroup.subtree_control").write_text("+memory +pids")
+                    (layout.memory / CGROUP_PARENT / "cgroup.subtree_control").write_text(enable)
             except OSError as e:
                 hint = (
                     " (cgroup v2 enables controllers only in a cgroup without processes, or the real root: in a"
@@ -516,10 +547,13 @@ class LocalBackend(SandboxBackend):
         if cgroup is not None:  # joins the cgroup, then becomes prlimit, setpriv and bwrap (same pid)
             join = " && ".join(f"echo $$ > {shlex.quote(str(d / 'cgroup.procs'))}" for d in cgroup.dirs)
             argv += ["sh", "-c", f'{join} && exec "$@"', "sh"]
-        rlimits = {"cpu": self.limits.cpu_s, "fsize": self.limits.file_size_bytes}
+        rlimits = {"cpu": self.limits.cpu_s, "fsize": self.limits.file_size_bytes, "nofile": self.limits.open_files}
         argv += ["prlimit", *(f"--{k}={v}:{v}" for k, v in rlimits.items() if v is not None), "--"]
         argv += ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups", "--"]
-        argv += ["bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--as-pid-1"]
+        # A user namespace of its own (bwrap makes one anyway when not setuid) in which no other can be made:
+        # nested namespaces are kernel attack surface a coding agent never needs.
+        argv += ["bwrap", "--unshare-user", "--disable-userns", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
+        argv.append("--as-pid-1")
         if not network:
             argv.append("--unshare-net")
         argv += ["--new-session", "--die-with-parent"]
