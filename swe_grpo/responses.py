@@ -1,9 +1,9 @@
 """Generated tokens -> the OpenAI assistant message an agent expects.
 
-The model's output is parsed, never trusted. TRL's response template for the tokenizer's chat template
-(`add_response_schema` / `parse_response`) splits content from reasoning; tool calls are read from the generated
-text here, in the layouts the supported templates write, so that the arguments the agent executes are exactly
-what the tokens say (no whitespace stripped, no value retyped):
+The model's output is parsed, never trusted. Only a leading think block is reasoning (see
+`ResponseParser._split_reasoning`); tool calls are read from what follows it, in the layouts the supported templates
+write, so that the arguments the agent executes are exactly what the tokens say (no whitespace stripped, no value
+retyped, no text elsewhere in the reply taken out of them):
 
 - `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes JSON: Qwen3, and any template as a fallback);
 - `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>` (Qwen3.5+
@@ -19,9 +19,7 @@ At construction the parser renders a probe call through the tokenizer's template
 
 from __future__ import annotations
 
-import copy
 import json
-import logging
 import math
 import re
 import uuid
@@ -29,9 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
-from trl.chat_template_utils import add_response_schema, parse_response
-
-log = logging.getLogger(__name__)
 
 _CALL_OPENER = "<tool_call>"
 _CALL_CLOSER = "</tool_call>"
@@ -42,9 +37,10 @@ _XML_PARAMETER = re.compile(r"\s*<parameter=([^\n>]*)>")
 _XML_PARAMETER_CLOSER = "</parameter>"
 _BARE_CALL = re.compile(r'\s*\{\s*"name"\s*:')
 _CALL_KEYS = ({"name"}, {"name", "arguments"}, {"name", "parameters"})
-# How much of the prompt's end the schema parser needs to see (the assistant header and any opener the
-# template writes, such as `<think>\n`).
-_PREFIX_TOKENS = 32
+_THINK_OPENER = "<think>"
+_THINK_CLOSER = "</think>"
+# How much of the prompt's end holds its generation prompt's think opener, where the template writes one.
+_PROMPT_TAIL_TOKENS = 8
 
 # The start-up probe: values a template must let through exactly (see `ResponseParser._check_round_trip`).
 _PROBE_TYPES = {"text": "string", "digits": "string", "padded": "string", "count": "integer", "options": "object"}
@@ -217,28 +213,15 @@ def _call(body: str, schemas: dict[str, dict] | None) -> dict[str, Any]:
 
 
 class ResponseParser:
-    """Parses generations for one tokenizer. Works on its own copy of the tokenizer, with TRL's response
-    template attached when the tokenizer has none and TRL knows its (original, unpatched) chat template;
-    without one, content is the decoded text. Raises UnsupportedTemplateError for a chat template whose tool
-    calls do not parse back exactly."""
+    """Parses generations for one tokenizer (its chat template as the model writes replies). Raises
+    UnsupportedTemplateError for a chat template whose tool calls do not parse back exactly."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
-        self.tokenizer = copy.deepcopy(tokenizer)
-        self.has_schema = any(getattr(self.tokenizer, a, None) for a in ("response_template", "response_schema"))
-        if not self.has_schema:
-            try:
-                add_response_schema(self.tokenizer)
-                self.has_schema = True
-            except ValueError:
-                log.warning("no response template for this chat template; content is the decoded text")
-        template = getattr(self.tokenizer, "response_template", None)
-        if isinstance(template, dict) and "fields" in template:
-            # TRL only splits content from reasoning: calls are read here (its XML parsing is also quadratic
-            # in unclosed parameters, seconds for a few thousand tokens of degenerate output).
-            fields = {k: v for k, v in template["fields"].items() if k != "tool_calls"}
-            self.tokenizer.response_template = {**template, "fields": fields}
+        self.tokenizer = tokenizer
         self._specials = re.compile("|".join(re.escape(t) for t in tokenizer.all_special_tokens))
-        self._bare_calls = False  # set by the probe: whether the template writes a call as the bare reply
+        # Set by the probe: whether the template writes reasoning as a think block, and a call as the bare reply.
+        self._thinks = False
+        self._bare_calls = False
         self._check_round_trip()
 
     def parse(
@@ -248,18 +231,13 @@ class ResponseParser:
         stop_reason: str = "stop",
         tools: list | None = None,
     ) -> ParsedResponse:
-        """`stop_reason` is vLLM's finish reason ("stop" or "length"); `tools` the request's tools (calls must
-        name one of them when given). Never raises for any token sequence."""
+        """`stop_reason` is vLLM's finish reason ("stop" or "length"); `tools` the request's tools (they type
+        `<parameter>` values). Never raises for any token sequence."""
         text = self.tokenizer.decode(output_ids, skip_special_tokens=False)
-        parsed = self._schema_parse(output_ids, prompt_ids) if self.has_schema and output_ids else None
-        if parsed is None:
-            parsed = {"content": self.tokenizer.decode(output_ids, skip_special_tokens=True)}
-        thought = parsed.get("reasoning_content") or parsed.get("thinking") or ""
-        # Calls are actions, never thoughts: a call written inside the reasoning stays part of the reasoning.
-        acted = text.replace(thought, "", 1)
-        visible = self._specials.sub("", acted)
-        bare = self._bare_calls and _BARE_CALL.match(visible) is not None
-        bodies, attempted = ([visible], 1) if bare else _call_blocks(acted)
+        thought, acted = self._split_reasoning(text, prompt_ids)
+        whole = self._without_outer_specials(acted) if self._bare_calls else ""
+        bare = _BARE_CALL.match(whole) is not None
+        bodies, attempted = ([whole], 1) if bare else _call_blocks(acted)
         schemas = _tool_properties(tools)
         try:
             calls = [_call(body, schemas) for body in bodies]
@@ -267,29 +245,54 @@ class ResponseParser:
             calls = []
         if len(calls) != attempted:
             return self.plain_text(output_ids, stop_reason, attempted)
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.get("content") or ""}
+        content = "" if bare else _CALL_BLOCK.sub("", self._specials.sub("", acted)).strip()
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         # A think block the model never closed runs to the end of the text, end-of-turn token included.
         reasoning = self._specials.sub("", thought).strip()
         if reasoning:
             message["reasoning_content"] = reasoning
         if not calls:
             return ParsedResponse(message, "length" if stop_reason == "length" else "stop")
-        content = "" if bare else self._specials.sub("", _CALL_BLOCK.sub("", message["content"])).strip()
         return ParsedResponse({**message, "content": content or None, "tool_calls": calls}, "tool_calls")
+
+    def _split_reasoning(self, text: str, prompt_ids: list[int]) -> tuple[str, str]:
+        """(reasoning, the rest of `text`). Only a think block that leads the reply is reasoning: one the
+        generation prompt opened (Qwen3.5+) or one the reply opens before anything else (Qwen3). It ends at its
+        first closer, or with the text when the model never closed it. What follows is the reply, taken as the
+        tokens say it: a later think block is text, and a call in it is a call (as vLLM's reasoning parsers split
+        at the first closer). A call written in the leading block is a thought, never executed."""
+        if not self._thinks:
+            return "", text
+        prompt_end = self.tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        if not prompt_end.rstrip().endswith(_THINK_OPENER):
+            opened = text.lstrip()
+            if not opened.startswith(_THINK_OPENER):
+                return "", text
+            text = opened[len(_THINK_OPENER) :]
+        thought, _, rest = text.partition(_THINK_CLOSER)
+        return thought, rest
+
+    def _without_outer_specials(self, text: str) -> str:
+        """`text` without the special tokens around it (a bare call's end of turn, a `<|python_tag|>` before it),
+        keeping any inside it: those are part of what the tokens say."""
+        spans = [m.span() for m in self._specials.finditer(text)]
+        start, end = 0, len(text)
+        for opens, closes in spans:
+            if text[start:opens].strip():
+                break
+            start = closes
+        for opens, closes in reversed(spans):
+            if closes <= start or text[closes:end].strip():
+                break
+            end = opens
+        return text[start:end]
 
     def plain_text(self, output_ids: list[int], stop_reason: str, malformed: int) -> ParsedResponse:
         """The whole generation as plain text content (special tokens stripped, no tool calls), with
         `malformed` attempted calls counted: the reply for output that must not reach the agent as calls."""
-        message = {"role": "assistant", "content": self.tokenizer.decode(output_ids, skip_special_tokens=True)}
+        text = self.tokenizer.decode(output_ids, skip_special_tokens=False)
+        message = {"role": "assistant", "content": self._specials.sub("", text)}
         return ParsedResponse(message, "length" if stop_reason == "length" else "stop", malformed)
-
-    def _schema_parse(self, output_ids: list[int], prompt_ids: list[int]) -> dict | None:
-        """TRL's split of the reply into content and reasoning, or None when it fails."""
-        try:
-            return parse_response(self.tokenizer, output_ids, prefix=prompt_ids[-_PREFIX_TOKENS:])
-        except Exception:  # the model's output is untrusted: any parser failure means "plain text"
-            log.debug("response template parse failed", exc_info=True)
-            return None
 
     def _check_round_trip(self) -> None:
         """Render a probe call with the tokenizer's template, as the model would write it after the generation
@@ -314,6 +317,7 @@ class ResponseParser:
         written = full[len(prompt) :]
         eos = self.tokenizer.eos_token
         written = written[: written.rfind(eos) + len(eos)] if eos and eos in written else written
+        self._thinks = _THINK_CLOSER in written  # the probe's reasoning is empty, its block still written
         self._bare_calls = _CALL_OPENER not in written
         ids = self.tokenizer.encode(written, add_special_tokens=False)
         parsed = self.parse(ids, self.tokenizer.encode(prompt, add_special_tokens=False), "stop", tools)

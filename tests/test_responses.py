@@ -136,6 +136,48 @@ def test_a_call_inside_the_reasoning_is_part_of_the_reasoning() -> None:
     assert parsed.finish_reason == "stop" and parsed.malformed_tool_calls == 0
 
 
+PYTEST_CALL = {
+    "qwen3": '<tool_call>\n{"name": "bash", "arguments": {"command": "python -m pytest -x tests"}}\n</tool_call>',
+    "qwen3_6": "<tool_call>\n<function=bash>\n<parameter=command>\npython -m pytest -x tests\n</parameter>\n"
+    "</function>\n</tool_call>",
+}
+# Qwen3.5+'s generation prompt opens the think block itself; a Qwen3 reply opens it.
+THINK_OPENER = {"qwen3": "<think>\n", "qwen3_6": ""}
+
+
+@pytest.mark.parametrize("template", ["qwen3", "qwen3_6"])
+def test_a_think_block_after_a_call_leaves_the_call_as_written(template: str) -> None:
+    # Removing the reasoning's text wherever it first occurs took "pytest" out of the command.
+    call = PYTEST_CALL[template]
+    text = THINK_OPENER[template] + "Run the tests.\n</think>\n\n" + call + "\n<think>\npytest\n</think><|im_end|>"
+    parsed = parse(template, text)
+    (executed,) = parsed.message["tool_calls"]
+    assert json.loads(executed["function"]["arguments"]) == {"command": "python -m pytest -x tests"}
+    assert parsed.message["reasoning_content"] == "Run the tests."
+    assert parsed.message["content"] == "<think>\npytest\n</think>"  # only a leading think block is reasoning
+
+
+@pytest.mark.parametrize("template", ["qwen3", "qwen3_6"])
+def test_a_call_in_the_leading_think_block_stays_reasoning_when_a_second_block_follows(template: str) -> None:
+    reasoning = "Maybe " + PYTEST_CALL[template] + " first?"
+    text = THINK_OPENER[template] + reasoning + "\n</think>\n\n<think>\nNo.\n</think>\n\nDone.<|im_end|>"
+    parsed = parse(template, text)
+    assert parsed.message == {
+        "role": "assistant",
+        "content": "<think>\nNo.\n</think>\n\nDone.",
+        "reasoning_content": reasoning,
+    }
+    assert parsed.finish_reason == "stop" and parsed.malformed_tool_calls == 0
+
+
+def test_a_special_token_inside_a_bare_call_stays_in_its_arguments() -> None:
+    # The special tokens around a bare call (a `<|python_tag|>` before it, the end of turn) are not its text; one
+    # inside it is what the tokens say.
+    text = '<|python_tag|>{"name": "bash", "parameters": {"command": "echo <|start_header_id|>"}}<|eot_id|>'
+    (call,) = parse("llama3_2", text).message["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"command": "echo <|start_header_id|>"}
+
+
 def test_cut_at_max_tokens_reports_length() -> None:
     parsed = parse("qwen3", "I will now start to", stop_reason="length")
     assert parsed.finish_reason == "length"
