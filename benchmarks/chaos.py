@@ -12,6 +12,10 @@ recorded with its cause; TRL's trainer would stop there). Faults, each a named i
 - `vllm_5xx`: a burst of 5-30 s during which every request to vLLM gets HTTP 503 (`ChaosProxy`).
 - `pi_kill` / `pi_stall`: one running Pi process of this run SIGKILLed / SIGSTOPped (left stopped:
   the stall watchdog must end it).
+- `host_kill`: a rollout host (swe_grpo/rollout_hosts.py) SIGKILLed mid-run, its rollouts with it. The
+  worker's `check_health` must name it; TRL's trainer stops there, so the loop does what its operator
+  would: `stop()` (which must remove everything the dead host left) and a new worker on the same policy.
+  The rollouts the host had in flight are counted as `died_with_host`, apart from `lost`.
 - `sandbox_create`: a sandbox creation fails with `SandboxError` (`FaultyBackend`, a FAKE failure in
   front of the real backend, as a full disk or a busy engine would cause).
 - `grading_timeout`, `malformed_output`, `context_overflow`, `disk_full`: turns of the policy, scripted
@@ -29,9 +33,11 @@ as stale / by `stop()`), lost (started - accounted; target 0); faults injected; 
 (generation working again after failing, adapters re-loaded, sandbox starts retried); `check_health`
 raises with their causes (and `update_model_version` raises, which would stop TRL's trainer); whether
 training went on (samples after the last fault); and, after `stop()`, leftovers (target 0): processes,
-mounts, sandbox directories, cgroups, and the doors this process served. The worker's process RSS, open
-file descriptors and threads are sampled every `--sample-every` seconds: with `--faults none --duration
-3600` this is the soak.
+mounts, sandbox directories, the cgroups of this process's and of every rollout host's sandboxes (named
+for the pid of the process that made them), and the doors they served. The RSS, open file descriptors
+and threads of the trainer's process and of the rollout hosts (where token chains, the InterceptionServer
+and grading live) are sampled every `--sample-every` seconds: with `--faults none --duration 3600` this is
+the soak.
 
 Run: `.venv/bin/python benchmarks/chaos.py --rollouts 200 --output /tmp/chaos.json` (chaos);
 `.venv/bin/python benchmarks/chaos.py --faults none --duration 3600 --rollouts 0` (soak).
@@ -44,6 +50,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import random
 import re
@@ -78,7 +85,7 @@ from swe_grpo.worker_config import WorkerConfig
 
 log = logging.getLogger("chaos")
 
-PROCESS_FAULTS = ("vllm_restart", "vllm_5xx", "pi_kill", "pi_stall")  # on a timer
+PROCESS_FAULTS = ("vllm_restart", "vllm_5xx", "pi_kill", "pi_stall", "host_kill")  # on a timer
 TURN_FAULTS = ("grading_timeout", "malformed_output", "context_overflow", "disk_full")  # scripted turns
 FAULTS = (*PROCESS_FAULTS, "sandbox_create", *TURN_FAULTS)
 SERVED_NAME = "tiny"
@@ -121,7 +128,13 @@ class ChaosConfig:
     turn_fault_rate: float = 0.12
     sandbox_fault_rate: float = 0.04
     weights: dict[str, float] = field(
-        default_factory=lambda: {"vllm_restart": 1.0, "vllm_5xx": 2.0, "pi_kill": 3.0, "pi_stall": 2.0}
+        default_factory=lambda: {
+            "vllm_restart": 1.0,
+            "vllm_5xx": 2.0,
+            "pi_kill": 3.0,
+            "pi_stall": 2.0,
+            "host_kill": 0.5,
+        }
     )
     concurrency: int = 4
     sync_every: int = 2  # pushed groups per policy version
@@ -311,6 +324,21 @@ class ProcessFaults(threading.Thread):
     def pi_stall(self) -> bool:
         return self._signal_pi(signal.SIGSTOP)
 
+    def host_kill(self) -> bool:
+        hosts = rollout_host_pids()
+        if not hosts:
+            return False
+        try:
+            os.kill(self.rng.choice(sorted(hosts)), signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def rollout_host_pids() -> set[int]:
+    """The live rollout hosts of this process's workers (`ProcessHost`'s spawned children)."""
+    return {p.pid for p in multiprocessing.active_children() if p.name.startswith("swe-grpo-rollout-host") and p.pid}
+
 
 def turn_script(config: ChaosConfig, rng: random.Random, injected: Injections) -> Callable[[], str | None]:
     """The policy's next turn: a turn fault at `turn_fault_rate`, else an ordinary turn."""
@@ -363,14 +391,33 @@ class Adapters:
 
 @dataclass
 class Sample:
-    """The worker's process, every `sample_every_s`."""
+    """Every `sample_every_s`: the trainer's process (`rss_mib`, `fds`, `threads`) and its rollout hosts
+    (`host_*`, summed over the live hosts; the hosts' own processes, not their agents or sandboxes)."""
 
     t: float
     rss_mib: float
     fds: int
     threads: int
+    host_rss_mib: float
+    host_fds: int
+    host_threads: int
     in_flight: float
     finished: float
+
+
+def host_usage() -> tuple[float, int, int]:
+    """RSS (MiB), open descriptors and threads of the live rollout hosts, summed."""
+    rss, fds, threads = 0.0, 0, 0
+    for pid in rollout_host_pids():
+        with contextlib.suppress(psutil.Error):
+            host = psutil.Process(pid)
+            with host.oneshot():
+                rss, fds, threads = (
+                    rss + host.memory_info().rss / 2**20,
+                    fds + host.num_fds(),
+                    threads + host.num_threads(),
+                )
+    return rss, fds, threads
 
 
 @dataclass
@@ -388,6 +435,8 @@ class RunReport:
     sync_failures: int
     resource_samples: list[Sample]
     leftovers: dict[str, list[str]]
+    died_with_host: int  # rollouts in flight in a rollout host that `host_kill` SIGKILLed: never accounted
+    worker_restarts: int
     load: tuple[tuple[float, float, float], tuple[float, float, float]]
 
     @property
@@ -404,7 +453,7 @@ class RunReport:
 
     @property
     def lost(self) -> int:
-        return self.started - sum(self.outcomes.values())
+        return self.started - sum(self.outcomes.values()) - self.died_with_host
 
     @property
     def leaked(self) -> int:
@@ -461,14 +510,19 @@ def _vllm_pids() -> set[int]:
     return pids
 
 
-def leftovers(run_dir: Path) -> dict[str, list[str]]:
-    """What this process's sandboxes left: processes (descendants of this process but vLLM's, anything
-    whose command line names `run_dir`, anything in a sandbox cgroup of this process), mounts under
-    `run_dir`, directories in it, and cgroups named for this process."""
+def leftovers(run_dir: Path, hosts: set[int]) -> dict[str, list[str]]:
+    """What the sandboxes of this process and of its rollout hosts (`hosts`: the pid of every host the run
+    had, dead ones included) left: processes (descendants of this process but vLLM's, anything whose
+    command line names `run_dir`, anything in one of their sandbox cgroups), mounts under `run_dir`,
+    directories in it, and cgroups. A sandbox's cgroup is named for the pid of the process that made it:
+    with rollout hosts (the default) that is a host's, never this process's."""
     me = os.getpid()
     layout = CgroupLayout.detect()
     cgroups = sorted(
-        {str(d) for root in (layout.memory, layout.pids) for d in (root / CGROUP_PARENT).glob(f"swe-grpo-{me}-*")}
+        str(d)
+        for root in {layout.memory, layout.pids}
+        for owner in {me, *hosts}
+        for d in (root / CGROUP_PARENT).glob(f"swe-grpo-{owner}-*")
     )
     procs: dict[int, str] = {}
     skip = _vllm_pids()
@@ -546,9 +600,13 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
         seed=config.seed,
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    worker = SWERolloutWorker(
-        demo_tasks(), tokenizer, vllm_url=proxy.url, model=SERVED_NAME, sandbox=backend, config=worker_config
-    )
+
+    def new_worker() -> SWERolloutWorker:
+        return SWERolloutWorker(
+            demo_tasks(), tokenizer, vllm_url=proxy.url, model=SERVED_NAME, sandbox=backend, config=worker_config
+        )
+
+    worker = new_worker()
     faults = ProcessFaults(
         [k for k in PROCESS_FAULTS if k in config.faults],
         config.weights,
@@ -565,6 +623,8 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
     version, sync_failures = 1, 0
     me = psutil.Process()
     doors: set[Path] = set()  # every door this process served: none may be left
+    hosts: set[int] = set()  # every rollout host the run had: none of their sandboxes may be left
+    died_with_host, restarts = 0, 0
     started = time.monotonic()
 
     def poll() -> None:
@@ -579,6 +639,10 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
             "rollout/stale_cancelled_total", 0.0
         )
 
+    def unaccounted() -> int:
+        ended = accounted() + totals.get("rollout/stop_cancelled_total", 0.0)
+        return int(totals.get("rollout/started_total", 0.0) - ended) - died_with_host
+
     def progress() -> float:
         """How far the run is, 0 to 1 (the larger of its two limits' shares)."""
         shares = [accounted() / config.rollouts if config.rollouts else 0.0]
@@ -590,6 +654,7 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
             adapters.publish(version)
             worker.update_model_version(version)
             worker.start()
+            hosts.update(rollout_host_pids())  # before host_kill can pick one
             faults.start()
             next_sync, next_sample = config.sync_every, started
             while (share := progress()) < 1.0:
@@ -598,6 +663,7 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
                     faults.stopping.set()
                 poll()
                 doors.update(door_dirs())
+                hosts.update(rollout_host_pids())
                 if totals.get("groups/pushed_total", 0.0) >= next_sync:
                     try:
                         adapters.publish(version + 1)
@@ -614,6 +680,15 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
                         worker.check_health(config.stale_after_s)
                     except RolloutWorkerError as e:
                         health[_cause(e)] += 1
+                        if "was killed by SIGKILL" in str(e):  # host_kill: restart, as the trainer's operator would
+                            worker.stop()
+                            poll()  # a host's metrics up to its death arrive: what is missing died with it
+                            died_with_host += unaccounted()
+                            worker, restarts = new_worker(), restarts + 1
+                            worker.update_model_version(version)
+                            worker.start()
+                            hosts.update(rollout_host_pids())  # before host_kill can pick one
+                            continue
                         if "crashed" in str(e) or "has stopped" in str(e):  # nothing more to see
                             break
                 if time.monotonic() >= next_sample:
@@ -623,6 +698,7 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
                             me.memory_info().rss / 2**20,
                             me.num_fds(),
                             me.num_threads(),
+                            *host_usage(),
                             totals.get("rollout/in_flight", 0.0),
                             totals.get("rollout/finished_total", 0.0),
                         )
@@ -645,7 +721,7 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
     recovered["sandbox starts retried"] = int(totals.get("rollout/sandbox_retries_total", 0))
     events = injected.events()
     last_fault = max((t for _, t in events), default=started)
-    left = leftovers(run_dir)
+    left = leftovers(run_dir, hosts)
     left["doors"] = sorted(str(d) for d in doors if d.exists())
     return RunReport(
         config={k: (str(v) if isinstance(v, Path) else v) for k, v in config.__dict__.items()},
@@ -661,6 +737,8 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
         sync_failures=sync_failures,
         resource_samples=resource,
         leftovers=left,
+        died_with_host=died_with_host,
+        worker_restarts=restarts,
         load=(load_before, os.getloadavg()),
     )
 
@@ -706,8 +784,12 @@ def markdown(report: RunReport) -> str:
         f"- Training: {report.samples_total} samples, policy v1 -> v{report.versions} ({report.sync_failures} syncs "
         f"retried while vLLM was down), {report.samples_after_last_fault} samples after the last fault.",
         "- Left after stop(): " + ", ".join(f"{k} {len(v)}" for k, v in report.leftovers.items()),
+        f"- Rollout hosts SIGKILLed: the worker restarted {report.worker_restarts}x; {report.died_with_host} rollouts "
+        "died with their host (not counted as lost).",
     ]
-    for attr, unit in (("rss_mib", " MiB"), ("fds", ""), ("threads", "")):
+    for attr, unit in [
+        (f"{who}{q}", u) for who in ("", "host_") for q, u in (("rss_mib", " MiB"), ("fds", ""), ("threads", ""))
+    ]:
         if g := growth(report.resource_samples, attr):
             lines.append(
                 f"- {attr}: mean {g[0]:.1f}{unit} over minutes 10-20, {g[1]:.1f}{unit} over the last 10 ({g[3]:+.1%}); "

@@ -5,26 +5,42 @@ goes on. And a burst of 5xx at a weight sync does not stop training."""
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
+import multiprocessing
+import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
+from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import pytest
+from sandbox_helpers import calc_task, make_repo
 
+from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.tasks import demo_tasks
 from swe_grpo.worker import SWERolloutWorker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from chaos import ChaosConfig, markdown, run_chaos
+from chaos import FAULTS, PROCESS_FAULTS, ChaosConfig, ProcessFaults, host_usage, leftovers, markdown, run_chaos
 
 pytestmark = pytest.mark.integration
 
-FAULTS = ("vllm_5xx", "pi_kill", "pi_stall", "sandbox_create", "grading_timeout", "malformed_output", "disk_full")
+SHORT_RUN_FAULTS = (
+    "vllm_5xx",
+    "pi_kill",
+    "pi_stall",
+    "host_kill",
+    "sandbox_create",
+    "grading_timeout",
+    "malformed_output",
+    "disk_full",
+)
 
 
 def test_a_short_chaos_run_loses_nothing_leaks_nothing_and_training_goes_on(policy_vllm, tiny_model_dir) -> None:
@@ -33,7 +49,7 @@ def test_a_short_chaos_run_loses_nothing_leaks_nothing_and_training_goes_on(poli
     config = ChaosConfig(
         rollouts=24,
         calm_after=0.6,  # a run this short needs a longer quiet end for a group to be pushed after the faults
-        faults=FAULTS,
+        faults=SHORT_RUN_FAULTS,
         fault_every_s=8.0,
         turn_fault_rate=0.3,
         sandbox_fault_rate=0.1,
@@ -50,7 +66,9 @@ def test_a_short_chaos_run_loses_nothing_leaks_nothing_and_training_goes_on(poli
     assert report.lost == 0, report.outcomes
     assert report.leaked == 0, report.leftovers
     assert len(report.injected) >= 4, report.injected  # the faults happened
-    assert report.health_raises == {}
+    # A SIGKILLed rollout host is the only thing check_health may raise for (TRL's trainer would stop there).
+    assert all("was killed by SIGKILL" in cause for cause in report.health_raises), report.health_raises
+    assert report.worker_restarts == sum(report.health_raises.values())
     assert report.samples_after_last_fault > 0 and report.versions > 1  # training went on past them
     ungraded = {"infra_error", "timeout", "resource_exhausted"}
     assert ungraded & set(report.outcomes), report.outcomes  # faults became named outcomes
@@ -88,3 +106,48 @@ def test_a_5xx_burst_at_a_weight_sync_does_not_stop_training(tokenizer) -> None:
     finally:
         server.shutdown()
     assert FlakyModels.served == FlakyModels.failures + 1
+
+
+def make_a_sandbox_then_wait(run_dir: Path, cache_dir: Path, repo: Path, ready: Event) -> None:
+    """A rollout host's part (its own process makes its sandboxes, so they are named for its pid): one `local`
+    sandbox, then wait to be killed."""
+
+    async def main() -> None:
+        backend = LocalBackend(cache_dir=cache_dir, run_dir=run_dir)
+        await backend.start()
+        await backend.create(calc_task(repo))
+        ready.set()
+        await asyncio.sleep(600)
+
+    asyncio.run(main())
+
+
+def test_the_leftovers_check_sees_what_a_sigkilled_rollout_host_left(tmp_path: Path, run_dir: Path) -> None:
+    """With rollout hosts (the default) sandboxes are named for a host's pid, not the trainer's: a host
+    SIGKILLed with a sandbox open leaves its directory, mounts and cgroups, and chaos's check must see
+    them all (it looked only for cgroups named for the trainer's pid), then nothing once they are reaped."""
+    spawn = multiprocessing.get_context("spawn")
+    ready = spawn.Event()
+    args = (run_dir, tmp_path / "cache", make_repo(tmp_path), ready)
+    host = spawn.Process(target=make_a_sandbox_then_wait, args=args, name="swe-grpo-rollout-host-0", daemon=True)
+    host.start()
+    try:
+        while not ready.wait(0.5):
+            assert host.is_alive(), "the host failed before making its sandbox (its traceback is on stderr)"
+        rss_mib, fds, threads = host_usage()  # what the soak samples of the hosts, beside the trainer's process
+        assert rss_mib > 10 and fds > 3 and threads >= 1
+        os.kill(host.pid, signal.SIGKILL)
+        host.join(10)
+        left = leftovers(run_dir, {host.pid})
+        assert left["cgroups"] and all(f"/swe-grpo-{host.pid}-" in group for group in left["cgroups"])
+        assert left["directories"] and left["mounts"], left
+    finally:
+        host.kill()
+        asyncio.run(LocalBackend(cache_dir=tmp_path / "cache", run_dir=run_dir).start())  # reaps dead owners' sandboxes
+    assert not any(leftovers(run_dir, {host.pid}).values())
+
+
+def test_every_process_fault_has_an_injector() -> None:
+    assert "host_kill" in PROCESS_FAULTS and set(PROCESS_FAULTS) <= set(FAULTS)
+    assert all(callable(getattr(ProcessFaults, kind, None)) for kind in PROCESS_FAULTS)
+    assert set(ChaosConfig().weights) == set(PROCESS_FAULTS)
