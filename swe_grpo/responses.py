@@ -155,13 +155,15 @@ def _tool_properties(tools: list | None) -> dict[str, dict] | None:
 
 
 def _call_blocks(text: str) -> tuple[list[str], int]:
-    """The bodies of the closed `<tool_call>...</tool_call>` blocks, and how many openers there are."""
+    """The bodies of the closed `<tool_call>...</tool_call>` blocks, and how many calls were attempted: one a
+    block, and one for an opener left without its closer. An opener inside a block is the block's text (an
+    argument such as `grep "<tool_call>"`)."""
     bodies: list[str] = []
     start = text.find(_CALL_OPENER)
     while start != -1 and (end := text.find(_CALL_CLOSER, start)) != -1:
         bodies.append(text[start + len(_CALL_OPENER) : end])
         start = text.find(_CALL_OPENER, end)
-    return bodies, text.count(_CALL_OPENER)
+    return bodies, len(bodies) + (start != -1)
 
 
 def _json_call(body: str) -> tuple[Any, Any]:

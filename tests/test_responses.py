@@ -178,6 +178,15 @@ def test_a_special_token_inside_a_bare_call_stays_in_its_arguments() -> None:
     assert json.loads(call["function"]["arguments"]) == {"command": "echo <|start_header_id|>"}
 
 
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_an_argument_may_hold_the_call_markup(template: str) -> None:
+    # An agent working on LLM tooling greps for the markup itself: one call, not a malformed second one.
+    command = 'grep -n "<tool_call>" src/parse.py'
+    parsed = parse(template, {"role": "assistant", "content": "", "tool_calls": [tool_call("bash", command=command)]})
+    (call,) = parsed.message["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"command": command}
+
+
 def test_cut_at_max_tokens_reports_length() -> None:
     parsed = parse("qwen3", "I will now start to", stop_reason="length")
     assert parsed.finish_reason == "length"

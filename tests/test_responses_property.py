@@ -27,6 +27,8 @@ from pi_shapes import TOOLS, PiConversation
 from swe_grpo.chain import TokenChain, TrainingTemplate
 from swe_grpo.responses import ResponseParser
 
+OPENER = "<tool_call>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CASES = 300  # per template, each a conversation of TURNS replies
 TURNS = 3
 # What arguments are made of: text that also occurs in think blocks and in text (removing reasoning by its
@@ -34,14 +36,12 @@ TURNS = 3
 # and values that look like other JSON types. Never a call block's closer or an XML value's closer: those end
 # the block where they stand, so the tokens would not say this argument.
 ARGUMENT_PARTS = [
-    *("pytest", "python -m pytest -x tests", "ok", "42", "true", "null", "007", "é", "😀", "x"),
+    *("pytest", "python -m pytest -x tests", "ok", "42", "true", "null", "007", "é", "😀", "x", "<tool_call>"),
     *("\n", "  ", "\t", '"', "\\", "{", "}", "<think>", "</think>", "<parameter=path>", "</function>", "<function=x>"),
 ]
 NUMBERS = [0, 7, 30, -3, 2.5, 0.25]  # values JSON.stringify writes as Python does (30.0 would come back as 30)
-# Text around the calls: anything but a call opener (every opener is an attempted call) or a leading `{"name":`.
-TEXT_PARTS = [*(p for p in ARGUMENT_PARTS if p != "{"), "</tool_call>", "Let me look.", "</parameter>"]
-OPENER = "<tool_call>"
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# Text around the calls: anything but a call opener (it opens an attempted call) or a leading `{"name":`.
+TEXT_PARTS = [*(p for p in ARGUMENT_PARTS if p not in ("{", OPENER)), "</tool_call>", "Let me look.", "</parameter>"]
 
 
 @dataclass
@@ -139,6 +139,7 @@ class Model:
             segments = []
             for _ in range(rng.randint(0, 5)):
                 said = [v for s in segments if s.call for v in s.call[1].values() if isinstance(v, str) and v.strip()]
+                said = [v for v in said if OPENER not in v]  # as text, it would open a call
                 segments.append(self.text(said) if rng.random() < 0.5 else self.call())
             if self.one_call:
                 calls = [s for s in segments if s.call]
