@@ -19,6 +19,7 @@ At construction the parser renders a probe call through the tokenizer's template
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -30,7 +31,6 @@ from transformers import PreTrainedTokenizerBase
 
 _CALL_OPENER = "<tool_call>"
 _CALL_CLOSER = "</tool_call>"
-_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 # The Qwen3.5+ layout, as the template writes it; one newline on each side of a value is the template's own.
 _XML_FUNCTION = re.compile(r"\s*<function=([^\n>]*)>\n?(.*)</function>\s*", re.DOTALL)
 _XML_PARAMETER = re.compile(r"\s*<parameter=([^\n>]*)>")
@@ -96,6 +96,11 @@ def _strict_json(text: str) -> Any:
     return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
 
 
+# Hermes call bodies, read as `_strict_json` reads them, to find where one ends.
+_JSON = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+_SPACE = re.compile(r"\s*")
+
+
 def _tojson(value: Any) -> str:
     """What transformers' `tojson` chat-template filter writes."""
     return json.dumps(value, ensure_ascii=False)
@@ -154,16 +159,34 @@ def _tool_properties(tools: list | None) -> dict[str, dict] | None:
     return out
 
 
-def _call_blocks(text: str) -> tuple[list[str], int]:
-    """The bodies of the closed `<tool_call>...</tool_call>` blocks, and how many calls were attempted: one a
-    block, and one for an opener left without its closer. An opener inside a block is the block's text (an
-    argument such as `grep "<tool_call>"`)."""
+def _block_end(text: str, body: int) -> int:
+    """Where the call block whose body starts at `body` closes (its closer's index), or -1. A JSON body ends where
+    its value does, so a closer in one of its strings (`grep "</tool_call>"`) is the string's text; any other body
+    ends at the first closer."""
+    value = _SPACE.match(text, body).end()
+    if text.startswith("{", value):
+        with contextlib.suppress(ValueError, RecursionError):
+            closer = _SPACE.match(text, _JSON.raw_decode(text, value)[1]).end()
+            if text.startswith(_CALL_CLOSER, closer):
+                return closer
+    return text.find(_CALL_CLOSER, body)
+
+
+def _call_blocks(text: str) -> tuple[list[str], int, str]:
+    """The bodies of the closed `<tool_call>...</tool_call>` blocks, how many calls were attempted (one a block,
+    and one for an opener left without its closer), and the text outside the blocks. An opener inside a block is
+    the block's text (an argument such as `grep "<tool_call>"`)."""
     bodies: list[str] = []
+    outside: list[str] = []
+    pos = 0
     start = text.find(_CALL_OPENER)
-    while start != -1 and (end := text.find(_CALL_CLOSER, start)) != -1:
+    while start != -1 and (end := _block_end(text, start + len(_CALL_OPENER))) != -1:
+        outside.append(text[pos:start])
         bodies.append(text[start + len(_CALL_OPENER) : end])
-        start = text.find(_CALL_OPENER, end)
-    return bodies, len(bodies) + (start != -1)
+        pos = end + len(_CALL_CLOSER)
+        start = text.find(_CALL_OPENER, pos)
+    outside.append(text[pos:])
+    return bodies, len(bodies) + (start != -1), "".join(outside)
 
 
 def _json_call(body: str) -> tuple[Any, Any]:
@@ -239,7 +262,7 @@ class ResponseParser:
         thought, acted = self._split_reasoning(text, prompt_ids)
         whole = self._without_outer_specials(acted) if self._bare_calls else ""
         bare = _BARE_CALL.match(whole) is not None
-        bodies, attempted = ([whole], 1) if bare else _call_blocks(acted)
+        bodies, attempted, outside = ([whole], 1, "") if bare else _call_blocks(acted)
         schemas = _tool_properties(tools)
         try:
             calls = [_call(body, schemas) for body in bodies]
@@ -247,7 +270,7 @@ class ResponseParser:
             calls = []
         if len(calls) != attempted:
             return self.plain_text(output_ids, stop_reason, attempted)
-        content = "" if bare else _CALL_BLOCK.sub("", self._specials.sub("", acted)).strip()
+        content = self._specials.sub("", outside).strip()
         message: dict[str, Any] = {"role": "assistant", "content": content}
         # A think block the model never closed runs to the end of the text, end-of-turn token included.
         reasoning = self._specials.sub("", thought).strip()

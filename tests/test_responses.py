@@ -187,6 +187,17 @@ def test_an_argument_may_hold_the_call_markup(template: str) -> None:
     assert json.loads(call["function"]["arguments"]) == {"command": command}
 
 
+def test_a_json_argument_may_hold_the_call_closer() -> None:
+    # In JSON a closer inside a string is the string's text: the block ends where its JSON value does. (Qwen3.5+
+    # writes values raw, so there the closer ends the block; Llama 3.x's bare call is the whole reply.)
+    command = 'grep -n "</tool_call>" src/parse.py'
+    reply = {"role": "assistant", "content": "Looking.", "tool_calls": [tool_call("bash", command=command)]}
+    parsed = parse("qwen3", reply)
+    (call,) = parsed.message["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"command": command}
+    assert parsed.message["content"] == "Looking."
+
+
 def test_cut_at_max_tokens_reports_length() -> None:
     parsed = parse("qwen3", "I will now start to", stop_reason="length")
     assert parsed.finish_reason == "length"
