@@ -24,7 +24,9 @@ class Task:
     repository, to which the test ids are appended (a pytest command should pass `-rA` and
     `--junitxml="$SWE_GRPO_JUNIT_XML"`, a shell variable of that command line, not exported: a script
     must get the path as an argument; see `swe_grpo.grading`); `plugin_autoload` overrides the grader's
-    setting for this task's pytest plugins; FAIL_TO_PASS / PASS_TO_PASS are test ids (pytest node ids)."""
+    setting for this task's pytest plugins; FAIL_TO_PASS / PASS_TO_PASS are test ids (pytest node ids);
+    `expected_statuses` and `tamper_allow` relax the grader's tamper checks for this task (see
+    `swe_grpo.grading`)."""
 
     instance_id: str
     repo: str
@@ -37,6 +39,10 @@ class Task:
     test_cmd: str | None = None
     plugin_autoload: bool | None = None  # let pytest load installed plugins; None: the grader's setting
     patch: str = ""  # the reference ("gold") fix, when known
+    # A FAIL_TO_PASS test whose gold run is not PASSED (e.g. "xfail") -> that status; see swe_grpo.grading.
+    expected_statuses: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+    # Grading tamper checks this project trips by being what it is (a test tool): scan rules, audit events.
+    tamper_allow: tuple[str, ...] = ()
     metadata: dict = field(default_factory=dict, compare=False, hash=False)  # the row's other fields
 
 
@@ -53,7 +59,7 @@ class TaskFormatError(ValueError):
 _COMMIT = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")  # a full SHA-1 or SHA-256 id: reproducible
 _KNOWN_FIELDS = frozenset(
     ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "patch", "image", "test_cmd")
-) | {"FAIL_TO_PASS", "PASS_TO_PASS", "plugin_autoload"}
+) | {"FAIL_TO_PASS", "PASS_TO_PASS", "plugin_autoload", "expected_statuses", "tamper_allow"}
 
 
 def swe_gym_image(instance_id: str) -> str:
@@ -74,7 +80,8 @@ def task_from_row(
 
     Required: `instance_id`, `repo`, `base_commit` (a full commit id), `problem_statement`,
     `FAIL_TO_PASS` (non-empty). Optional: `PASS_TO_PASS`, `test_patch`, `patch`, `image`, `test_cmd`,
-    `plugin_autoload` (a boolean; missing or null = default). Test-id lists may be lists or JSON strings
+    `plugin_autoload` (a boolean; missing or null = default), `expected_statuses` (an object: test id ->
+    passed|xfail|xpass), `tamper_allow` (a list of names). Test-id lists may be lists or JSON strings
     of lists (SWE-Gym has both).
     With `base_dir` (local files), a `repo` that is a path (starts with "/", "./" or "../", ends with
     ".git" or ".bundle", or exists relative to `base_dir`) is resolved against `base_dir` to an absolute
@@ -123,6 +130,14 @@ def task_from_row(
     plugin_autoload = row.get("plugin_autoload")
     if plugin_autoload is not None and not isinstance(plugin_autoload, bool):
         raise fail("plugin_autoload", f"expected true, false or null, got {plugin_autoload!r:.40}")
+    expected = row.get("expected_statuses") or {}
+    if not isinstance(expected, dict) or not all(
+        isinstance(k, str) and v in ("passed", "xfail", "xpass") for k, v in expected.items()
+    ):
+        raise fail("expected_statuses", f"expected {{test id: passed|xfail|xpass}}, got {expected!r:.60}")
+    allow = row.get("tamper_allow") or []
+    if not isinstance(allow, list) or not all(isinstance(item, str) for item in allow):
+        raise fail("tamper_allow", f"expected a list of names, got {allow!r:.60}")
     image = optional("image") or None
     if image is None and default_image is not None:
         image = default_image(instance_id)
@@ -138,6 +153,8 @@ def task_from_row(
         test_cmd=optional("test_cmd") or None,
         plugin_autoload=plugin_autoload,
         patch=optional("patch") or "",
+        expected_statuses=dict(expected),
+        tamper_allow=tuple(allow),
         metadata={key: value for key, value in row.items() if key not in _KNOWN_FIELDS},
     )
 

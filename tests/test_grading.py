@@ -19,6 +19,7 @@ import pytest
 from cheats import CHEATS, append, conftest_hooks, delete_tests, files_under_test, git, make_patch, source_module
 
 from swe_grpo.grading import (
+    DEFAULT_TEST_CMD,
     GradeResult,
     RunnerImports,
     command_words,
@@ -70,8 +71,8 @@ def unfiltered_junit_statuses(task: Task, patch: str, tmp_path: Path) -> dict[st
     return statuses
 
 
-def assert_model_failure(result: GradeResult, outcome: str = "unresolved") -> None:
-    assert (result.outcome, result.reward) == (outcome, 0.0), (result.error, result.log_tail)
+def assert_model_failure(result: GradeResult, *outcomes: str) -> None:
+    assert result.outcome in (outcomes or ("unresolved",)) and result.reward == 0.0, (result.error, result.log_tail)
 
 
 # --- gold, empty, cheats ------------------------------------------------------------------------------
@@ -103,9 +104,12 @@ async def test_a_cheating_patch_does_not_resolve(backend: LocalBackend, task: Ta
     if works_unfiltered:
         statuses = unfiltered_junit_statuses(task, patch, tmp_path)
         assert all(status == "passed" for status in statuses.values()), f"the {cheat} cheat does not even work"
-    # With the plugins that are installed allowed to load, so that only the filter stands in the way.
+    # With the plugins that are installed allowed to load, so that only the filter stands in the way. What
+    # the filter keeps of a cheat (a plugin module without the configuration that would load it) is code
+    # that reaches into pytest: the static scan names it.
     result = await grade(task, patch, backend, timeout_s=120, plugin_autoload=True)
-    assert_model_failure(result)
+    assert_model_failure(result, "unresolved", "grading_tampered")
+    assert result.outcome == "unresolved" or (result.error or "").startswith("static scan: ")
     assert result.f2p_passed == 0
     present = {path for pair in re.findall(r"^diff --git a/(\S+) b/(\S+)$", patch, re.MULTILINE) for path in pair}
     expected = must_drop(task) & present
@@ -113,7 +117,7 @@ async def test_a_cheating_patch_does_not_resolve(backend: LocalBackend, task: Ta
     assert expected or not must_drop(task), "the patch does not contain what the cheat is about"
     assert all(is_protected(path) or path in files_under_test(task) | expected for path in result.dropped_paths)
     if cheat == "forge_report_at_exit":
-        assert "FORGED THE REPORT" in result.log_tail  # it did rewrite the report; the summary outvoted it
+        assert "reports in " + source_module(task) in (result.error or "")  # its report path search
 
 
 @pytest.mark.parametrize("task", TASKS, ids=TASK_IDS)
@@ -133,16 +137,22 @@ async def test_cheats_next_to_the_fix_do_not_hide_it(backend: LocalBackend, task
 # --- patches that do not apply, hangs, crashes, broken tasks, broken sandboxes ----------------------
 
 
+LOOK = "atexit.register(lambda: print('REPORT PATH:', os.environ.get('SWE_GRPO_JUNIT_XML'), file=sys.stderr))"
+
+
 async def test_the_report_path_is_not_in_the_environment_of_the_code_under_test(backend: LocalBackend) -> None:
     def look(repo: Path, task: Task) -> None:
         git(repo, "apply", "-", input_text=task.patch)
         append(
             repo / source_module(task),
-            "\n\nimport atexit, os, sys\n\n"
-            "atexit.register(lambda: print('REPORT PATH:', os.environ.get('SWE_GRPO_JUNIT_XML'), file=sys.stderr))\n",
+            f"\n\nimport atexit, os, sys\n\n{LOOK}\n",
         )
 
-    result = await grade(STRUTIL, make_patch(STRUTIL, look), backend, timeout_s=120)
+    # Naming the report's variable is what the static scan looks for; this task allows it by name.
+    patch = make_patch(STRUTIL, look)
+    scanned = await grade(STRUTIL, patch, backend, timeout_s=120)
+    assert (scanned.outcome, scanned.error) == ("grading_tampered", f"static scan: reports in strutil.py: {LOOK}")
+    result = await grade(replace(STRUTIL, tamper_allow=("reports",)), patch, backend, timeout_s=120)
     assert result.outcome == "resolved", (result.error, result.log_tail)
     assert "REPORT PATH: None" in result.log_tail
 
@@ -172,11 +182,22 @@ async def test_a_patch_that_hangs_the_tests_is_a_timeout_with_reward_0(backend: 
     assert "they finish without it" in (result.error or "")
 
 
-async def test_a_patch_that_kills_the_runner_does_not_resolve(backend: LocalBackend) -> None:
-    def crash(repo: Path, task: Task) -> None:
-        append(repo / source_module(task), "\n\nimport os\n\nos._exit(0)\n")
+def kill_the_runner(repo: Path, task: Task) -> None:
+    append(repo / source_module(task), "\n\nimport os\nimport signal\n\nos.kill(os.getpid(), signal.SIGKILL)\n")
 
-    result = await grade(STRUTIL, make_patch(STRUTIL, crash), backend, timeout_s=60)
+
+async def test_a_patch_that_kills_the_runner_is_tampering(backend: LocalBackend) -> None:
+    """The boot's exit record is missing: whatever ended the runner, it was not the runner."""
+    result = await grade(STRUTIL, make_patch(STRUTIL, kill_the_runner), backend, timeout_s=60)
+    assert_model_failure(result, "grading_tampered")
+    assert "never reached its interpreter's exit" in (result.error or "")
+
+
+async def test_a_patch_that_kills_a_runner_without_the_boot_does_not_resolve(backend: LocalBackend) -> None:
+    """A runner started by absolute path gets no boot (the probe sees that): no report, and a control run
+    without the patch that has one, is the patch's fault."""
+    task = replace(STRUTIL, test_cmd=DEFAULT_TEST_CMD.replace("python3", "/usr/bin/python3"))
+    result = await grade(task, make_patch(task, kill_the_runner), backend, timeout_s=60)
     assert_model_failure(result)
     assert "broke the test runner" in (result.error or "")
     assert "control_s" in result.timings

@@ -132,7 +132,11 @@ def test_a_cheating_patch_does_not_resolve(
 ) -> None:
     task = tasks[task_id]
     result = grades[task_id, cheat]
-    assert (result.outcome, result.reward) == ("unresolved", 0.0), (result.error, result.log_tail)
+    # What the filter keeps of a cheat (a plugin module without the configuration that loads it, a report
+    # forger) is code that reaches into pytest: the static scan names it.
+    assert result.outcome in ("unresolved", "grading_tampered"), (result.error, result.log_tail)
+    assert result.reward == 0.0
+    assert result.outcome == "unresolved" or (result.error or "").startswith("static scan: ")
     assert result.f2p_passed == 0
     expected = CHEATS[cheat][1](task)
     patch = cheat_patches[task_id, cheat]
@@ -140,8 +144,8 @@ def test_a_cheating_patch_does_not_resolve(
     assert expected & present <= set(result.dropped_paths)
     assert expected & present or not expected, "the patch does not contain what the cheat is about"
     assert all(is_protected(path) or path in files_under_test(task) | expected for path in result.dropped_paths)
-    if cheat == "forge_report_at_exit":  # it found the report in the runner's arguments; the summary outvoted it
-        assert "FORGED THE REPORT" in result.log_tail
+    if cheat == "forge_report_at_exit":  # its search for the report's path
+        assert "static scan: reports in " in (result.error or "")
 
 
 @pytest.mark.parametrize("task_id", MOCKER_TASKS)

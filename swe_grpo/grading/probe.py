@@ -1,0 +1,199 @@
+"""The probe (what the task's test runner imports and which of the grader's witnesses it supports, measured
+once per task base without the patch) and the witnessed test run that the probe and the graded run share.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shlex
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from swe_grpo.grading.protect import RunnerImports
+from swe_grpo.grading.reports import RunReports
+from swe_grpo.grading.steps import DEFAULT_TEST_CMD, BrokenTask, failure, in_sandbox, step
+from swe_grpo.grading.tamper import BOOT_ENV, AuditReport, Canaries, boot_secret, boot_source, shim_script
+from swe_grpo.sandbox.base import ExecResult, Sandbox, SandboxBackend, SandboxError
+from swe_grpo.tasks import Task
+
+# The environment of every witnessed run: no user site (a patch could have written one outside the
+# repository for a later interpreter), and no runner options from the environment.
+PINNED_ENV = {"PYTHONNOUSERSITE": "1", "PYTEST_ADDOPTS": "", "PYTEST_PLUGINS": ""}
+
+
+@dataclass
+class WitnessedRun:
+    """One run of the test command with the grader's witnesses: `reports` (None when it timed out),
+    `audit` (the boot's report), `canaries` (None when not added), `junit_xml` (None when not written)."""
+
+    tests: ExecResult
+    reports: RunReports | None
+    audit: AuditReport
+    canaries: Canaries | None
+    junit_xml: str | None
+
+
+async def witnessed_run(
+    sandbox: Sandbox,
+    scratch: str,
+    task: Task,
+    test_ids: Sequence[str],
+    *,
+    env: dict[str, str],
+    timeout_s: float,
+    canaries: bool,
+    patch_files: Collection[str] = (),
+    allow: Collection[str] = (),
+) -> WitnessedRun:
+    """Run the task's test command on `test_ids` (plus canaries) with the boot armed. The report path is a
+    shell variable of the command line, not exported: the code under test does not inherit it. The ids
+    travel in a file: thousands of them would not fit in one command-line argument."""
+    q = shlex.quote
+    token = secrets.token_hex(8)
+    boot, bin_dir = f"{scratch}/boot-{token}", f"{scratch}/bin-{token}"
+    nonce, audit_path, secret = secrets.token_hex(16), f"{scratch}/audit-{token}", f"{scratch}/secret-{token}"
+    added = Canaries.beside(task.fail_to_pass[0].split("::", 1)[0]) if canaries else None
+    ids = [*test_ids, *(added.ids if added else ())]
+    await sandbox.put_file(f"{scratch}/ids-{token}", "".join(f"{test_id}\n" for test_id in ids).encode())
+    await sandbox.put_file(f"{boot}/sitecustomize.py", boot_source().encode())
+    await sandbox.put_file(audit_path, b"", mode=0o600)
+    await sandbox.put_file(secret, boot_secret(nonce, audit_path, sandbox.workdir, allow, patch_files).encode(), 0o600)
+    if added is not None:
+        await sandbox.put_file(f"{sandbox.workdir}/{added.path}", added.source().encode())
+    junit_path = f"{scratch}/junit-{token}.xml"
+    command = (
+        f'{shim_script(q(boot), q(bin_dir))} && export PATH={q(bin_dir)}:"$PATH"'
+        f" && mapfile -t ids < {q(scratch)}/ids-{token} && SWE_GRPO_JUNIT_XML={q(junit_path)}"
+        f' && {task.test_cmd or DEFAULT_TEST_CMD} "${{ids[@]}}"'
+    )
+    full_env = {**env, **PINNED_ENV, BOOT_ENV: secret}
+    tests = await sandbox.exec(command, timeout_s=timeout_s, env=full_env, cwd=sandbox.workdir)
+    audit = AuditReport.parse((await sandbox.get_file(audit_path)).decode("utf-8", "replace"), nonce)
+    if tests.timed_out:
+        return WitnessedRun(tests, None, audit, added, None)
+    try:
+        junit_xml: str | None = (await sandbox.get_file(junit_path)).decode("utf-8", "replace")
+    except SandboxError:
+        junit_xml = None  # not written (or unreadable)
+    return WitnessedRun(tests, RunReports.parse(ids, junit_xml, tests.stdout), audit, added, junit_xml)
+
+
+_PROBE = """\
+# swe_grpo's grading probe (usercustomize.py in a probe-only HOME): at exit, record where this process
+# looked for modules and where each top-level module it imported came from.
+import atexit, json, os, sys
+
+
+def _swe_grpo_probe():
+    modules = {}
+    for name, module in list(sys.modules.items()):
+        if "." in name or module is None:
+            continue
+        origin = getattr(getattr(module, "__spec__", None), "origin", None) or getattr(module, "__file__", None)
+        if origin is None and getattr(module, "__path__", None):
+            origin = next(iter(module.__path__), None)
+        modules[name] = origin if isinstance(origin, str) else "built-in"
+    out = os.path.join(os.environ["SWE_GRPO_PROBE_OUT"], f"{os.getpid()}.json")
+    with open(out, "w") as f:
+        json.dump({"path": [os.path.abspath(p or os.curdir) for p in sys.path], "modules": modules}, f)
+        f.write("\\n")
+
+
+atexit.register(_swe_grpo_probe)
+"""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the probe found for a task: what its runner imports; whether the runner reports the grader's
+    canaries as they are (`canaries`), prints the `-rA` summary with one closing line (`summary`), and
+    runs in a Python process whose boot starts and ends cleanly (`audit`); `audit_allow`: the events the
+    boot flagged without the patch (the project's own, allowed in its graded runs)."""
+
+    imports: RunnerImports
+    canaries: bool = False
+    summary: bool = False
+    audit: bool = False
+    audit_allow: tuple[str, ...] = ()
+
+
+_PROBED: dict[tuple[str | None, ...], Probe] = {}
+_PROBED_MAX = 4096
+
+
+def _runner_imports(probe_output: str, workdir: str) -> RunnerImports:
+    """Parse the probe's JSON lines (one per Python process); the fallback when there are none."""
+    records = []
+    for line in probe_output.splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    if not records:
+        return RunnerImports()
+
+    def inside(path: str) -> str | None:
+        return "" if path == workdir else path[len(workdir) + 1 :] if path.startswith(workdir + "/") else None
+
+    dirs = {inside(path) for record in records for path in record.get("path", [])} - {None}
+    names = {
+        name for record in records for name, origin in record.get("modules", {}).items() if inside(str(origin)) is None
+    }
+    return RunnerImports(search_dirs=frozenset({"", *dirs}), names=frozenset(names))  # type: ignore[arg-type]
+
+
+async def probe_runner(backend: SandboxBackend, task: Task, env: dict[str, str], timeout_s: float) -> Probe:
+    """Run the test command on one PASS_TO_PASS test (it passes, so it does not hang, without the patch;
+    else the first FAIL_TO_PASS test) in a sandbox of its own, twice: with a usercustomize.py (in a HOME
+    of its own) that records what every Python process imported, then as a graded run runs it (witnesses
+    armed), to see which witnesses this runner supports. What it finds depends only on the task's base
+    and environment: it is kept for the task's next grades."""
+    key = (backend.name, task.repo, task.base_commit, task.image, task.test_cmd, str(env))
+    if key in _PROBED:
+        return _PROBED[key]
+    test_id = (task.pass_to_pass or task.fail_to_pass)[0]
+    q = shlex.quote
+
+    async def probe(sandbox: Sandbox) -> Probe:
+        made = await step(sandbox, "mktemp -d -t swe_grpo-probe.XXXXXXXXXX", "preparing the probe")
+        scratch = made.stdout.strip()
+        if made.exit_code != 0 or not scratch.startswith("/"):
+            raise BrokenTask(failure("no scratch directory for the probe", made))
+        await sandbox.put_file(f"{scratch}/probe.py", _PROBE.encode())
+        out = f"{scratch}/out"
+        script = (
+            f"export HOME={q(scratch)}/home SWE_GRPO_PROBE_OUT={q(out)} && mkdir -p {q(out)}"
+            " && site=$(python3 -c 'import site; print(site.getusersitepackages())') && mkdir -p \"$site\""
+            f' && cp {q(scratch)}/probe.py "$site/usercustomize.py" && SWE_GRPO_JUNIT_XML={q(scratch)}/junit.xml'
+            f" && {{ {task.test_cmd or DEFAULT_TEST_CMD} {q(test_id)} >/dev/null 2>&1; }}"
+            f"; cat {q(out)}/*.json 2>/dev/null"
+        )
+        probed = await sandbox.exec(script, timeout_s=timeout_s, env=env, cwd=sandbox.workdir)
+        imports = _runner_imports("" if probed.timed_out else probed.stdout, sandbox.workdir)
+        if probed.timed_out:
+            return Probe(imports)
+        witnessed = await witnessed_run(sandbox, scratch, task, [test_id], env=env, timeout_s=timeout_s, canaries=True)
+        return _witnesses(witnessed, imports)
+
+    found = await in_sandbox(backend, task, probe)
+    if len(_PROBED) >= _PROBED_MAX:
+        _PROBED.clear()
+    _PROBED[key] = found
+    return found
+
+
+def _witnesses(run: WitnessedRun, imports: RunnerImports) -> Probe:
+    """Which witnesses a run without the patch shows working."""
+    reports, audit, canaries = run.reports, run.audit, run.canaries
+    if reports is None or canaries is None:
+        return Probe(imports)
+    summary = reports.summary is not None and len(reports.final_lines) == 1
+    canaries_work = (
+        run.tests.exit_code == 1
+        and (reports.junit_status(canaries.passing), reports.junit_status(canaries.failing)) == ("passed", "failed")
+        and (not summary or not reports.disagreements(canaries.ids))
+    )
+    audit_works = audit.started and audit.ended and audit.pytest and not audit.forged
+    allow = tuple(sorted({event.split(" ", 1)[0] for event in audit.events}))
+    return Probe(imports, canaries_work, summary, audit_works, allow)
