@@ -7,11 +7,21 @@ records from the TokenChain, the reward, and an outcome with its provenance:
     resolved / unresolved / patch_apply_failed   graded; reward 1.0 / 0.0 / 0.0
     context_overflow   the conversation outgrew the model's context      reward None
     timeout            the agent hit its wall-clock limit or stalled, or grading timed out without a verdict
-    infra_error        vLLM unreachable or unusable, a sandbox failure, the agent crashing before any turn
+    infra_error        vLLM unreachable or unusable, a sandbox failure, the agent dying before its first
+                       turn, crashing with a status that is no signal's, or killed from the host (a
+                       negative status: `local`'s bwrap was signalled): the host's doing   reward None
     resource_exhausted the agent ran its own sandbox out of memory, processes or disk,   reward 0.0
                        or its patch's code ran the grading sandbox out (`swe_grpo.grading`)
+    agent_killed       the agent's process died of a signal after its first turn (`kill -9 $PPID` from
+                       its own bash tool): nothing of the host signals it but the limits above   reward 0.0
+    agent_disconnected the agent exited 1 right after it dropped a connection whose reply was on its way
+                       (its last error `client_disconnected`): it gave up, it did not finish   reward 0.0
     patch_too_large    the agent's patch is over `RolloutConfig.max_patch_bytes`         reward 0.0
     base_commit_lost   the agent deleted the base commit's objects (`rm -rf .git`)       reward 0.0
+    diff_unreadable    what the agent left cannot be read as a patch: a tracked file made a FIFO or
+                       unreadable, an unreadable directory, a symlink target that is not UTF-8, an object
+                       store with FIFOs, links or alternates in it (`Sandbox.diff`)       reward 0.0
+    diff_timeout       taking the patch took longer than its bound (`Sandbox.diff`)      reward 0.0
 
 `resource_exhausted` (`Sandbox.exhausted()` names the limit in `error`) is the policy's doing, as a wrong
 patch is: a fork bomb, a memory hog or a disk filler is trained on as 0, so the policy learns not to; the
@@ -20,16 +30,19 @@ the agent's intended work, and may not even give a diff). It takes precedence ov
 but a sandbox failure; the outcome keeps it apart from `unresolved` in the metrics.
 
 A reward of None means "do not train on this as 0": the worker keeps such rollouts out of group
-baselines.
+baselines. So it is kept for what the host did (decision 4): whatever happens inside the agent's sandbox
+or to the agent's own processes after the policy's first turn is the policy's doing, a named outcome
+with reward 0.0, or a policy could leave its group (and its negative advantage) at will.
 
 The patch is the agent's final tree against the task's base commit (`Sandbox.diff`: whatever the agent
-did to git), never cut. `patch_too_large` and `base_commit_lost` are model failures, not missing data:
-the sandbox starts at the base commit and only the agent's commands write to it, so a patch far larger
-than any fix (32 MiB by default: generated data, a virtualenv, build output left in the tree) or a
-repository whose base objects are gone is the agent's doing. SWE-bench fails such predictions too, and a
-reward of None would let a policy that floods or wipes the tree escape the group baseline instead of
-learning not to. Neither is graded: there is no patch to grade. The agent's own outcomes above (context
-overflow, timeout, a crash) take precedence, as their rollouts are not graded either.
+did to git), never cut. `patch_too_large`, `base_commit_lost`, `diff_unreadable` and `diff_timeout` are
+model failures, not missing data: the sandbox starts at the base commit and only the agent's commands
+write to it, so a patch far larger than any fix (32 MiB by default: generated data, a virtualenv, build
+output left in the tree), a repository whose base objects are gone or a tree git cannot read in bounded
+time is the agent's doing. SWE-bench fails such predictions too, and a reward of None would let a policy
+that floods, wipes or booby-traps the tree escape the group baseline instead of learning not to. None is
+graded: there is no patch to grade. The agent's own outcomes above (context overflow, timeout, a kill, a
+crash) take precedence, as their rollouts are not graded either.
 """
 
 from __future__ import annotations
@@ -50,6 +63,8 @@ from swe_grpo.sandbox.base import MAX_PATCH_BYTES, PatchError, SandboxBackend, S
 from swe_grpo.tasks import Task
 
 _INFRA_REQUEST_ERRORS = ("server_unavailable", "bad_response", "internal")
+# An agent whose exit status is above this died of signal (status - 128): the shell's and docker's convention.
+_SIGNALLED = 128
 
 
 @dataclass
@@ -137,22 +152,37 @@ class RolloutConfig:
         check_allow(self.allow, self.door)
 
 
-def _agent_outcome(agent: AgentResult, errors: list[RequestError], turns: int) -> tuple[str, str] | None:
-    """The outcome decided before grading, if the agent's run already settles it."""
+def outcome_before_grading(
+    agent: AgentResult,
+    errors: list[RequestError],
+    turns: int,
+    exhausted: str | None,
+    unpatchable: PatchError | None,
+) -> tuple[str, float | None, str] | None:
+    """The (outcome, reward, error) the agent's run already settles, before any grading; None: grade it."""
+    if exhausted:
+        return "resource_exhausted", 0.0, f"the agent ran its sandbox out of {exhausted} (its {exhausted} limit)"
     kinds = [e.kind for e in errors]
     if "context_overflow" in kinds:
-        return "context_overflow", next(e.message for e in errors if e.kind == "context_overflow")
+        return "context_overflow", None, next(e.message for e in errors if e.kind == "context_overflow")
     infra = [e for e in errors if e.kind in _INFRA_REQUEST_ERRORS]
     if infra:
-        return "infra_error", f"generation failed: {infra[-1].kind}: {infra[-1].message}"
+        return "infra_error", None, f"generation failed: {infra[-1].kind}: {infra[-1].message}"
     if agent.stalled:
-        return "timeout", "agent stalled: no model request within the stall limit"
+        return "timeout", None, "agent stalled: no model request within the stall limit"
     if agent.timed_out:
-        return "timeout", "agent hit its wall-clock limit"
-    if agent.exit_code not in (0, 1):  # 1: the agent's last turn failed; anything else is a crash or a kill
-        return "infra_error", f"agent died (exit {agent.exit_code}): {agent.stderr_tail[-500:]}"
-    if turns == 0:
-        return "infra_error", f"agent made no model request (exit {agent.exit_code}): {agent.stderr_tail[-500:]}"
+        return "timeout", None, "agent hit its wall-clock limit"
+    code, tail = agent.exit_code, agent.stderr_tail[-500:]
+    if turns == 0:  # the policy had not said anything yet: nothing that happened can be its doing
+        return "infra_error", None, f"agent made no model request (exit {code}): {tail}"
+    if code is not None and code > _SIGNALLED:
+        return "agent_killed", 0.0, f"the agent's process died of signal {code - _SIGNALLED}: {tail}"
+    if code not in (0, 1):
+        return "infra_error", None, f"agent crashed (exit {code}): {tail}"
+    if code == 1 and errors and errors[-1].kind == "client_disconnected":
+        return "agent_disconnected", 0.0, f"the agent gave up after its connection was lost: {tail}"
+    if unpatchable is not None:
+        return unpatchable.outcome, 0.0, str(unpatchable)
     return None
 
 
@@ -228,14 +258,13 @@ async def run_rollout(
         error=error,
         timings=timings,
     )
-    decided = _agent_outcome(ran, record.errors, len(record.turns)) if ran and not error else None
-    if exhausted and not error:
-        trajectory.outcome, trajectory.reward = "resource_exhausted", 0.0
-        trajectory.error = f"the agent ran its sandbox out of {exhausted} (the sandbox's {exhausted} limit)"
-    elif decided:
-        trajectory.outcome, trajectory.error = decided
-    elif unpatchable is not None and not error:
-        trajectory.outcome, trajectory.reward, trajectory.error = unpatchable.outcome, 0.0, str(unpatchable)
+    decided = (
+        outcome_before_grading(ran, record.errors, len(record.turns), exhausted, unpatchable)
+        if ran and not error
+        else None
+    )
+    if decided:
+        trajectory.outcome, trajectory.reward, trajectory.error = decided
     elif not error:  # a sandbox failure at any point (even after the agent ran) is infra_error, never a graded 0
         if on_grading is not None:
             on_grading(trajectory)

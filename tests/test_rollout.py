@@ -158,10 +158,29 @@ class KillsPi:
         return await self.inner.generate(*args, **kwargs)
 
 
-async def test_agent_killed_mid_run(vllm_client, tokenizer, pi_bundle, backend, strutil) -> None:
+async def test_agent_killed_before_its_first_turn_is_infra(vllm_client, tokenizer, pi_bundle, backend, strutil) -> None:
+    """Killed from the host before the model said anything: not the policy's doing."""
     trajectory, server = await rollout(KillsPi(vllm_client), tokenizer, backend, strutil, pi_bundle)
     assert trajectory.outcome == "infra_error" and trajectory.reward is None
-    assert "agent died" in trajectory.error
+    assert "agent made no model request" in trajectory.error
+    assert_nothing_left(backend, server)
+
+
+async def test_agent_killed_by_its_own_tool_is_the_policys_doing(
+    vllm_server, tokenizer, pi_bundle, backend, strutil
+) -> None:
+    """`kill -9 $PPID` from Pi's bash tool (the tool's parent is Pi): reward 0.0 under its own name, so the
+    rollout stays in its group; it used to end as infra_error, out of the group's baseline."""
+    client = RecordingClient(
+        vllm_server.url,
+        SERVED_NAME,
+        stop_token_ids=[tokenizer.eos_token_id],
+        guided=[tool_call("bash", {"command": "kill -9 $PPID"})],
+    )
+    async with client:
+        trajectory, server = await rollout(client, tokenizer, backend, strutil, pi_bundle)
+    assert (trajectory.outcome, trajectory.reward) == ("agent_killed", 0.0), trajectory.error
+    assert trajectory.agent.exit_code == 137 and len(trajectory.turns) == 1 and trajectory.grade is None
     assert_nothing_left(backend, server)
 
 

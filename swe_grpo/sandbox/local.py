@@ -42,7 +42,7 @@ sandbox that exhausts its own cannot make another fail:
   it; between sandboxes that want more than the host has, the kernel shares it equally (one cgroup each).
 - per process (rlimits): CPU seconds, file size and open files (a process at `open_files` gets EMFILE).
 - no nested namespaces: each exec has a user namespace of its own in which no other user namespace can
-  be made (`bwrap --disable-userns`), so `unshare -U` and the like fail inside.
+  be made (`bwrap --disable-userns`, bubblewrap >= 0.8; older ones warn), so `unshare -U` fails inside.
 `exhausted()` tells which limit a sandbox hit: "memory" (an OOM kill in its cgroup), "pids" (a fork
 refused at its limit), both from kernel counters that never go down, or "disk" (its tmpfs found full,
 of blocks or inodes, after an exec or when asked: a command that fills it and deletes its files before
@@ -56,6 +56,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -550,10 +551,7 @@ class LocalBackend(SandboxBackend):
         rlimits = {"cpu": self.limits.cpu_s, "fsize": self.limits.file_size_bytes, "nofile": self.limits.open_files}
         argv += ["prlimit", *(f"--{k}={v}:{v}" for k, v in rlimits.items() if v is not None), "--"]
         argv += ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups", "--"]
-        # A user namespace of its own (bwrap makes one anyway when not setuid) in which no other can be made:
-        # nested namespaces are kernel attack surface a coding agent never needs.
-        argv += ["bwrap", "--unshare-user", "--disable-userns", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
-        argv.append("--as-pid-1")
+        argv += ["bwrap", *_no_nested_userns(), "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--as-pid-1"]
         if not network:
             argv.append("--unshare-net")
         argv += ["--new-session", "--die-with-parent"]
@@ -632,6 +630,18 @@ class LocalBackend(SandboxBackend):
         # inside re-hashes the whole tree. git rewrites the index as root, so hand it back.
         git("update-index", "-q", "--refresh")
         os.chown(tmp / ".git" / "index", self.uid, self.gid)
+
+
+@functools.cache
+def _no_nested_userns() -> list[str]:
+    """bwrap's flags for a user namespace of its own (bwrap makes one anyway when not setuid) in which no other
+    can be made: nested namespaces are kernel attack surface a coding agent never needs. bwrap < 0.8 cannot
+    (Ubuntu 22.04 has 0.6): then a warning, and sandboxes without it."""
+    usage = subprocess.run(["bwrap", "--help"], capture_output=True, text=True).stdout
+    if "--disable-userns" in usage:
+        return ["--unshare-user", "--disable-userns"]
+    log.warning("this bwrap has no --disable-userns (bubblewrap >= 0.8): sandboxes can make user namespaces")
+    return []
 
 
 def _git_source(repo: str) -> tuple[str, bool]:

@@ -1,0 +1,130 @@
+"""What the policy does inside its own sandbox is the policy's doing: a named outcome with reward 0.0, never
+`infra_error` (reward None would take the rollout out of its GRPO group, so the policy would escape its
+baseline). On the real `local` and `docker` backends, the agent's actions are run as the agent runs them
+(`exec` in /testbed, or `run_agent` for the agent's own process), then the patch is taken and the outcome
+decided by the rollout's own code (`swe_grpo.rollout.outcome_before_grading`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from sandbox_helpers import calc_task, make_repo
+
+from swe_grpo.agents.base import AgentConfig, AgentResult, Launch, run_agent
+from swe_grpo.interception import RequestError
+from swe_grpo.rollout import outcome_before_grading
+from swe_grpo.sandbox.base import PatchError, SandboxBackend
+from swe_grpo.tasks import Task
+
+# What an agent can leave in its tree that git cannot read as a patch (each used to end as infra_error).
+UNREADABLE = {
+    "fifo-replaces-a-tracked-file": "rm old.txt && mkfifo old.txt",
+    "chmod-000-tracked-file": "chmod 000 calc.py",
+    "chmod-000-new-file": "echo new > new.txt && chmod 000 new.txt",
+    "chmod-000-directory": "mkdir -p pkg && echo x > pkg/a.py && chmod 000 pkg",
+    "symlink-target-not-utf8": "ln -s $'\\xff\\xfe' badlink",
+    # git read the object store's alternates through this FIFO and blocked until the diff's timeout (300 s).
+    "fifo-alternates": "mkfifo .git/objects/info/alternates",
+    "alternates-to-a-fifo-store": "mkdir -p /tmp/o/info && mkfifo /tmp/o/info/alternates"
+    " && echo /tmp/o > .git/objects/info/alternates",
+    "fifo-pack": "mkfifo .git/objects/pack/pack-" + "0" * 40 + ".idx",
+    "symlinked-pack-to-a-fifo": "mkfifo /tmp/f && ln -s /tmp/f .git/objects/pack/pack-" + "1" * 40 + ".idx",
+    "fifo-gitignore": "mkfifo sub.gitignore && mkdir d && mv sub.gitignore d/.gitignore",
+    "fifo-gitattributes": "mkdir d && mkfifo d/.gitattributes",
+}
+# What an agent may leave that is harmless: git ignores untracked special files, so the patch is taken.
+HARMLESS = "mkfifo untracked.fifo && python3 -c 'import socket; socket.socket(socket.AF_UNIX).bind(\"s.sock\")'"
+# The diff must end well before any of these: nothing the agent left may make it wait.
+QUICK_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory) -> Task:
+    return calc_task(make_repo(tmp_path_factory.mktemp("origin")))
+
+
+async def act(sandbox, command: str) -> None:
+    done = await sandbox.exec(command, timeout_s=60)
+    assert done.exit_code == 0, done.stderr
+
+
+@pytest.mark.parametrize("action", UNREADABLE)
+async def test_a_tree_git_cannot_read_is_a_named_outcome_quickly(
+    backend: SandboxBackend, task: Task, action: str
+) -> None:
+    async with await backend.create(task) as sandbox:
+        await act(sandbox, f"echo changed >> calc.py && {UNREADABLE[action]}")
+        start = time.monotonic()
+        with pytest.raises(PatchError) as caught:
+            await asyncio.wait_for(sandbox.diff(task.base_commit), QUICK_S * 2)
+        assert time.monotonic() - start < QUICK_S
+    assert caught.value.outcome == "diff_unreadable", caught.value
+    decided = outcome_before_grading(finished(), [], turns=3, exhausted=None, unpatchable=caught.value)
+    assert decided is not None and decided[:2] == ("diff_unreadable", 0.0)
+
+
+async def test_untracked_special_files_are_left_out_of_the_patch(backend: SandboxBackend, task: Task) -> None:
+    async with await backend.create(task) as sandbox:
+        await act(sandbox, f"echo changed >> calc.py && {HARMLESS}")
+        patch = await sandbox.diff(task.base_commit)
+    assert "+changed" in patch and "fifo" not in patch and "sock" not in patch
+
+
+async def test_a_diff_over_its_time_bound_is_a_named_outcome(backend: SandboxBackend, task: Task) -> None:
+    async with await backend.create(task) as sandbox:
+        await act(sandbox, "echo changed >> calc.py")
+        with pytest.raises(PatchError) as caught:
+            await sandbox.diff(task.base_commit, timeout_s=0.01)
+    assert caught.value.outcome == "diff_timeout"
+
+
+def finished(exit_code: int | None = 0) -> AgentResult:
+    return AgentResult(exit_code, False, False, 1.0, "", "")
+
+
+async def run_as_agent(sandbox, script: str) -> AgentResult:
+    """`script` run the way every agent is run (`run_agent`: the agent's process in the sandbox)."""
+    launch = Launch(argv=["bash", "-c", script], env={}, files={}, secret_env="TOKEN", node="node")
+    config = AgentConfig(context_window=1024, max_tokens=16, timeout_s=60)
+    return await run_agent(sandbox, launch, "secret", config, time.monotonic)
+
+
+async def test_an_agent_killed_by_its_own_tool_is_a_named_outcome(backend: SandboxBackend, task: Task) -> None:
+    """`kill -9 $PPID` from the agent's bash tool: the tool's parent is the agent."""
+    async with await backend.create(task) as sandbox:
+        ran = await run_as_agent(sandbox, "bash -c 'kill -9 $PPID'; echo survived")
+    assert ran.exit_code == 137 and "survived" not in ran.stdout_tail
+    decided = outcome_before_grading(ran, [], turns=2, exhausted=None, unpatchable=None)
+    assert decided is not None and decided[:2] == ("agent_killed", 0.0), decided
+
+
+def test_an_agent_that_exits_after_its_client_gave_up_is_named() -> None:
+    gone = RequestError("client_disconnected", "the agent went away before its reply was sent", 2, 0.0)
+    decided = outcome_before_grading(finished(1), [gone], turns=2, exhausted=None, unpatchable=None)
+    assert decided is not None and decided[:2] == ("agent_disconnected", 0.0), decided
+    # One that lost a reply, retried and finished is graded; so is one whose last turn failed otherwise.
+    assert outcome_before_grading(finished(0), [gone], turns=3, exhausted=None, unpatchable=None) is None
+    bad = RequestError("bad_request", "malformed messages", 3, 0.0)
+    assert outcome_before_grading(finished(1), [bad], turns=2, exhausted=None, unpatchable=None) is None
+    assert outcome_before_grading(finished(1), [gone, bad], turns=3, exhausted=None, unpatchable=None) is None
+
+
+def test_host_failures_stay_infra() -> None:
+    """What the policy cannot have caused: a generation failure, an agent that died before the model said
+    anything (the policy had not acted yet), a sandbox process killed from the host (a negative status:
+    `local`'s bwrap, which nothing inside can see)."""
+    down = RequestError("server_unavailable", "vLLM is down", 0, 0.0)
+    assert outcome_before_grading(finished(1), [down], turns=1, exhausted=None, unpatchable=None)[:2] == (
+        "infra_error",
+        None,
+    )
+    assert outcome_before_grading(finished(137), [], turns=0, exhausted=None, unpatchable=None)[:2] == (
+        "infra_error",
+        None,
+    )
+    assert outcome_before_grading(finished(-9), [], turns=2, exhausted=None, unpatchable=None)[:2] == (
+        "infra_error",
+        None,
+    )
