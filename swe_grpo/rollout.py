@@ -59,7 +59,7 @@ from swe_grpo.chain import Message, TrainingRow, TurnRecord, oldest_version
 from swe_grpo.door import Door, check_allow
 from swe_grpo.grading import DEFAULT_TIMEOUT_S, GradeResult, grade
 from swe_grpo.interception import InterceptionServer, RequestError
-from swe_grpo.sandbox.base import MAX_PATCH_BYTES, PatchError, SandboxBackend, SandboxError
+from swe_grpo.sandbox.base import DIFF_TIMEOUT_S, MAX_PATCH_BYTES, PatchError, SandboxBackend, SandboxError
 from swe_grpo.tasks import Task
 
 _INFRA_REQUEST_ERRORS = ("server_unavailable", "bad_response", "internal")
@@ -141,6 +141,9 @@ class RolloutConfig:
     grade_timeout_s: float = DEFAULT_TIMEOUT_S
     plugin_autoload: bool = True  # pytest plugin autoload when grading; a task's own setting wins
     max_patch_bytes: int = MAX_PATCH_BYTES
+    # How long taking the agent's patch may take before it is `diff_timeout` (the policy's): ~4 s for 20,000
+    # files on a loaded 2-core box; raise it for much larger repositories.
+    diff_timeout_s: float = DIFF_TIMEOUT_S
     # The agent's sandbox has no network but its one door to its own endpoint (`swe_grpo.door`); False:
     # it shares the backend's network. Backends whose mounts are copies (`hf`) cannot have a door: their
     # agents reach the server's public, token-authenticated endpoint.
@@ -228,7 +231,9 @@ async def run_rollout(
             exhausted = await sandbox.exhausted()
             if exhausted is None:
                 try:
-                    patch = await sandbox.diff(task.base_commit, max_bytes=config.max_patch_bytes)
+                    patch = await sandbox.diff(
+                        task.base_commit, max_bytes=config.max_patch_bytes, timeout_s=config.diff_timeout_s
+                    )
                 except PatchError as e:
                     unpatchable = e
         finally:

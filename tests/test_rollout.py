@@ -26,7 +26,7 @@ from swe_grpo.cli import main as cli_main
 from swe_grpo.grading import GradeResult
 from swe_grpo.interception import InterceptionServer
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
-from swe_grpo.sandbox.base import SandboxError
+from swe_grpo.sandbox.base import DIFF_TIMEOUT_S, SandboxError
 from swe_grpo.sandbox.docker import DockerBackend
 from swe_grpo.sandbox.local import LocalBackend, LocalSandbox
 from swe_grpo.tasks import Task, demo_tasks, demo_tasks_path
@@ -62,10 +62,17 @@ def assert_nothing_left(backend: LocalBackend, server: InterceptionServer) -> No
 
 
 async def rollout(
-    generator, tokenizer, backend, task, pi_bundle, grade_timeout_s: float = 120, **pi_options
+    generator,
+    tokenizer,
+    backend,
+    task,
+    pi_bundle,
+    grade_timeout_s: float = 120,
+    diff_timeout_s: float = DIFF_TIMEOUT_S,
+    **pi_options,
 ) -> tuple[Trajectory, InterceptionServer]:
     agent = AgentConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=120, **pi_options)
-    config = RolloutConfig(agent=agent, grade_timeout_s=grade_timeout_s)
+    config = RolloutConfig(agent=agent, grade_timeout_s=grade_timeout_s, diff_timeout_s=diff_timeout_s)
     sampling = SamplingParams(max_tokens=256)
     async with InterceptionServer(generator, tokenizer, model_name=SERVED_NAME, sampling=sampling) as server:
         trajectory = await run_rollout(task, server, backend, PiAgent(pi_bundle), config)
@@ -194,6 +201,14 @@ async def test_dead_vllm_is_infra_error(tokenizer, pi_bundle, backend, strutil) 
     assert trajectory.outcome == "infra_error" and trajectory.reward is None
     assert "server_unavailable" in trajectory.error
     assert trajectory.turns == []
+    assert_nothing_left(backend, server)
+
+
+async def test_a_patch_past_its_time_bound_is_the_policys(vllm_client, tokenizer, pi_bundle, backend, strutil) -> None:
+    # 10 ms: no diff takes less (a bash and git start, in a fresh bwrap).
+    trajectory, server = await rollout(vllm_client, tokenizer, backend, strutil, pi_bundle, diff_timeout_s=0.01)
+    assert (trajectory.outcome, trajectory.reward) == ("diff_timeout", 0.0), trajectory.error
+    assert trajectory.grade is None
     assert_nothing_left(backend, server)
 
 
