@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from cheats import git
 from tampers import TAMPERS, UNITTEST_TAMPERS, tamper_patch
 
-from swe_grpo.grading import GradeResult, grade, report_statuses
+from swe_grpo.grading import SCAN_RULES, AuditReport, GradeResult, RunReports, grade, report_statuses, scan_patch
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.tasks import Task, demo_tasks
 
@@ -132,3 +133,145 @@ async def test_the_gold_patch_still_resolves(backend: LocalBackend, which: str, 
     task = INIPARSE if which == "iniparse" else unittest_task
     result: GradeResult = await grade(task, task.patch, backend, timeout_s=60)
     assert (result.outcome, result.reward, result.error) == ("resolved", 1.0, None), result.log_tail
+
+
+EVENTS = ("os.exec", "sys.settrace", "object.__setattr__", "foreign")
+
+
+@pytest.mark.parametrize(
+    ("name", "allow", "because"),
+    [
+        # The scan allowed: the audit boot names them.
+        ("code_swap", (), "audit: the audit hook saw object.__setattr__ __code__ from /"),
+        ("settrace", (), "audit: the audit hook saw sys.settrace from /"),
+        ("reexec_runner", (), "audit: the audit hook saw os.exec "),
+        ("patch_report_class", (), "audit: the audit hook saw foreign _pytest.reports.TestReport.__init__ from /"),
+        ("targeted_hook", (), "audit: the audit hook saw foreign hook pytest_runtest_makereport from /"),
+        ("os_exit_at_exit", (), "audit: the runner never reached its interpreter's exit"),
+        # Also every audit event: the exec'd runner has no boot of its own, so no exit record.
+        ("user_site", EVENTS, "audit: the runner never reached its interpreter's exit"),
+        # ...the canaries, and the two reports against each other.
+        (
+            "plugin_at_import",
+            EVENTS,
+            "the grader's canary tests (one must pass, one must fail) came out passed and passed",
+        ),
+        ("no_call_phase", EVENTS, "the JUnit report and the summary disagree: tests/test_iniparse.py::test_value_"),
+        ("rewrite_junit_at_exit", EVENTS, "the run printed no test summary, which this runner prints"),
+    ],
+)
+async def test_each_witness_on_its_own(backend: LocalBackend, name: str, allow: tuple[str, ...], because: str) -> None:
+    """With the layers before it allowed for the task (the static scan's rules, then the audit's events),
+    the next one still names the tamper."""
+    task = replace(INIPARSE, tamper_allow=(*SCAN_RULES, *allow))
+    result = await grade(task, tamper_patch(INIPARSE, TAMPERS[name][0]), backend, timeout_s=60)
+    assert (result.outcome, result.reward) == ("grading_tampered", 0.0), (result.error, result.log_tail)
+    assert (result.error or "").startswith(because), result.error
+
+
+async def test_an_expected_xfail_recorded_for_the_task_passes(backend: LocalBackend) -> None:
+    """A FAIL_TO_PASS test whose gold run is an XFAIL, recorded in the task, may pass as one; nothing else
+    changes (the P2P tests, the canaries, the reports still count)."""
+    patch = tamper_patch(INIPARSE, TAMPERS["xfail_on_buggy_path"][0])
+    strict = await grade(replace(INIPARSE, tamper_allow=tuple(SCAN_RULES)), patch, backend, timeout_s=60)
+    assert (strict.outcome, strict.reward) == ("unresolved", 0.0)
+    assert (strict.error or "").startswith("a FAIL_TO_PASS test passes only as PASSED: tests/test_iniparse.py::")
+    recorded = replace(
+        INIPARSE, tamper_allow=tuple(SCAN_RULES), expected_statuses=dict.fromkeys(INIPARSE.fail_to_pass, "xfail")
+    )
+    result = await grade(recorded, patch, backend, timeout_s=60)
+    assert (result.outcome, result.error) == ("resolved", None), result.log_tail
+
+
+# --- the rules, without sandboxes -----------------------------------------------------------------------
+
+IDS = ["t/test_a.py::test_ok", "t/test_a.py::test_bad"]
+JUNIT = """<?xml version="1.0"?><testsuites><testsuite>
+<testcase classname="t.test_a" name="test_ok"/>
+<testcase classname="t.test_a" name="test_bad"><failure message="no"/></testcase>
+<testcase classname="t.test_a" name="test_skip"><skipped type="pytest.skip" message="later"/></testcase>
+</testsuite></testsuites>"""
+SUMMARY = """\
+=========================== short test summary info ============================
+PASSED t/test_a.py::test_ok
+SKIPPED [1] t/test_a.py:9: later
+FAILED t/test_a.py::test_bad - AssertionError: no
+==================== 1 failed, 1 passed, 1 skipped in 0.1s =====================
+"""
+
+
+def test_reports_that_agree_and_count_right() -> None:
+    reports = RunReports.parse(IDS, JUNIT, SUMMARY)
+    assert reports.disagreements([*IDS, "t/test_a.py::test_skip"]) == []
+    assert reports.count_mismatch() is None
+    assert RunReports.parse(IDS, JUNIT, SUMMARY.replace("=" * 20 + " 1 failed", "1 failed")).count_mismatch() is None
+
+
+@pytest.mark.parametrize(
+    ("junit", "summary", "disagree", "mismatch"),
+    [
+        # A forged JUnit report: the summary still says FAILED.
+        (JUNIT.replace('<failure message="no"/>', ""), SUMMARY, ["t/test_a.py::test_bad (passed in"], "the JUnit"),
+        # A test that never ran its call phase: in the JUnit report, absent from the summary.
+        (JUNIT, SUMMARY.replace("PASSED t/test_a.py::test_ok\n", ""), ["t/test_a.py::test_ok (passed in"], "the"),
+        # A fake summary printed after the real one: a second closing line.
+        (
+            JUNIT,
+            SUMMARY + "PASSED t/test_a.py::test_bad\n===== 2 passed in 0.1s =====\n",
+            [],
+            "the summary has 2",
+        ),
+        # A closing line that does not count its own lines.
+        (JUNIT, SUMMARY.replace("1 failed, 1 passed", "2 passed"), [], "the summary counts 2 passed but lists 1"),
+    ],
+)
+def test_reports_that_do_not(junit: str, summary: str, disagree: list[str], mismatch: str) -> None:
+    reports = RunReports.parse(IDS, junit, summary)
+    found = reports.disagreements(IDS)
+    assert len(found) == len(disagree) and all(f.startswith(d) for f, d in zip(found, disagree, strict=True)), found
+    assert (reports.count_mismatch() or "").startswith(mismatch)
+
+
+def test_the_audit_report_needs_the_nonce_a_start_and_an_exit() -> None:
+    clean = "n1 7 start \nn1 9 event ignored? no: counted\nn1 7 end pytest\n"
+    assert AuditReport.parse("n1 7 start \nn1 7 end pytest\n", "n1").tampering() is None
+    assert AuditReport.parse("n1 7 start \nn1 7 end pytest\n", "n1").pytest
+    assert AuditReport.parse(clean, "n1").tampering() == "the audit hook saw ignored? no: counted"
+    assert "written by someone else" in (AuditReport.parse("x 7 start \nn1 7 start \n", "n1").tampering() or "")
+    assert "never started" in (AuditReport.parse("", "n1").tampering() or "")
+    assert "never reached" in (AuditReport.parse("n1 7 start \nn1 8 end pytest\n", "n1").tampering() or "")
+
+
+def patch_adding(path: str, *lines: str) -> str:
+    body = "".join(f"+{line}\n" for line in lines)
+    return f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n@@ -1,0 +1,{len(lines)} @@\n{body}"
+
+
+@pytest.mark.parametrize(
+    ("line", "rule"),
+    [
+        ("import _pytest.runner", "pytest-internals"),
+        ("cfg.pluginmanager.register(p)", "pytest-internals"),
+        ("def pytest_runtest_makereport(item, call):", "pytest-hooks"),
+        ("    pytest.skip('later')", "pytest-in-source"),
+        ("    __import__('pytest').xfail('x')", "pytest-in-source"),
+        ("sys.settrace(tracer)", "trace"),
+        ("fn.__code__ = other.__code__", "code-objects"),
+        ("os._exit(0)", "exit"),
+        ("os.execv(sys.executable, args)", "exit"),
+        ("unittest.TestCase.run = run", "unittest-internals"),
+        ("open('/proc/self/cmdline').read()", "reports"),
+        ("path = os.environ['SWE_GRPO_JUNIT_XML']", "reports"),
+        ("sys.addaudithook(hook)", "interpreter"),
+        ("site.getusersitepackages()", "interpreter"),
+    ],
+)
+def test_the_static_scan(line: str, rule: str) -> None:
+    assert scan_patch(patch_adding("pkg/core.py", line)) == [f"{rule} in pkg/core.py: {line.strip()}"]
+    assert scan_patch(patch_adding("pkg/core.py", line), allow=[rule]) == []
+
+
+@pytest.mark.parametrize("task", demo_tasks(), ids=lambda task: task.instance_id)
+def test_the_static_scan_passes_the_gold_patches(task: Task) -> None:
+    assert scan_patch(task.patch) == []
+    assert scan_patch(patch_adding("m.py", "if x.fail:", "skipped = [t for t in ts if t.skip]", "code = 3")) == []

@@ -4,6 +4,7 @@ once per task base without the patch) and the witnessed test run that the probe 
 
 from __future__ import annotations
 
+import base64
 import json
 import secrets
 import shlex
@@ -55,15 +56,25 @@ async def witnessed_run(
     nonce, audit_path, secret = secrets.token_hex(16), f"{scratch}/audit-{token}", f"{scratch}/secret-{token}"
     added = Canaries.beside(task.fail_to_pass[0].split("::", 1)[0]) if canaries else None
     ids = [*test_ids, *(added.ids if added else ())]
-    await sandbox.put_file(f"{scratch}/ids-{token}", "".join(f"{test_id}\n" for test_id in ids).encode())
-    await sandbox.put_file(f"{boot}/sitecustomize.py", boot_source().encode())
-    await sandbox.put_file(audit_path, b"", mode=0o600)
-    await sandbox.put_file(secret, boot_secret(nonce, audit_path, sandbox.workdir, allow, patch_files).encode(), 0o600)
-    if added is not None:
-        await sandbox.put_file(f"{sandbox.workdir}/{added.path}", added.source().encode())
+    files = {
+        f"{scratch}/ids-{token}": "".join(f"{test_id}\n" for test_id in ids),
+        f"{boot}/sitecustomize.py": boot_source(),
+        audit_path: "",
+        secret: boot_secret(nonce, audit_path, sandbox.workdir, allow, patch_files),
+        **({f"{sandbox.workdir}/{added.path}": added.source()} if added else {}),
+    }
+    # One script writes them all (each put_file is a sandbox run of its own), and is gone, with the
+    # secret it holds, before the test command starts.
+    arm = f"{scratch}/arm-{token}"
+    writes = "".join(
+        f"base64 -d > {q(path)} <<'END'\n{base64.b64encode(text.encode()).decode()}\nEND\n"
+        for path, text in files.items()
+    )
+    await sandbox.put_file(arm, f"set -e\numask 077\nmkdir -p {q(boot)}\n{writes}".encode(), mode=0o600)
     junit_path = f"{scratch}/junit-{token}.xml"
     command = (
-        f'{shim_script(q(boot), q(bin_dir))} && export PATH={q(bin_dir)}:"$PATH"'
+        f"bash {q(arm)}; armed=$?; rm -f {q(arm)}; [ $armed = 0 ]"
+        f' && {shim_script(q(boot), q(bin_dir))} && export PATH={q(bin_dir)}:"$PATH"'
         f" && mapfile -t ids < {q(scratch)}/ids-{token} && SWE_GRPO_JUNIT_XML={q(junit_path)}"
         f' && {task.test_cmd or DEFAULT_TEST_CMD} "${{ids[@]}}"'
     )

@@ -142,7 +142,12 @@ def _swe_grpo_boot():
             elif event in spawns and "pytest" in text_of(args[:2]):
                 note("event", event + " " + text_of(args[:2])[:300])
             return
-        caller = untrusted(getframe(1).f_code.co_filename, False)
+        # A pseudo-file frame (a doctest example, code made by exec) is judged by the first real file
+        # that called it.
+        frame = getframe(1)
+        while frame.f_back is not None and not frame.f_code.co_filename.startswith("/"):
+            frame = frame.f_back
+        caller = untrusted(frame.f_code.co_filename, False)
         if caller:
             note("event", f"{event} from {caller}")
 

@@ -1,0 +1,126 @@
+"""What the grader's tamper defences (issue 23, section 1) cost a grade, layer by layer.
+
+What. For each task (the bundled demo tasks; with `--real`, also the real-project tasks of
+tests/real_projects.py, built on first use), with its gold patch applied in one `local` sandbox, the test
+command on the task's tests, `--repeat` times each, alternating:
+  - plain: the command as the grader ran it before (no boot, no canaries, no pinned environment);
+  - boot: the boot armed (the PATH shim, the audit hook, the exit scan) and the environment pinned;
+  - witnessed: the boot plus the two canary tests, as a graded run runs it now.
+Also: the static scan of the gold patch (in the host process), the probe's extra witnessed run (one test
+plus the canaries; once per task base, kept for later grades), and a whole `grade()` of the gold patch
+(first grade of a task: probe included; then a second one, the probe reused). Medians, in seconds.
+
+Run as root: `.venv/bin/python benchmarks/grading_tamper_cost.py [--repeat 5] [--real]
+[--output benchmarks/results/grading_tamper_cost.json]`. A minute or two for the demo tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from swe_grpo.grading import DEFAULT_TEST_CMD, grade, scan_patch
+from swe_grpo.grading.probe import witnessed_run
+from swe_grpo.sandbox.base import Sandbox
+from swe_grpo.sandbox.local import LocalBackend
+from swe_grpo.tasks import Task, demo_tasks
+
+
+async def _plain(sandbox: Sandbox, scratch: str, task: Task, ids: list[str]) -> float:
+    q = shlex.quote
+    await sandbox.put_file(f"{scratch}/plain_ids", "".join(f"{test_id}\n" for test_id in ids).encode())
+    command = (
+        f"mapfile -t ids < {q(scratch)}/plain_ids && SWE_GRPO_JUNIT_XML={q(scratch)}/plain.xml"
+        f' && {task.test_cmd or DEFAULT_TEST_CMD} "${{ids[@]}}"'
+    )
+    started = time.monotonic()
+    await sandbox.exec(command, timeout_s=300, cwd=sandbox.workdir)
+    return time.monotonic() - started
+
+
+async def _witnessed(sandbox: Sandbox, scratch: str, task: Task, ids: list[str], canaries: bool) -> float:
+    started = time.monotonic()
+    run = await witnessed_run(sandbox, scratch, task, ids, env={}, timeout_s=300, canaries=canaries)
+    elapsed = time.monotonic() - started
+    assert run.audit.started and run.audit.ended and not run.audit.events, run.audit
+    return elapsed
+
+
+async def measure(backend: LocalBackend, task: Task, repeat: int) -> dict[str, float | str | int]:
+    ids = [*task.fail_to_pass, *task.pass_to_pass]
+    times: dict[str, list[float]] = {"plain_s": [], "boot_s": [], "witnessed_s": []}
+
+    async def runs(sandbox: Sandbox) -> float:
+        made = await sandbox.exec("mktemp -d", timeout_s=30, cwd=sandbox.workdir)
+        scratch = made.stdout.strip()
+        applied = await sandbox.exec(f"git apply <<'EOF'\n{task.patch}EOF\n", timeout_s=60, cwd=sandbox.workdir)
+        assert applied.exit_code == 0, applied.stderr
+        for _ in range(repeat):
+            times["plain_s"].append(await _plain(sandbox, scratch, task, ids))
+            times["boot_s"].append(await _witnessed(sandbox, scratch, task, ids, canaries=False))
+            times["witnessed_s"].append(await _witnessed(sandbox, scratch, task, ids, canaries=True))
+        started = time.monotonic()
+        await _witnessed(sandbox, scratch, task, ids[:1], canaries=True)
+        return time.monotonic() - started
+
+    sandbox = await backend.create(task, network=False)
+    try:
+        probe_run_s = await runs(sandbox)
+    finally:
+        await sandbox.destroy()
+    started = time.perf_counter()
+    for _ in range(100):
+        scan_patch(task.patch)
+    scan_s = (time.perf_counter() - started) / 100
+    first = await grade(task, task.patch, backend, timeout_s=300)
+    again = await grade(task, task.patch, backend, timeout_s=300)
+    assert first.outcome == again.outcome == "resolved", (first.error, again.error)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    return {
+        "task": task.instance_id,
+        "tests": len(ids),
+        **{name: round(value, 4) for name, value in medians.items()},
+        "boot_overhead_s": round(medians["boot_s"] - medians["plain_s"], 4),
+        "canary_overhead_s": round(medians["witnessed_s"] - medians["boot_s"], 4),
+        "probe_extra_run_s": round(probe_run_s, 4),
+        "static_scan_s": round(scan_s, 6),
+        "grade_first_s": round(first.timings["total_s"], 3),
+        "grade_again_s": round(again.timings["total_s"], 3),
+    }
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--real", action="store_true", help="also the real-project tasks (tests/real_projects.py)")
+    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "grading_tamper_cost.json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp).chmod(0o755)  # the sandbox user binds from it
+        run_dir = Path(tmp) / "run"
+        run_dir.mkdir()
+        run_dir.chmod(0o755)
+        backend = LocalBackend(cache_dir=Path(tmp) / "cache", run_dir=run_dir)
+        await backend.start()
+        tasks = demo_tasks()
+        if args.real:
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+            from real_projects import real_project_tasks
+
+            tasks += await real_project_tasks(backend)
+        rows = [await measure(backend, task, args.repeat) for task in tasks]
+    for row in rows:
+        print(json.dumps(row))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"repeat": args.repeat, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
