@@ -1,8 +1,12 @@
-"""Per-sandbox CPU and open-file limits, and no nested user namespaces, on the real `local` (bubblewrap,
-cgroups) and `docker` (private dockerd) backends, checked from inside as an attacker would: a process that
-opens files until it cannot, busy loops that try to take every core, `unshare -U`."""
+"""Per-sandbox CPU and open-file limits, no nested user namespaces and no kernel interfaces an agent never
+needs, on the real `local` (bubblewrap, cgroups, seccomp) and `docker` (private dockerd) backends, checked
+from inside as an attacker would: a process that opens files until it cannot, busy loops that try to take
+every core, `unshare -U`, raw io_uring / keyring / bpf / perf calls."""
 
 from __future__ import annotations
+
+import errno
+import platform
 
 import pytest
 from sandbox_helpers import calc_task, make_repo
@@ -10,7 +14,7 @@ from sandbox_helpers import calc_task, make_repo
 from swe_grpo.sandbox._common import CgroupLayout
 from swe_grpo.sandbox.base import Sandbox, SandboxBackend
 from swe_grpo.sandbox.docker import DockerLimits
-from swe_grpo.sandbox.local import CGROUP_PARENT, LocalLimits, LocalSandbox
+from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend, LocalLimits, LocalSandbox
 from swe_grpo.tasks import Task
 
 OPEN_FILES = 256
@@ -42,6 +46,17 @@ try:
         held.append(os.open("/dev/null", os.O_RDONLY))
 except OSError as e:
     print(len(held), e.strerror)
+"""
+# Raw calls (x86-64 numbers) with arguments no kernel accepts: without a filter each fails with the kernel's
+# own complaint (EFAULT, EINVAL), never EPERM; prints "name errno" per call.
+RAW_CALLS = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+calls = {"io_uring_setup": (425, 1, 0), "keyctl": (250, 0, 0), "add_key": (248, 0, 0), "bpf": (321, 0, 0, 0),
+         "perf_event_open": (298, 0, 0, -1, -1, 0)}
+for name, (nr, *args) in calls.items():
+    libc.syscall(nr, *args)
+    print(name, ctypes.get_errno())
 """
 # The container's CFS quota and period as its cgroup shows them from inside (cgroup v1 or v2).
 QUOTA = "cat {0}/cpu.max 2>/dev/null || echo $(cat {0}/cpu/cpu.cfs_quota_us {0}/cpu/cpu.cfs_period_us)"
@@ -95,3 +110,15 @@ async def test_no_user_namespace_can_be_made_inside(backend: SandboxBackend, tas
         mapped = await sandbox.exec("unshare -r id -u", timeout_s=60)
     assert nested.exit_code != 0 and "unshare failed" in nested.stderr
     assert mapped.exit_code != 0 and mapped.stdout == ""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the raw calls use x86-64 numbers")
+async def test_kernel_interfaces_an_agent_never_needs_are_refused(backend: SandboxBackend, task: Task) -> None:
+    async with await backend.create(task) as sandbox:
+        refused = dict(line.split() for line in (await run_ok(sandbox, f"python3 -c '{RAW_CALLS}'")).splitlines())
+        assert await run_ok(sandbox, "git status --porcelain; echo ok") == "ok\n"  # and the rest works
+    eperm = {name: code for name, code in refused.items() if code == str(errno.EPERM)}
+    if isinstance(backend, LocalBackend):
+        assert eperm == refused, refused
+    else:  # the engine's default seccomp profile; io_uring only from Docker 25 on (this engine is older)
+        assert {"keyctl", "add_key", "bpf", "perf_event_open"} <= eperm.keys(), refused

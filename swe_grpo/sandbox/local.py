@@ -42,7 +42,8 @@ sandbox that exhausts its own cannot make another fail:
   it; between sandboxes that want more than the host has, the kernel shares it equally (one cgroup each).
 - per process (rlimits): CPU seconds, file size and open files (a process at `open_files` gets EMFILE).
 - no nested namespaces: each exec has a user namespace of its own in which no other user namespace can
-  be made (`bwrap --disable-userns`, bubblewrap >= 0.8; older ones warn), so `unshare -U` fails inside.
+  be made (`bwrap --disable-userns`, bubblewrap >= 0.8; older ones warn), so `unshare -U` fails inside;
+  and a seccomp filter refuses io_uring, keyrings, bpf, perf events and userfaultfd (`sandbox.seccomp`).
 `exhausted()` tells which limit a sandbox hit: "memory" (an OOM kill in its cgroup), "pids" (a fork
 refused at its limit), both from kernel counters that never go down, or "disk" (its tmpfs found full,
 of blocks or inodes, after an exec or when asked: a command that fills it and deletes its files before
@@ -87,6 +88,7 @@ from swe_grpo.sandbox.base import (
     SandboxError,
     owner_gone,
 )
+from swe_grpo.sandbox.seccomp import filter_fd
 
 if TYPE_CHECKING:
     from swe_grpo.tasks import Task
@@ -381,11 +383,14 @@ class LocalSandbox(Sandbox):
 
     async def _start(self, argv: list[str], cwd: str, env: dict[str, str], with_stdin: bool) -> _Run:
         info_r, info_w = os.pipe()
+        seccomp = filter_fd()
+        filtered = ["--seccomp", str(seccomp)] if seccomp is not None else []
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self._argv,
                 "--info-fd",
                 str(info_w),
+                *filtered,
                 "--chdir",
                 cwd,
                 "--",
@@ -395,7 +400,7 @@ class LocalSandbox(Sandbox):
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 env=env,
-                pass_fds=(info_w,),
+                pass_fds=(info_w, *([seccomp] if seccomp is not None else [])),
                 start_new_session=True,
             )
         except OSError as e:
@@ -403,6 +408,8 @@ class LocalSandbox(Sandbox):
             raise SandboxError(f"cannot start bwrap: {e}") from e
         finally:
             os.close(info_w)
+            if seccomp is not None:
+                os.close(seccomp)
         run = _Run(proc, info_r)
         self._runs.add(run)
         if self._teardown is not None:  # destroy() began while bwrap was starting: it missed this run
