@@ -44,7 +44,7 @@ WORKDIR = "/testbed"
 #: The largest patch `Sandbox.diff` returns unless told otherwise (bytes).
 MAX_PATCH_BYTES = 32 << 20
 
-#: How long `Sandbox.diff` may take unless told otherwise (seconds, in all): a 100 MB repository's takes ~1 s.
+#: How long `Sandbox.diff` may take unless told otherwise (seconds, in all): ~4 s for 20,000 files, loaded 2 cores.
 DIFF_TIMEOUT_S = 120.0
 
 
