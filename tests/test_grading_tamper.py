@@ -14,15 +14,23 @@ from pathlib import Path
 
 import pytest
 from cheats import git
-from tampers import TAMPERS, UNITTEST_TAMPERS, tamper_patch
+from tampers import PLAIN_FAILURES, TAMPERS, UNITTEST_TAMPERS, tamper_patch
 
-from swe_grpo.grading import SCAN_RULES, AuditReport, GradeResult, RunReports, grade, report_statuses, scan_patch
+from swe_grpo.grading import (
+    DEFAULT_TEST_CMD,
+    SCAN_RULES,
+    AuditReport,
+    GradeResult,
+    RunReports,
+    grade,
+    report_statuses,
+    scan_patch,
+)
+from swe_grpo.grading.probe import probe_runner
 from swe_grpo.sandbox.local import LocalBackend
-from swe_grpo.tasks import Task, demo_tasks
+from swe_grpo.tasks import Task, TaskFormatError, demo_tasks, task_from_row
 
 INIPARSE = next(task for task in demo_tasks() if "iniparse" in task.instance_id)
-# Tampers whose grade is a model failure, not tampering: they only break the run.
-PLAIN_FAILURES = {"skip_on_buggy_path", "sys_exit_at_import", "syntax_error"}
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +155,7 @@ EVENTS = ("os.exec", "sys.settrace", "object.__setattr__", "foreign")
         ("reexec_runner", (), "audit: the audit hook saw os.exec "),
         ("patch_report_class", (), "audit: the audit hook saw foreign _pytest.reports.TestReport.__init__ from /"),
         ("targeted_hook", (), "audit: the audit hook saw foreign hook pytest_runtest_makereport from /"),
+        ("patch_runtest", (), "audit: the audit hook saw foreign _pytest.python.Function.runtest from /"),
         ("os_exit_at_exit", (), "audit: the runner never reached its interpreter's exit"),
         # Also every audit event: the exec'd runner has no boot of its own, so no exit record.
         ("user_site", EVENTS, "audit: the runner never reached its interpreter's exit"),
@@ -275,3 +284,36 @@ def test_the_static_scan(line: str, rule: str) -> None:
 def test_the_static_scan_passes_the_gold_patches(task: Task) -> None:
     assert scan_patch(task.patch) == []
     assert scan_patch(patch_adding("m.py", "if x.fail:", "skipped = [t for t in ts if t.skip]", "code = 3")) == []
+
+
+async def test_the_probe_sees_which_witnesses_a_runner_supports(backend: LocalBackend) -> None:
+    """A witness is used only where it works without the patch: a runner started by absolute path gets no
+    boot (the canaries and the reports still count), a command that is no test runner gets none."""
+    witnesses = await probe_runner(backend, INIPARSE, {}, 60)
+    assert (witnesses.canaries, witnesses.summary, witnesses.audit, witnesses.audit_allow) == (True, True, True, ())
+    absolute = replace(INIPARSE, test_cmd=DEFAULT_TEST_CMD.replace("python3", "/usr/bin/python3"))
+    witnesses = await probe_runner(backend, absolute, {}, 60)
+    assert (witnesses.canaries, witnesses.summary, witnesses.audit) == (True, True, False)
+    witnesses = await probe_runner(backend, replace(INIPARSE, test_cmd="true"), {}, 60)
+    assert (witnesses.canaries, witnesses.summary, witnesses.audit) == (False, False, False)
+
+
+ROW = {
+    "instance_id": "a__b-1",
+    "repo": "a/b",
+    "base_commit": "0" * 40,
+    "problem_statement": "x",
+    "FAIL_TO_PASS": ["t.py::test_x"],
+}
+
+
+def test_a_task_row_records_expected_statuses_and_allowed_checks() -> None:
+    row = {**ROW, "expected_statuses": {"t.py::test_x": "xfail"}, "tamper_allow": ["pytest-hooks", "foreign"]}
+    task = task_from_row(row, source="t.jsonl", where="line 1")
+    assert (task.expected_statuses, task.tamper_allow) == ({"t.py::test_x": "xfail"}, ("pytest-hooks", "foreign"))
+    plain = task_from_row(ROW, source="t.jsonl", where="line 1")
+    assert (plain.expected_statuses, plain.tamper_allow, plain.metadata) == ({}, (), {})
+    with pytest.raises(TaskFormatError, match="expected_statuses"):
+        task_from_row({**ROW, "expected_statuses": {"t.py::test_x": "failed"}}, source="t.jsonl", where="line 1")
+    with pytest.raises(TaskFormatError, match="tamper_allow"):
+        task_from_row({**ROW, "tamper_allow": "pytest-hooks"}, source="t.jsonl", where="line 1")

@@ -77,8 +77,9 @@ Outcomes and rewards (a `None` reward means "no reward: never train on this as 0
         `Sandbox.exhausted()`, named in `error`, which starts with "grading:") that it stays within
         without the patch; with the patch's help it stays within none: `infra_error`
     infra_error None (sandbox failures, broken tasks; the cause is in `error`)
-A test run that yields no report at all, or hits a limit, is re-run once without the patch (a control
-run) to find out whose fault it is: when the control run does report, the patch broke the runner:
+A test run that yields no report at all (and, where the boot works, ended as an interpreter does: one
+that did not is `grading_tampered`), or hits a limit, is re-run once without the patch (a control run)
+to find out whose fault it is: when the control run does report, the patch broke the runner:
 `unresolved`; when it stays within the limits, the patch's code exhausted the sandbox.
 
 Why `resource_exhausted` with reward 0.0, whatever the tests said: the tests import the patch's code, so
@@ -93,8 +94,12 @@ it can do anything the grader's own in-process witnesses do. A patch written aga
 still forge a pass: act only on the tests that call its code (the canaries stay honest), without any
 name the scan knows (`getattr(x, "hook" + "impl")`), without an audited event, and without leaving a
 function of its own files inside the runner's modules or hooks at exit: e.g. rebinding a module global
-of pytest to a function compiled from a string, or to a builtin; or read the nonce out of the boot's
-closure (through `gc`, which is not audited: projects' own tests use it) and rewrite the audit report.
+of pytest to a function compiled from a string, or to a builtin; or have the standard library raise
+the audited event for it (code compiled from a string, run by a thread: an event is judged by the first
+real file on the stack); or read the nonce out of the boot's closure (through `gc`, which is not
+audited: projects' own tests use it) and rewrite the audit report. Rules and events that a project
+trips by being a test tool (its own pytest plugin, tests that run pytest) must be allowed per task
+(`Task.tamper_allow`), or its gold patch grades `grading_tampered`.
 The boot and the canaries need a pytest-like runner started through `python`/`python3` on PATH; a task
 whose runner the probe does not see them work on keeps the other layers only (a `test_cmd` running
 unittest or a script gets the scan, the pinned environment and the strict, JUnit-only statuses). What

@@ -155,25 +155,30 @@ def _swe_grpo_boot():
     modules = ("_pytest", "pytest", "pluggy", "unittest", "doctest", "xml", "builtins", "atexit", "os", "sys")
     modules += ("threading", "io", "subprocess")
 
+    ModuleType, class_dict, class_module = type(sys), type.__dict__["__dict__"], type.__dict__["__module__"]
+
     def scan():
+        # Only exact types are looked into (type(), issubclass on types, the type slots' own descriptors):
+        # an isinstance() or an attribute read on an object of the patch's could run its code here.
         found = []
         for mod_name, module in list(sys.modules.items()):
-            if module is None or mod_name.split(".")[0] not in modules:
+            if type(module) is not ModuleType or mod_name.split(".")[0] not in modules:
                 continue
-            for attr, value in list(getattr(module, "__dict__", {}).items()):
+            for attr, value in list(module.__dict__.items()):
                 where = foreign(value, True)
                 if where:
                     found.append(f"{mod_name}.{attr} from {where}")
-                elif type(value) is type and value.__module__ == mod_name:
-                    for name, member in list(value.__dict__.items()):
+                elif issubclass(type(value), type) and class_module.__get__(value) == mod_name:
+                    for name, member in list(class_dict.__get__(value).items()):
                         where = foreign(member, True)
                         if where:
                             found.append(f"{mod_name}.{attr}.{name} from {where}")
-        if "pluggy" in sys.modules:
+        pluggy = sys.modules.get("pluggy")
+        if type(pluggy) is ModuleType and issubclass(type(pluggy.__dict__.get("PluginManager")), type):
             import gc
 
-            managers = [o for o in gc.get_objects() if isinstance(o, sys.modules["pluggy"].PluginManager)]
-            for manager in managers:
+            manager_type = pluggy.__dict__["PluginManager"]
+            for manager in [o for o in gc.get_objects() if issubclass(type(o), manager_type)]:
                 for hook_name in list(vars(manager.hook)):
                     caller = getattr(manager.hook, hook_name)
                     for impl in getattr(caller, "get_hookimpls", lambda: [])():
