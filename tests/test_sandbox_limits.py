@@ -12,7 +12,7 @@ import pytest
 from sandbox_helpers import calc_task, make_repo
 
 from swe_grpo.sandbox._common import CgroupLayout
-from swe_grpo.sandbox.base import Sandbox, SandboxBackend
+from swe_grpo.sandbox.base import FileTooLarge, Sandbox, SandboxBackend
 from swe_grpo.sandbox.docker import DockerLimits
 from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend, LocalLimits, LocalSandbox
 from swe_grpo.tasks import Task
@@ -122,3 +122,13 @@ async def test_kernel_interfaces_an_agent_never_needs_are_refused(backend: Sandb
         assert eperm == refused, refused
     else:  # the engine's default seccomp profile; io_uring only from Docker 25 on (this engine is older)
         assert {"keyctl", "add_key", "bpf", "perf_event_open"} <= eperm.keys(), refused
+
+
+async def test_a_file_read_back_is_capped(backend: SandboxBackend, task: Task) -> None:
+    """What the host reads from a sandbox (a patch, a test report) stops at the caller's cap: a file the
+    sandbox made larger raises FileTooLarge instead of filling the host's memory."""
+    async with await backend.create(task) as sandbox:
+        await run_ok(sandbox, "head -c 300000 /dev/zero > /tmp/big")
+        assert len(await sandbox.get_file("/tmp/big", max_bytes=300_000)) == 300_000
+        with pytest.raises(FileTooLarge, match="larger than 299999 bytes"):
+            await sandbox.get_file("/tmp/big", max_bytes=299_999)
