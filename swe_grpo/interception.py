@@ -15,11 +15,18 @@ network, `swe_grpo.door`); a request that comes through a door reaches only that
 
 Every rollout route checks the rollout's own token (constant-time): no or wrong token -> 401, unknown
 rollout -> 404, closed rollout -> 410, malformed body or messages the chat template refuses -> 400; all
-errors are JSON in OpenAI's shape. Requests of one rollout are served one at a time, in order (the chain
-is sequential); rollouts run concurrently. A request that brings more than `_BULK_BYTES` of new content
-(a big tool output) is prepared (normalised, rendered, tokenised) in a thread pool of lower CPU priority,
-so that one rollout's megabyte-sized tool output does not stall the others (the tokenizer releases the
-GIL; benchmark P5); smaller ones are cheaper on the event loop than a thread hop.
+errors are JSON in OpenAI's shape. A rollout has one request in flight (the chain is sequential); rollouts
+run concurrently. A newer chat request of a rollout supersedes the one in flight and any waiting (those are
+answered 409 `superseded` with `x-should-retry: false`, or an SSE error event, and recorded "superseded"),
+before its own body is read: only one reply to concurrent requests is ever delivered, the newest, and it is
+the one trained. A body is read only once the rollout's previous request is over, within the bounds of
+`swe_grpo.serving_limits` (its size, its time; connections per door and per port; header and idle
+timeouts). Every request refused after its token was checked (a body too big, too slow or not JSON, bad
+parameters) is recorded on the rollout too. A request that brings more than `_BULK_BYTES` of new content (a
+big tool output), or makes the chain render a long history whole (a fork), is prepared (normalised,
+rendered, tokenised) in a thread pool of lower CPU priority, so that one rollout's megabyte-sized history
+does not stall the others (the tokenizer releases the GIL; benchmark P5); smaller ones are cheaper on the
+event loop than a thread hop.
 
 A turn is a transaction: prepare -> generate -> parse -> validate the reply completely (normalised, and
 rendered by the training template) -> deliver it -> commit it to the chain. A reply that fails validation
@@ -63,6 +70,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.web_exceptions import HTTPRequestEntityTooLarge
 from transformers import PreTrainedTokenizerBase
 
 from swe_grpo.chain import (
@@ -76,7 +84,9 @@ from swe_grpo.chain import (
     oldest_version,
 )
 from swe_grpo.door import Door, remove_orphaned_doors
+from swe_grpo.openai_wire import Answer, APIError, errors_as_json, json_response
 from swe_grpo.responses import ParsedResponse, ResponseParser
+from swe_grpo.serving_limits import ConnectionBudget, Listener, ServingLimits
 from swe_grpo.vllm_client import (
     ContextOverflowError,
     Generation,
@@ -96,6 +106,9 @@ _CLOSED_REMEMBERED = 100_000  # closed rollouts answer 410 (not 404) while remem
 _BULK_BYTES = 32 * 1024
 _BULK_THREADS = 4
 _BULK_NICE = 10
+# An attacker's rollout can send bad requests without end: each kind of error is recorded this many times at
+# most, later ones of a kind only counted (`RolloutRecord.errors_not_recorded`).
+_ERRORS_PER_KIND = 100
 
 
 @dataclass(frozen=True)
@@ -122,8 +135,10 @@ class Policy:
 class RequestError:
     """A request the server could not complete. `kind` is one of "context_overflow",
     "server_unavailable", "bad_response", "bad_request" (malformed messages, or a conversation the chat
-    template refuses), "internal" (anything unexpected), "client_disconnected" (the agent went away before
-    its reply was delivered; nothing was committed)."""
+    template refuses; a body too big, too slow or not JSON), "internal" (anything unexpected),
+    "client_disconnected" (the agent went away before its reply was delivered; nothing was committed),
+    "superseded" (a newer request of the same rollout arrived first; nothing was committed). Only
+    "server_unavailable", "bad_response" and "internal" are the host's failures."""
 
     kind: str
     message: str
@@ -144,6 +159,8 @@ class RolloutRecord:
     generation_s: float  # time spent waiting for vLLM, all turns
     messages: list[Message]  # the conversation through the latest reply, for traces
     retries: int = 0  # turns whose undelivered reply an agent's retry replaced (`TurnRecord.retries`, summed)
+    errors_not_recorded: int = 0  # errors beyond `_ERRORS_PER_KIND` of their kind, only counted
+    refused_connections: int = 0  # connections to its door over the door's cap
 
 
 @dataclass
@@ -159,49 +176,28 @@ class _Rollout:
     generation_s: float = 0.0
     last_activity: float = field(default_factory=time.monotonic)  # the latest request's start or end
     closed: bool = False
-    serving: asyncio.Task | None = None  # the request being served, cancelled when the rollout closes
+    serving: asyncio.Task | None = None  # the request being served (it holds the lock)
+    pending: set[asyncio.Task] = field(default_factory=set)  # its chat requests, being served or waiting
+    superseded: set[asyncio.Task] = field(default_factory=set)  # of those, the ones a newer request ended
     body_bytes: int = 0  # the size of its latest request
+    errors_not_recorded: int = 0
+    refused_connections: int = 0
 
     def close(self) -> None:
-        """Refuse further requests and abandon the one in flight: cancelling its handler cancels the
-        generation, whose HTTP request vLLM then aborts, and nothing more is committed."""
+        """Refuse further requests and abandon those in flight: cancelling a handler cancels its generation,
+        whose HTTP request vLLM then aborts, and nothing more is committed."""
         self.closed = True
-        if self.serving is not None:
-            self.serving.cancel()
+        for task in self.pending:
+            task.cancel()
 
-
-class _HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code = status, message, kind, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.code}}
-
-
-def _json_response(body: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
-
-
-def _error_response(status: int, message: str, kind: str, code: str | None = None) -> web.Response:
-    return _json_response(_HTTPError(status, message, kind, code).body(), status)
-
-
-@web.middleware
-async def _errors_as_json(request: web.Request, handler: Callable) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except _HTTPError as e:
-        return _error_response(e.status, e.message, e.kind, e.code)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return _error_response(e.status, e.reason, "invalid_request_error")
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        log.exception("internal error serving %s", request.path)
-        return _error_response(500, "internal server error", "server_error")
+    def supersede(self, newer: asyncio.Task) -> None:
+        """`newer` is now the rollout's request: the one being served and any waiting are ended (their handlers
+        answer "superseded"), so that at most one reply to the agent's requests is ever delivered, and it is
+        the newest's: the one the agent still waits for, and the one trained."""
+        for older in self.pending:
+            self.superseded.add(older)
+            older.cancel()
+        self.pending.add(newer)
 
 
 class InterceptionServer:
@@ -228,6 +224,7 @@ class InterceptionServer:
         policy: Callable[[], Policy] = Policy,
         chat_template_kwargs: dict[str, Any] | None = None,
         keepalive_s: float = 5.0,
+        limits: ServingLimits = ServingLimits(),  # noqa: B008  (frozen)
     ):
         self.generator = generator
         self.template = TrainingTemplate(tokenizer, **(chat_template_kwargs or {}))
@@ -238,12 +235,15 @@ class InterceptionServer:
         self._public_base_url = public_base_url
         self.policy = policy
         self.keepalive_s = keepalive_s
+        self.limits = limits
         self.last_request_at = time.monotonic()
         self._rollouts: dict[str, _Rollout] = {}
         self._closed: OrderedDict[str, str] = OrderedDict()  # rollout_id -> token
         self._runner: web.AppRunner | None = None
         self._bulk: ThreadPoolExecutor | None = None
-        self._doors: dict[str, tuple[Door, web.UnixSite]] = {}  # socket path -> the door and its site
+        self._doors: dict[str, tuple[Door, Listener]] = {}  # socket path -> the door and its listener
+        self._tcp: Listener | None = None
+        self._budget = ConnectionBudget(0)  # set at start
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -252,7 +252,9 @@ class InterceptionServer:
         return (self._public_base_url or f"http://{self.host}:{self.port}").rstrip("/")
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors_as_json, self._door_guard], client_max_size=256 * 1024**2)
+        app = web.Application(
+            middlewares=[errors_as_json, self._door_guard], client_max_size=self.limits.max_request_bytes
+        )
         app.router.add_get("/health", self._health)
         app.router.add_post("/rollout/{rollout_id}/v1/chat/completions", self._chat_completions)
         app.router.add_get("/rollout/{rollout_id}/v1/models", self._models)
@@ -268,20 +270,29 @@ class InterceptionServer:
         # Linux nice values are per thread: the bulk threads yield the CPU to the event loop and to the
         # other rollouts' turns, so a big request takes longer instead of slowing everyone down.
         self._bulk = ThreadPoolExecutor(_BULK_THREADS, "interception-bulk", initializer=os.nice, initargs=(_BULK_NICE,))
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        # aiohttp's keepalive timeout runs from a connection's opening and from each reply until a whole
+        # request head arrived: the header and idle timeout in one (`swe_grpo.serving_limits`).
+        self._runner = web.AppRunner(self.app(), access_log=None, keepalive_timeout=self.limits.idle_timeout_s)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, backlog=2048)
-        await site.start()
-        self.port = self._runner.addresses[0][1]  # the real port when 0 was asked for
+        # Our own listeners, not aiohttp's sites: they count and cap their connections.
+        self._budget = ConnectionBudget(self.limits.total_connections())
+        self._tcp = Listener("tcp", self._runner.server, self.limits.tcp_connections, self._budget)
+        loop = asyncio.get_running_loop()
+        self._tcp.server = await loop.create_server(self._tcp, self.host, self.port, backlog=2048)
+        self.port = self._tcp.server.sockets[0].getsockname()[1]  # the real port when 0 was asked for
         log.info("InterceptionServer on %s:%d (public %s)", self.host, self.port, self.public_base_url)
         return self
 
     async def stop(self) -> None:
         for rollout in self._rollouts.values():  # a generation that never returns must not block shutdown
             rollout.close()
-        for door, _ in self._doors.values():  # their sites stop with the runner
+        for door, listener in self._doors.values():
+            listener.close()
             door.remove()
         self._doors.clear()
+        if self._tcp is not None:
+            self._tcp.close()
+            self._tcp = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -339,6 +350,8 @@ class InterceptionServer:
             generation_s=rollout.generation_s,
             messages=rollout.chain.messages,
             retries=sum(t.retries for t in rollout.chain.turns),
+            errors_not_recorded=rollout.errors_not_recorded,
+            refused_connections=rollout.refused_connections,
         )
 
     # ----------------------------------------------------------------- doors (swe_grpo.door)
@@ -351,15 +364,15 @@ class InterceptionServer:
         if self._runner is None:
             raise RuntimeError("the InterceptionServer is not started")
         door = Door.make(rollout_id)
-        site = web.UnixSite(self._runner, str(door.socket))
+        listener = Listener(f"door of {rollout_id}", self._runner.server, self.limits.door_connections, self._budget)
         try:
-            await site.start()
+            listener.server = await asyncio.get_running_loop().create_unix_server(listener, str(door.socket))
             door.socket.chmod(0o666)  # the sandbox's user connects; the rollout's token still guards it
         except BaseException:
-            await site.stop()
+            listener.close()
             door.remove()
             raise
-        self._doors[str(door.socket)] = (door, site)
+        self._doors[str(door.socket)] = (door, listener)
         return door
 
     async def close_door(self, door: Door) -> None:
@@ -368,7 +381,10 @@ class InterceptionServer:
         entry = self._doors.pop(str(door.socket), None)
         door.remove()
         if entry is not None:
-            await entry[1].stop()
+            listener = entry[1]
+            listener.close()
+            if rollout := self._rollouts.get(door.rollout_id):
+                rollout.refused_connections += listener.refused
 
     @web.middleware
     async def _door_guard(self, request: web.Request, handler: Callable) -> web.StreamResponse:
@@ -377,7 +393,7 @@ class InterceptionServer:
         if isinstance(sockname, str):
             door = self._doors.get(sockname)
             if door is None or request.match_info.get("rollout_id") != door[0].rollout_id:
-                raise _HTTPError(403, "this door serves only its own rollout's routes", "permission_error")
+                raise APIError(403, "this door serves only its own rollout's routes", "permission_error")
         return await handler(request)
 
     def last_activity(self, rollout_id: str) -> float:
@@ -399,20 +415,20 @@ class InterceptionServer:
     # ----------------------------------------------------------------- routes
 
     async def _health(self, request: web.Request) -> web.Response:
-        return _json_response({"status": "ok"})
+        return json_response({"status": "ok"})
 
     def _authorize(self, request: web.Request) -> _Rollout:
         rollout_id = request.match_info["rollout_id"]
         rollout = self._rollouts.get(rollout_id)
         expected = rollout.endpoint.token if rollout else self._closed.get(rollout_id)
         if expected is None:
-            raise _HTTPError(404, "unknown rollout", "not_found_error")
+            raise APIError(404, "unknown rollout", "not_found_error")
         header = request.headers.get("Authorization", "")
         scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
-            raise _HTTPError(401, "missing or invalid bearer token", "authentication_error")
+            raise APIError(401, "missing or invalid bearer token", "authentication_error")
         if rollout is None:
-            raise _HTTPError(410, "rollout is closed", "invalid_request_error")
+            raise APIError(410, "rollout is closed", "invalid_request_error")
         return rollout
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -423,50 +439,78 @@ class InterceptionServer:
             "owned_by": "swe_grpo",
             "max_model_len": self.generator.max_model_len,
         }
-        return _json_response({"object": "list", "data": [model]})
+        return json_response({"object": "list", "data": [model]})
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         rollout = self._authorize(request)
-        body = await self._json_body(request)
-        stream = body.get("stream", False)
-        stream_options = body.get("stream_options") or {}
-        if not isinstance(stream, bool) or not isinstance(stream_options, dict):
-            raise _HTTPError(400, "'stream' must be a boolean and 'stream_options' an object")
-        params = self._sampling(body, rollout.sampling)
-        answer = _Answer(request, stream, bool(stream_options.get("include_usage")), rollout.endpoint.model)
-        async with rollout.lock:
-            if rollout.closed:
-                raise _HTTPError(410, "rollout is closed")
-            rollout.requests += 1
-            rollout.last_activity = self.last_request_at = time.monotonic()
-            rollout.serving = asyncio.current_task()
-            turn_index = len(rollout.chain.turns)
-            # Agents re-send the whole history: what a request brings is, roughly, how much it grew.
-            size = len(await request.read())  # the body `_json_body` read, cached
-            bulk, rollout.body_bytes = size - rollout.body_bytes > _BULK_BYTES, size
-            try:
-                return await self._turn(rollout, body, params, answer, bulk)
-            except _HTTPError as e:
-                return await answer.fail(e)
-            except asyncio.CancelledError:
+        me = asyncio.current_task()
+        assert me is not None
+        rollout.supersede(me)  # before the body is read: a rollout has one request in flight, the newest
+        rollout.requests += 1
+        answer: Answer | None = None
+        try:
+            async with rollout.lock:
+                if rollout.closed:
+                    raise APIError(410, "rollout is closed")
+                rollout.last_activity = self.last_request_at = time.monotonic()
+                rollout.serving = me
+                turn_index = len(rollout.chain.turns)
+                try:
+                    body, size = await self._read_body(request)
+                    stream = body.get("stream", False)
+                    stream_options = body.get("stream_options") or {}
+                    if not isinstance(stream, bool) or not isinstance(stream_options, dict):
+                        raise APIError(400, "'stream' must be a boolean and 'stream_options' an object")
+                    params = self._sampling(body, rollout.sampling)
+                except APIError as e:  # still the rollout's request: recorded like any refused turn
+                    self._record(rollout, "bad_request", e.message, turn_index)
+                    raise
+                answer = Answer(request, stream, bool(stream_options.get("include_usage")), rollout.endpoint.model)
+                try:
+                    return await self._turn(rollout, body, size, params, answer)
+                except APIError as e:
+                    return await answer.fail(e)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # a bug, or a failure nobody named: recorded, never a bare 500
+                    log.exception("rollout %s turn %d: internal error", rollout.endpoint.rollout_id, turn_index)
+                    message = f"{type(e).__name__}: {e}"
+                    self._record(rollout, "internal", message, turn_index)
+                    return await answer.fail(APIError(500, f"internal error: {message}", "server_error"))
+        except asyncio.CancelledError:
+            if me not in rollout.superseded:
                 raise
-            except Exception as e:  # a bug, or a failure nobody named: recorded, never a bare 500
-                log.exception("rollout %s turn %d: internal error", rollout.endpoint.rollout_id, turn_index)
-                message = f"{type(e).__name__}: {e}"
-                self._record(rollout, "internal", message, turn_index)
-                return await answer.fail(_HTTPError(500, f"internal error: {message}", "server_error"))
-            finally:
+            me.uncancel()  # ended by a newer request, not by the server: this one is answered, and recorded
+            error = APIError(409, "superseded by a newer request of this rollout", code="superseded", retry=False)
+            self._record(rollout, "superseded", error.message, len(rollout.chain.turns))
+            return await answer.fail(error) if answer is not None else error.response()
+        finally:
+            rollout.pending.discard(me)
+            rollout.superseded.discard(me)
+            if rollout.serving is me:
                 rollout.serving = None
                 rollout.last_activity = self.last_request_at = time.monotonic()
 
-    async def _json_body(self, request: web.Request) -> dict[str, Any]:
+    async def _read_body(self, request: web.Request) -> tuple[dict[str, Any], int]:
+        """The request's JSON object and its size in bytes, read within the limits (`ServingLimits`)."""
+        limit = self.limits.max_request_bytes
+        too_big = APIError(413, f"request body over {limit} bytes")
+        if (request.content_length or 0) > limit:
+            raise too_big  # refused before a byte of it is read
         try:
-            body = orjson.loads(await request.read())  # the whole history, every turn: decode it fast
+            async with asyncio.timeout(self.limits.body_timeout_s):
+                raw = await request.read()  # aiohttp stops at `client_max_size` (the limit) too
+        except TimeoutError:
+            raise APIError(408, f"request body not received within {self.limits.body_timeout_s:g} s") from None
+        except HTTPRequestEntityTooLarge:
+            raise too_big from None
+        try:
+            body = orjson.loads(raw)  # the whole history, every turn: decode it fast
         except orjson.JSONDecodeError:
-            raise _HTTPError(400, "request body is not valid JSON") from None
+            raise APIError(400, "request body is not valid JSON") from None
         if not isinstance(body, dict):
-            raise _HTTPError(400, "request body must be a JSON object")
-        return body
+            raise APIError(400, "request body must be a JSON object")
+        return body, len(raw)
 
     @staticmethod
     def _sampling(body: dict[str, Any], base: SamplingParams) -> SamplingParams:
@@ -476,22 +520,28 @@ class InterceptionServer:
         if limit is None:
             return base
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise _HTTPError(400, "'max_tokens' must be a positive integer")
+            raise APIError(400, "'max_tokens' must be a positive integer")
         return replace(base, max_tokens=min(limit, base.max_tokens or limit))
 
     async def _turn(
-        self, rollout: _Rollout, body: dict[str, Any], params: SamplingParams, answer: _Answer, bulk: bool
+        self, rollout: _Rollout, body: dict[str, Any], size: int, params: SamplingParams, answer: Answer
     ) -> web.StreamResponse:
-        """One turn, as a transaction: nothing reaches the chain until the reply was delivered. `bulk`: the
-        request brings so much new content that it is prepared in the low-priority threads."""
+        """One turn, as a transaction: nothing reaches the chain until the reply was delivered. `size`: the
+        request's bytes."""
         chain = rollout.chain
         turn_index = len(chain.turns)
-        prepare = functools.partial(chain.prepare, body.get("messages"), body.get("tools"))
-        try:  # in a bulk thread, the rollout's lock still held: its requests stay in order
+        messages, tools = body.get("messages"), body.get("tools")
+        # Agents re-send the whole history: what a request brings is, roughly, how much it grew. A request that
+        # brings much, or makes the chain render a long history whole (a fork), is prepared in the low-priority
+        # bulk threads, the rollout's lock still held (its requests stay in order).
+        grew, rollout.body_bytes = size - rollout.body_bytes, size
+        try:
+            bulk = grew > _BULK_BYTES or (size > _BULK_BYTES and chain.renders_whole_history(messages, tools))
+            prepare = functools.partial(chain.prepare, messages, tools)
             turn = await asyncio.get_running_loop().run_in_executor(self._bulk, prepare) if bulk else prepare()
         except MessageFormatError as e:
             self._record(rollout, "bad_request", str(e), turn_index)
-            raise _HTTPError(400, str(e)) from None
+            raise APIError(400, str(e)) from None
         await answer.start()
         policy = self.policy()
         generation = await self._generate(rollout, turn, params, rollout.model or policy.model, answer)
@@ -509,7 +559,7 @@ class InterceptionServer:
         return answer.response
 
     async def _generate(
-        self, rollout: _Rollout, turn: PreparedTurn, params: SamplingParams, model: str | None, answer: _Answer
+        self, rollout: _Rollout, turn: PreparedTurn, params: SamplingParams, model: str | None, answer: Answer
     ) -> Generation | None:
         """The generation for `turn`, keeping the agent's connection alive meanwhile; None when the agent
         went away (the generation is then abandoned: cancelling it makes vLLM abort the request)."""
@@ -523,20 +573,20 @@ class InterceptionServer:
             generation = generating.result()
         except ContextOverflowError as e:
             self._record(rollout, "context_overflow", str(e), turn_index)
-            raise _HTTPError(400, str(e), "invalid_request_error", "context_length_exceeded") from None
+            raise APIError(400, str(e), "invalid_request_error", "context_length_exceeded") from None
         except ServerUnavailableError as e:
             self._record(rollout, "server_unavailable", str(e), turn_index)
-            raise _HTTPError(503, f"generation backend unavailable: {e}", "server_error") from None
+            raise APIError(503, f"generation backend unavailable: {e}", "server_error") from None
         except VLLMError as e:  # BadResponseError and anything else the client raises
             self._record(rollout, "bad_response", str(e), turn_index)
-            raise _HTTPError(502, f"generation backend error: {e}", "server_error") from None
+            raise APIError(502, f"generation backend error: {e}", "server_error") from None
         finally:
             rollout.generation_s += time.monotonic() - started
             if not generating.done():
                 generating.cancel()
                 await asyncio.wait({generating})
         if rollout.closed:
-            raise _HTTPError(410, "rollout was closed during generation")
+            raise APIError(410, "rollout was closed during generation")
         return generation
 
     def _reply(self, chain: TokenChain, turn: PreparedTurn, generation: Generation) -> ParsedResponse:
@@ -556,120 +606,8 @@ class InterceptionServer:
 
     @staticmethod
     def _record(rollout: _Rollout, kind: str, message: str, turn: int) -> None:
+        if sum(e.kind == kind for e in rollout.errors) >= _ERRORS_PER_KIND:
+            rollout.errors_not_recorded += 1
+            return
         log.warning("rollout %s turn %d: %s: %s", rollout.endpoint.rollout_id, turn, kind, message)
         rollout.errors.append(RequestError(kind, message, turn, time.monotonic()))
-
-
-@dataclass(frozen=True)
-class _Reply:
-    """One answered chat completion, rendered as OpenAI JSON or as SSE chunks."""
-
-    id: str
-    created: int
-    model: str
-    parsed: ParsedResponse
-    prompt_tokens: int
-    completion_tokens: int
-
-    def _usage(self) -> dict[str, int]:
-        prompt, completion = self.prompt_tokens, self.completion_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def completion(self) -> dict[str, Any]:
-        choice = {"index": 0, "message": self.parsed.message, "finish_reason": self.parsed.finish_reason}
-        return {**self._envelope("chat.completion", [choice]), "usage": self._usage()}
-
-    def chunks(self, include_usage: bool) -> list[dict[str, Any]]:
-        message = self.parsed.message
-
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-            return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": finish}])
-
-        out = [chunk({"role": "assistant", "content": ""})]
-        if message.get("reasoning_content"):
-            out.append(chunk({"reasoning_content": message["reasoning_content"]}))
-        if message.get("content"):
-            out.append(chunk({"content": message["content"]}))
-        for i, call in enumerate(message.get("tool_calls") or []):
-            out.append(chunk({"tool_calls": [{"index": i, **call}]}))
-        out.append(chunk({}, self.parsed.finish_reason))
-        if include_usage:
-            out.append({**self._envelope("chat.completion.chunk", []), "usage": self._usage()})
-        return out
-
-
-def _sse(event: Any) -> bytes:
-    return b"data: " + orjson.dumps(event) + b"\n\n"
-
-
-class _Answer:
-    """The agent's side of one chat completion. Streaming: headers at `start`, keep-alive comments while
-    generating, then the reply's chunks, or an SSE error event. Not streaming: the JSON reply, or an error
-    with its HTTP status, sent whole. Every write to a connection the agent closed is reported, not raised."""
-
-    def __init__(self, request: web.Request, stream: bool, include_usage: bool, model: str):
-        self.request, self.stream, self.include_usage, self.model = request, stream, include_usage, model
-        self.response: web.StreamResponse | None = None
-        self.parsed: ParsedResponse | None = None  # the reply that was sent
-
-    def _gone(self) -> bool:
-        transport = self.request.transport
-        return transport is None or transport.is_closing()
-
-    async def _write(self, data: bytes = b"", eof: bool = False) -> bool:
-        """Send the headers if not yet sent, then `data`; False when the agent's connection is gone."""
-        if self._gone():
-            return False
-        try:
-            await self.response.prepare(self.request)  # once; later calls return at once
-            if data:
-                await self.response.write(data)
-            if eof:
-                await self.response.write_eof()
-        except ConnectionResetError:
-            return False
-        return True
-
-    async def start(self) -> None:
-        """Send the response headers now (streaming only)."""
-        if self.stream:
-            self.response = web.StreamResponse(
-                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-            )
-            await self._write()
-
-    async def keep_alive(self) -> bool:
-        """An SSE comment (streaming), or just a look at the connection; False when the agent is gone."""
-        return await self._write(b": keep-alive\n\n") if self.stream else not self._gone()
-
-    async def send(self, parsed: ParsedResponse, prompt_tokens: int, completion_tokens: int) -> bool:
-        """Send the reply; True when it was written whole to the agent's connection."""
-        reply = _Reply(
-            f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model, parsed, prompt_tokens, completion_tokens
-        )
-        self.parsed = parsed
-        if self.stream:
-            return await self._write(b"".join(map(_sse, reply.chunks(self.include_usage))) + b"data: [DONE]\n\n", True)
-        self.response = web.Response(body=orjson.dumps(reply.completion()), content_type="application/json")
-        return await self._write(eof=True)
-
-    async def fail(self, error: _HTTPError) -> web.StreamResponse:
-        """Answer with `error`: an error response, or an SSE error event when the headers are out."""
-        if self.response is None:
-            return _error_response(error.status, error.message, error.kind, error.code)
-        if self.parsed is None:  # else the reply went out whole: nothing more can be said
-            await self._write(_sse(error.body()), eof=True)
-        return self.response
-
-    def abandoned(self) -> web.StreamResponse:
-        """What the handler returns for an agent that went away (aiohttp drops it)."""
-        return self.response or web.Response(status=499, reason="Client Closed Request")

@@ -4,14 +4,16 @@ the real tiny tokenizers; the connection-level cases use raw sockets, as an agen
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import Any
 
 import aiohttp
 import pytest
 from conftest import tiny_tokenizer
 from pi_shapes import TOOLS, PiConversation, tool_call
-from test_interception import ScriptedGenerator, post_chat, stub_server, training
+from test_interception import ScriptedGenerator, post_chat, sse_events, stub_server, training
 
 from swe_grpo.interception import RolloutEndpoint
 from swe_grpo.responses import ResponseParser
@@ -154,3 +156,120 @@ async def test_a_different_conversation_is_not_a_retry(http) -> None:
         await chat(http, endpoint, PiConversation(task="Something else entirely.").request())
         record = srv.close_rollout(endpoint.rollout_id)
     assert [(t.kind, t.retries) for t in record.turns] == [("clean", 0), ("fork", 0)] and len(record.rows) == 2
+
+
+# --------------------------------------------------------------------------- refused, cut, concurrent, forked
+
+
+async def test_requests_refused_before_the_turn_are_recorded_on_the_rollout(http) -> None:
+    """A lone surrogate escape (orjson refuses it) and `max_tokens: 0` are refused before the turn starts; they
+    are still the rollout's requests, recorded as `bad_request`."""
+    generator = ScriptedGenerator.texts(training("qwen3"), ["Done.<|im_end|>"])
+    async with stub_server("qwen3", generator) as srv:
+        endpoint = srv.open_rollout()
+        surrogate = b'{"messages": [{"role": "user", "content": "\\ud800"}]}'
+        for body in (surrogate, {**PiConversation().request(), "max_tokens": 0}):
+            async with await post_chat(http, endpoint, body) as r:
+                assert r.status == 400
+        record = srv.close_rollout(endpoint.rollout_id)
+    assert [e.kind for e in record.errors] == ["bad_request"] * 2 and record.requests == 2
+    assert "JSON" in record.errors[0].message and "max_tokens" in record.errors[1].message
+
+
+async def _request_then_vanish(path: str, token: str, rollout_id: str, body: dict[str, Any]) -> None:
+    """As an agent's client that gives up while a big reply is being written to it: sends the request over the
+    door's unix socket, reads until the reply starts, then closes the connection with the rest unread."""
+    reader, writer = await asyncio.open_unix_connection(path)
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /rollout/{rollout_id}/v1/chat/completions HTTP/1.1\r\nHost: door\r\nAuthorization: Bearer {token}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    writer.write(head.encode() + data)
+    await writer.drain()
+    seen = b""
+    while b'{"id":' not in seen:  # the reply's first SSE chunk, or its JSON
+        chunk = await reader.read(4096)
+        assert chunk, seen[-300:]
+        seen = seen[-8:] + chunk
+    writer.transport.abort()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_connection_lost_while_a_big_reply_is_written_is_a_client_disconnection(stream: bool) -> None:
+    """aiohttp reports a connection lost mid-write as `ConnectionError("Connection lost")` (not only as
+    `ConnectionResetError`): the agent went away, which is no failure of the host (it was recorded `internal`,
+    an infra_error)."""
+    big = "word " * 600_000  # a 3 MB reply: far more than the socket buffers take, so the write waits on the agent
+    generator = ScriptedGenerator.texts(training("qwen3"), [big + "<|im_end|>"])
+    async with stub_server("qwen3", generator) as srv:
+        endpoint = srv.open_rollout()
+        door = await srv.open_door(endpoint.rollout_id)
+        body = PiConversation().request(stream=stream)
+        await _request_then_vanish(str(door.socket), endpoint.token, endpoint.rollout_id, body)
+        await asyncio.sleep(0.5)
+        record = srv.close_rollout(endpoint.rollout_id)
+        await srv.close_door(door)
+    assert [e.kind for e in record.errors] == ["client_disconnected"] and record.turns == []
+
+
+async def test_a_newer_request_supersedes_the_one_in_flight(http) -> None:
+    """Two identical requests at once: only one reply may reach the agent, and it is the one trained. The older
+    request is ended (an SSE error event, or 409 that OpenAI clients do not retry) and recorded `superseded`; the
+    newer one is served and the conversation goes on from it, cleanly."""
+    template = training("qwen3")
+    generator = ScriptedGenerator.texts(template, ["One.<|im_end|>", "Two.<|im_end|>"], delay_s=0.5)
+    async with stub_server("qwen3", generator, keepalive_s=0.05) as srv:
+        endpoint = srv.open_rollout()
+        convo = PiConversation()
+        for stream in (True, False):
+            older = asyncio.create_task(read_status_and_body(http, endpoint, convo.request(stream=stream)))
+            await asyncio.sleep(0.2)
+            newer = await chat(http, endpoint, convo.request())
+            status, text = await older
+            if stream:
+                assert status == 200 and sse_events(text, done=False)[0]["error"]["code"] == "superseded"
+            else:
+                assert status == 409 and json.loads(text)["error"]["code"] == "superseded"
+            assert "One." not in text and "Two." not in text  # the older one got no reply at all
+            convo.add_reply(newer)
+            convo.messages.append({"role": "user", "content": "Go on."})
+        record = srv.close_rollout(endpoint.rollout_id)
+    assert [e.kind for e in record.errors] == ["superseded"] * 2
+    assert [(t.kind, t.retries) for t in record.turns] == [("clean", 0)] * 2 and len(record.rows) == 1
+    row = record.rows[0]
+    trained = template.tokenizer.decode([i for i, m in zip(row.input_ids, row.completion_mask, strict=True) if m])
+    assert trained == "One.<|im_end|>Two.<|im_end|>"  # what the agent received, and nothing else
+
+
+async def read_status_and_body(http, endpoint: RolloutEndpoint, body: dict[str, Any]) -> tuple[int, str]:
+    async with await post_chat(http, endpoint, body) as r:
+        return r.status, await r.text()
+
+
+async def test_a_fork_of_a_long_history_does_not_stall_the_event_loop(http) -> None:
+    """A fork re-renders the whole history (4 MB here: most of a second of rendering and tokenising). The request
+    brings little new, but it is prepared off the event loop as big ones are: the loop (every other rollout's
+    requests) never waits that long."""
+    generator = ScriptedGenerator.texts(training("qwen3"), ["Done.<|im_end|>"])
+    async with stub_server("qwen3", generator) as srv:
+        endpoint = srv.open_rollout()
+        convo = PiConversation()
+        convo.messages.append({"role": "user", "content": "context " * 500_000})
+        convo.add_reply(await chat(http, endpoint, convo.request()))
+        convo.messages[1]["content"][0]["text"] += " (edited)"  # the agent edits its history: a fork
+        convo.messages.append({"role": "user", "content": "Go on."})
+        lags: list[float] = []
+
+        async def probe() -> None:
+            while True:
+                started = time.monotonic()
+                await asyncio.sleep(0.01)
+                lags.append(time.monotonic() - started - 0.01)
+
+        probing = asyncio.create_task(probe())
+        await chat(http, endpoint, convo.request())
+        probing.cancel()
+        record = srv.close_rollout(endpoint.rollout_id)
+    assert [t.kind for t in record.turns] == ["clean", "fork"]
+    assert max(lags) < 0.2, max(lags)

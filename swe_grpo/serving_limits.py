@@ -1,0 +1,141 @@
+"""What one agent can make the InterceptionServer hold: every resource a rollout's connections touch, bounded.
+
+The policy is an adversary (DESIGN decision 12), and an agent sandbox holds its rollout's token. Without bounds,
+one sandbox made the server hold N x 256 MiB (N connections each streaming a big body, read before the rollout's
+lock) and exhausted its descriptors with ~1,100 idle connections to its door, so that `/health` and every other
+rollout timed out. The bounds (`ServingLimits`, defaults in brackets):
+
+- connections: each listener counts its open connections: a door at most `door_connections` [8] (an agent makes
+  one request at a time; its HTTP client may keep a spare connection or two), the TCP port at most
+  `tcp_connections` [512]; and all of them together at most `descriptor_share` [0.5] of the process's
+  RLIMIT_NOFILE, so that vLLM's connections, sandboxes' pipes and files always find descriptors. A connection
+  over a cap is answered `503` at once and closed: it never reaches aiohttp and holds nothing.
+- time: a connection that has not sent a whole request head within `idle_timeout_s` [30 s] of opening or of its
+  previous reply is closed (aiohttp's `keepalive_timeout`, which runs from the connection's start: a header
+  timeout and an idle timeout in one; agents' HTTP clients drop idle connections after ~4-5 s themselves), and a
+  request body that has not arrived whole within `body_timeout_s` [60 s] is answered 408.
+- bytes: a request body is read only once the rollout's previous request is over (the rollout's lock), and a
+  rollout has at most one request in flight: a newer one supersedes it (`InterceptionServer`). So a rollout holds
+  at most one body of at most `max_request_bytes` [32 MiB: 16 x a 2 MB tool output, more than any context
+  window holds] plus its waiting connections' read buffers (aiohttp stops reading a connection whose buffered
+  body passes 2 x 64 KiB).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """The InterceptionServer's bounds (see the module docstring)."""
+
+    max_request_bytes: int = 32 * 1024**2
+    door_connections: int = 8
+    tcp_connections: int = 512
+    descriptor_share: float = 0.5
+    idle_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
+
+    def total_connections(self) -> int:
+        """How many connections all listeners together may hold: a share of the descriptors this process may open."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return max(1, int(soft * self.descriptor_share))
+
+
+class _Refused(asyncio.Protocol):
+    """A connection over its cap: answered 503 and closed at once."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(_BUSY)
+        transport.close()
+
+
+class _Counted(asyncio.Protocol):
+    """aiohttp's protocol for one connection, counted open until the connection is lost."""
+
+    def __init__(self, inner: asyncio.Protocol, listener: Listener):
+        self._inner, self._listener = inner, listener
+        self.transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self._inner.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._listener._closed(self)
+        self._inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+
+class ConnectionBudget:
+    """The connections all listeners of one server hold together, against one cap."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.open = 0
+
+
+class Listener:
+    """A protocol factory for `loop.create_server` / `create_unix_server` that caps its open connections at `cap`
+    and, with every other listener of its `budget`, at `budget.cap`. `refused` counts the connections it turned
+    away; `close` stops listening and closes what is still open."""
+
+    def __init__(self, name: str, factory: Callable[[], asyncio.Protocol], cap: int, budget: ConnectionBudget):
+        self.name, self._factory, self.cap, self._budget = name, factory, cap, budget
+        self._open: set[_Counted] = set()
+        self.refused = 0
+        self.server: asyncio.Server | None = None
+
+    @property
+    def open(self) -> int:
+        return len(self._open)
+
+    def __call__(self) -> asyncio.Protocol:
+        if len(self._open) >= self.cap or self._budget.open >= self._budget.cap:
+            if not self.refused:
+                log.warning(
+                    "%s: connection refused (%d open here, %d of %d in all)",
+                    self.name,
+                    len(self._open),
+                    self._budget.open,
+                    self._budget.cap,
+                )
+            self.refused += 1
+            return _Refused()
+        counted = _Counted(self._factory(), self)
+        self._open.add(counted)
+        self._budget.open += 1
+        return counted
+
+    def _closed(self, counted: _Counted) -> None:
+        if counted in self._open:
+            self._open.discard(counted)
+            self._budget.open -= 1
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for counted in list(self._open):
+            if counted.transport is not None:
+                counted.transport.close()

@@ -1,0 +1,200 @@
+"""Every bound of `swe_grpo.serving_limits`, tried as an attacker holding its rollout's token would (issue 23,
+section 3): a real InterceptionServer on loopback and on a rollout's door (a unix socket), raw sockets that open
+connections and never speak, dribble a request head, or stream bodies far bigger than any request; meanwhile the
+server's own health, its descriptors and memory, and another rollout's requests are watched. The generator is a
+STUB (`ScriptedGenerator`): the attacks never reach generation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import psutil
+import pytest
+from pi_shapes import PiConversation
+from test_interception import ScriptedGenerator, post_chat, stub_server, training
+
+from swe_grpo.interception import InterceptionServer, RolloutEndpoint
+from swe_grpo.serving_limits import ServingLimits
+
+MIB = 1024 * 1024
+LIMITS = ServingLimits(max_request_bytes=8 * MIB, door_connections=4, idle_timeout_s=0.5, body_timeout_s=1.0)
+
+
+@contextlib.asynccontextmanager
+async def limited_server(limits: ServingLimits = LIMITS) -> AsyncIterator[InterceptionServer]:
+    generator = ScriptedGenerator.texts(training("qwen3"), ["Done.<|im_end|>"])
+    async with stub_server("qwen3", generator, limits=limits) as srv:
+        yield srv
+
+
+@pytest.fixture
+async def http() -> Any:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def served(http: aiohttp.ClientSession, srv: InterceptionServer, endpoint: RolloutEndpoint) -> float:
+    """/health and a chat completion of a well-behaved rollout both answered; the latter's seconds."""
+    async with http.get(f"{srv.public_base_url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+        assert r.status == 200
+    started = time.monotonic()
+    body = PiConversation().request(stream=False)
+    async with await post_chat(http, endpoint, body, timeout=aiohttp.ClientTimeout(total=5)) as r:
+        assert r.status == 200, await r.text()
+    return time.monotonic() - started
+
+
+def head(endpoint: RolloutEndpoint, length: int | None) -> bytes:
+    size = f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
+    return (
+        f"POST /rollout/{endpoint.rollout_id}/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        f"Authorization: Bearer {endpoint.token}\r\nContent-Type: application/json\r\n{size}\r\n\r\n"
+    ).encode()
+
+
+async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bytes:
+    """What the server sent before closing the connection (fails if it is still open after `seconds`)."""
+    data = b""
+    async with asyncio.timeout(seconds):
+        while chunk := await reader.read(65536):
+            data += chunk
+    return data
+
+
+async def test_a_flood_of_idle_door_connections_holds_only_the_doors_cap(http) -> None:
+    """~1,100 idle connections to a door exhausted the server's descriptors; now the door keeps `door_connections`
+    open, answers the rest 503 at once, and the server stays healthy for everyone."""
+    async with limited_server() as srv:
+        attacker, victim = srv.open_rollout(), srv.open_rollout()
+        door = await srv.open_door(attacker.rollout_id)
+        fds = psutil.Process().num_fds()
+        flood = [await asyncio.open_unix_connection(str(door.socket)) for _ in range(300)]
+        await asyncio.sleep(0.1)
+        refused = 0
+        for reader, _ in flood:
+            with contextlib.suppress(TimeoutError):
+                refused += (await asyncio.wait_for(reader.read(100), 0.01)).startswith(b"HTTP/1.1 503")
+        assert refused == 300 - LIMITS.door_connections
+        # The flood's own client sockets are this process's too: the server's share is what is left open.
+        assert psutil.Process().num_fds() - fds <= 300 + LIMITS.door_connections + 8
+        assert await served(http, srv, victim) < 1.0
+        for _, writer in flood:
+            writer.close()
+        await srv.close_door(door)
+        record = srv.close_rollout(attacker.rollout_id)
+    assert record.refused_connections == 300 - LIMITS.door_connections
+
+
+@pytest.mark.parametrize("speaks", [b"", b"POST /rollout/x/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"])
+async def test_a_connection_that_never_completes_its_request_head_is_closed(speaks: bytes) -> None:
+    """Silent, or dribbling a head it never finishes (slowloris): closed after `idle_timeout_s`, over TCP and
+    through a door, and its slot in the door's cap is free again."""
+    async with limited_server() as srv:
+        endpoint = srv.open_rollout()
+        door = await srv.open_door(endpoint.rollout_id)
+        opened = [
+            await asyncio.open_connection("127.0.0.1", srv.port),
+            *[await asyncio.open_unix_connection(str(door.socket)) for _ in range(LIMITS.door_connections)],
+        ]
+        started = time.monotonic()
+        for _, writer in opened:
+            writer.write(speaks)
+        for reader, _ in opened:
+            await closed_within(reader, LIMITS.idle_timeout_s + 2)
+        assert time.monotonic() - started >= LIMITS.idle_timeout_s * 0.9
+        reader, writer = await asyncio.open_unix_connection(str(door.socket))  # the door has room again
+        writer.write(head(endpoint, 2) + b"{}")
+        assert (await closed_within(reader, 5)).startswith(b"HTTP/1.1 400")
+        writer.close()
+        await srv.close_door(door)
+        srv.close_rollout(endpoint.rollout_id)
+
+
+async def test_a_body_that_never_arrives_whole_is_answered_408() -> None:
+    async with limited_server() as srv:
+        endpoint = srv.open_rollout()
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        writer.write(head(endpoint, 1000) + b'{"messages": ')
+        reply = await closed_within(reader, LIMITS.body_timeout_s + 12)  # + aiohttp's lingering time (10 s)
+        writer.close()
+        record = srv.close_rollout(endpoint.rollout_id)
+    assert reply.startswith(b"HTTP/1.1 408")
+    assert [e.kind for e in record.errors] == ["bad_request"] and "not received" in record.errors[0].message
+
+
+async def test_big_bodies_on_many_connections_hold_at_most_one_capped_body(http) -> None:
+    """Three connections each streaming 64 MiB (chunked: no length to refuse them by) made the server hold all of
+    it at once. Now a rollout's request is read only once its previous one is over, a newer one supersedes it,
+    and a body stops at `max_request_bytes`: memory grows by about one capped body, and the others are served."""
+    async with limited_server() as srv:
+        attacker, victim = srv.open_rollout(), srv.open_rollout()
+        process = psutil.Process()
+        before, peak = process.memory_info().rss, 0
+        chunk = b"4000\r\n" + b"x" * 0x4000 + b"\r\n"  # 16 KiB chunks
+
+        async def stream(mib: int) -> bytes:
+            """Stream `mib` MiB until the server answers; its answer."""
+            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            writer.write(head(attacker, None))
+            reply = asyncio.create_task(reader.read(100))
+            with contextlib.suppress(ConnectionError):
+                for _ in range(mib * 64):
+                    if reply.done():
+                        break
+                    writer.write(chunk)
+                    await writer.drain()
+            try:
+                return await reply
+            finally:
+                writer.close()
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, process.memory_info().rss)
+                await asyncio.sleep(0.01)
+
+        watching = asyncio.create_task(watch())
+        replies = await asyncio.gather(*(stream(64) for _ in range(3)))
+        victim_s = await served(http, srv, victim)
+        watching.cancel()
+        record = srv.close_rollout(attacker.rollout_id)
+    assert sorted(r[:12] for r in replies) == [b"HTTP/1.1 409", b"HTTP/1.1 409", b"HTTP/1.1 413"], replies
+    assert peak - before < 4 * LIMITS.max_request_bytes, (peak - before) / MIB
+    assert victim_s < 1.0
+    assert sorted(e.kind for e in record.errors) == ["bad_request", "superseded", "superseded"]
+
+
+async def test_a_body_announced_over_the_cap_is_refused_unread() -> None:
+    async with limited_server() as srv:
+        endpoint = srv.open_rollout()
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        writer.write(head(endpoint, 250 * MIB))
+        reply = await asyncio.wait_for(reader.read(100), 5)
+        writer.close()
+        record = srv.close_rollout(endpoint.rollout_id)
+    assert reply.startswith(b"HTTP/1.1 413") and [e.kind for e in record.errors] == ["bad_request"]
+
+
+async def test_the_tcp_port_and_all_listeners_together_are_capped(http) -> None:
+    """Over TCP no rollout is known before a request: the port has its own cap, and every listener together
+    stays within a share of the process's descriptors."""
+    limits = ServingLimits(tcp_connections=20, idle_timeout_s=5.0)
+    async with limited_server(limits) as srv:
+        flood = [await asyncio.open_connection("127.0.0.1", srv.port) for _ in range(60)]
+        await asyncio.sleep(0.1)
+        refused = 0
+        for reader, _ in flood:
+            with contextlib.suppress(TimeoutError):
+                refused += (await asyncio.wait_for(reader.read(100), 0.01)).startswith(b"HTTP/1.1 503")
+        assert refused == 40
+        for _, writer in flood:
+            writer.close()
+        await asyncio.sleep(0.1)
+        assert await served(http, srv, srv.open_rollout()) < 1.0
+    assert 0 < limits.total_connections() < psutil.Process().rlimit(psutil.RLIMIT_NOFILE)[0]
