@@ -156,6 +156,7 @@ EVENTS = ("os.exec", "sys.settrace", "object.__setattr__", "foreign")
         ("patch_report_class", (), "audit: the audit hook saw foreign _pytest.reports.TestReport.__init__ from /"),
         ("targeted_hook", (), "audit: the audit hook saw foreign hook pytest_runtest_makereport from /"),
         ("patch_runtest", (), "audit: the audit hook saw foreign _pytest.python.Function.runtest from /"),
+        ("filter_output", (), "audit: the audit hook saw foreign TerminalReporter._tw._file from /"),
         ("os_exit_at_exit", (), "audit: the runner never reached its interpreter's exit"),
         # Also every audit event: the exec'd runner has no boot of its own, so no exit record.
         ("user_site", EVENTS, "audit: the runner never reached its interpreter's exit"),
@@ -265,6 +266,7 @@ def patch_adding(path: str, *lines: str) -> str:
         ("    pytest.skip('later')", "pytest-in-source"),
         ("    __import__('pytest').xfail('x')", "pytest-in-source"),
         ("sys.settrace(tracer)", "trace"),
+        ("config = frame.f_back.f_locals['self'].config", "frames"),
         ("fn.__code__ = other.__code__", "code-objects"),
         ("os._exit(0)", "exit"),
         ("os.execv(sys.executable, args)", "exit"),

@@ -165,7 +165,7 @@ def _swe_grpo_boot():
             if type(module) is not ModuleType or mod_name.split(".")[0] not in modules:
                 continue
             for attr, value in list(module.__dict__.items()):
-                where = foreign(value, True)
+                where = foreign_value(value)
                 if where:
                     found.append(f"{mod_name}.{attr} from {where}")
                 elif issubclass(type(value), type) and class_module.__get__(value) == mod_name:
@@ -185,7 +185,41 @@ def _swe_grpo_boot():
                         where = foreign(impl.function, False)
                         if where:
                             found.append(f"hook {hook_name} from {where}")
+                # What the plugin objects hold, two levels down (the terminal reporter's writer's file).
+                for plugin in list(manager.get_plugins()):
+                    if type(plugin) is ModuleType:
+                        continue  # a conftest module imports the code under test: that is no tampering
+                    for name, value in attributes(plugin):
+                        held = [(name, foreign_value(value))]
+                        held += [(f"{name}.{inner}", foreign_value(v)) for inner, v in attributes(value)]
+                        found += [f"{type(plugin).__name__}.{path} from {where}" for path, where in held if where]
         return found
+
+    # id(type) -> (foreign of its methods, the type: held so that its id is not reused). Ids, because
+    # hashing a type of the patch's could run its code.
+    by_type = {}
+
+    def foreign_value(value):
+        """`foreign` for a function, or for the methods of the type of any other object."""
+        where = foreign(value, True)
+        kind = type(value)
+        if where or issubclass(kind, type):
+            return where
+        if id(kind) not in by_type:
+            members = list(class_dict.__get__(kind).values())
+            by_type[id(kind)] = next((w for w in (foreign(m, True) for m in members) if w), None), kind
+        return by_type[id(kind)][0]
+
+    def attributes(obj):
+        """An object's instance attributes, when its type is not the patch's (reading them then runs
+        only the interpreter's code)."""
+        if type(obj) is ModuleType or issubclass(type(obj), type) or foreign_value(obj):
+            return []
+        try:
+            held = object.__getattribute__(obj, "__dict__")
+        except AttributeError:
+            return []
+        return list(held.items()) if type(held) is dict else []
 
     def at_exit():
         found = scan() if "foreign" not in allowed else []
@@ -292,6 +326,7 @@ SCAN_RULES: dict[str, re.Pattern[str]] = {
     "pytest-hooks": re.compile(r"\bpytest_(?:runtest|collect|report|terminal|session|pyfunc|make_collect|item)"),
     "pytest-in-source": re.compile(r"^\s*(?:import|from)\s+pytest\b|\bpytest\s*\.\s*(?:skip|exit|fail)\b|\bxfail\b"),
     "trace": re.compile(r"\b(?:settrace|setprofile|_current_frames|gettrace)\b|\bsys\s*\.\s*monitoring\b"),
+    "frames": re.compile(r"\bf_locals\b"),
     "code-objects": re.compile(r"\.__code__\s*=[^=]|\bCodeType\b|\bco_code\b"),
     "exit": re.compile(r"\bos\s*\.\s*_exit\b|\bos\s*\.\s*exec[lv]p?e?\b"),
     "unittest-internals": re.compile(r"\bTestCase\s*\.\s*(?:run|__call__|debug)\b|\baddSuccess\b|\bTestResult\b"),
