@@ -6,7 +6,8 @@ command on the task's tests, `--repeat` times each, alternating:
   - plain: the command as the grader ran it before (no boot, no canaries, no pinned environment);
   - boot: the boot armed (the PATH shim, the audit hook, the exit scan) and the environment pinned;
   - witnessed: the boot plus the two canary tests, as a graded run runs it now.
-Also: the static scan of the gold patch (in the host process), the probe's extra witnessed run (one test
+Also: the static scan of the gold patch (in the host process), the boot's exit scan (inside the runner,
+as it reports it), the probe's extra witnessed run (one test
 plus the canaries; once per task base, kept for later grades), and a whole `grade()` of the gold patch
 (first grade of a task: probe included; then a second one, the probe reused). Medians, in seconds.
 
@@ -91,6 +92,7 @@ async def measure(backend: LocalBackend, task: Task, repeat: int) -> dict[str, f
         "canary_overhead_s": round(medians["witnessed_s"] - medians["boot_s"], 4),
         "probe_extra_run_s": round(probe_run_s, 4),
         "static_scan_s": round(scan_s, 6),
+        "exit_scan_s": again.timings["exit_scan_s"],
         "grade_first_s": round(first.timings["total_s"], 3),
         "grade_again_s": round(again.timings["total_s"], 3),
     }

@@ -200,6 +200,7 @@ async def _graded_run(
     )
     tests = run.witnessed.tests
     timings["tests_s"] = tests.wall_s
+    timings["exit_scan_s"] = run.witnessed.audit.exit_scan_s
     run.exhausted = await sandbox.exhausted()
     if run.witnessed.reports is not None:
         run.statuses = report_statuses(test_ids, run.witnessed.junit_xml, tests.stdout)

@@ -222,12 +222,14 @@ def _swe_grpo_boot():
         return list(held.items()) if type(held) is dict else []
 
     def at_exit():
+        started = perf_counter()
         found = scan() if "foreign" not in allowed else []
         for item in found[:20]:
             note("event", "foreign " + item)
-        note("end", "pytest" if "_pytest" in sys.modules else "")
+        note("end", f"{'pytest' if '_pytest' in sys.modules else 'other'} {perf_counter() - started:.4f}")
 
     import atexit
+    from time import perf_counter
 
     atexit.register(at_exit)  # the first registered runs last, after every handler the run registers
 
@@ -277,18 +279,20 @@ def shim_script(boot_dir: str, bin_dir: str) -> str:
 class AuditReport:
     """What the boot recorded: `started` / `ended` whether the first process that read the secret wrote
     its start and its exit record, `pytest` whether that process ran pytest, `events` what it flagged,
-    `forged` lines without the nonce."""
+    `forged` lines without the nonce, `exit_scan_s` how long its exit scan took."""
 
     started: bool = False
     ended: bool = False
     pytest: bool = False
     events: tuple[str, ...] = ()
     forged: int = 0
+    exit_scan_s: float = 0.0
 
     @classmethod
     def parse(cls, text: str, nonce: str) -> AuditReport:
         runner: str | None = None
         ended = pytest = False
+        exit_scan_s = 0.0
         events: list[str] = []
         forged = 0
         for line in text.splitlines():
@@ -300,10 +304,11 @@ class AuditReport:
             if kind == "start" and runner is None:
                 runner = pid
             elif kind == "end" and pid == runner:
-                ended, pytest = True, rest[:1] == ["pytest"]
+                what, _, took = (rest[0] if rest else "").partition(" ")
+                ended, pytest, exit_scan_s = True, what == "pytest", float(took) if _is_number(took) else 0.0
             elif kind == "event":
                 events.append(rest[0] if rest else "")
-        return cls(runner is not None, ended, pytest, tuple(dict.fromkeys(events)), forged)
+        return cls(runner is not None, ended, pytest, tuple(dict.fromkeys(events)), forged, exit_scan_s)
 
     def tampering(self) -> str | None:
         """Why this report shows tampering, when it does (for a run whose boot worked without the patch)."""
@@ -316,6 +321,14 @@ class AuditReport:
         if not self.ended:
             return "the runner never reached its interpreter's exit (os._exit, a signal, or an exec)"
         return None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 # --- the static scan -----------------------------------------------------------------------------------
