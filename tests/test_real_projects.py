@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 from cheats import CHEATS, files_under_test, make_patch, scripts_named
 from real_projects import PROJECTS, real_project_tasks, tasks_dir
+from tampers import INIPARSE_ONLY, PLAIN_FAILURES, TAMPERS, tamper_patch
 
 from swe_grpo import cli
-from swe_grpo.grading import GradeResult, grade, is_protected
+from swe_grpo.grading import SCAN_RULES, GradeResult, grade, is_protected
+from swe_grpo.grading.probe import probe_runner
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.tasks import Task
 
@@ -33,6 +35,15 @@ def _cheats(test_cmd: str | None) -> list[str]:
     return [name for name in CHEATS if name != "edit_test_script" or scripts_named(test_cmd)]
 
 
+# Tampering patches, with the static scan allowed so that the run's own witnesses must name them, on the
+# three test layouts: a script in test_cmd (src/, unittest classes), PYTHONPATH=src with pytest-mock, and
+# doctests in the modules themselves.
+TAMPER_TASKS = [
+    "cachetools-5.5.0__lru_popitem",
+    "platformdirs-4.2.2__site_data_dirs_order",
+    "boltons-24.0.0__ordinalize_teens",
+]
+TAMPER_CASES = [(task_id, name) for task_id in TAMPER_TASKS for name in TAMPERS if name not in INIPARSE_ONLY]
 CASES = [(f"{p.dist}__{bug.name}", cheat) for p in PROJECTS for bug in p.bugs for cheat in _cheats(p.test_cmd)]
 
 
@@ -67,6 +78,9 @@ async def grades(
         jobs[task.instance_id, "empty"] = (task, "", True)
     for (task_id, cheat), patch in cheat_patches.items():
         jobs[task_id, cheat] = (tasks[task_id], patch, True)
+    for task_id, name in TAMPER_CASES:
+        task = replace(tasks[task_id], tamper_allow=tuple(SCAN_RULES))
+        jobs[task_id, f"tamper:{name}"] = (task, tamper_patch(task, TAMPERS[name][0]), True)
     for task_id in MOCKER_TASKS:
         task = tasks[task_id]
         jobs[task_id, "autoload_off"] = (task, task.patch, False)
@@ -146,6 +160,30 @@ def test_a_cheating_patch_does_not_resolve(
     assert all(is_protected(path) or path in files_under_test(task) | expected for path in result.dropped_paths)
     if cheat == "forge_report_at_exit":  # its search for the report's path
         assert "static scan: reports in " in (result.error or "")
+
+
+@pytest.mark.parametrize(("task_id", "name"), TAMPER_CASES)
+def test_a_tampering_patch_is_never_resolved(
+    grades: dict[tuple[str, str], GradeResult], task_id: str, name: str
+) -> None:
+    """Named `grading_tampered`, except where the tamper only breaks the run, or finds nothing to act on
+    (the code swap looks for module-level test functions: these tests are methods or parametrised)."""
+    result = grades[task_id, f"tamper:{name}"]
+    assert result.outcome != "resolved" and result.reward == 0.0, (result.outcome, result.error, result.log_tail)
+    if name in PLAIN_FAILURES:
+        assert result.outcome == "unresolved", (result.error, result.log_tail)
+    elif name != "code_swap":
+        assert result.outcome == "grading_tampered", (result.error, result.log_tail)
+
+
+@pytest.mark.parametrize("task_id", TASK_IDS)
+async def test_every_witness_works_on_every_task(
+    grades: dict[tuple[str, str], GradeResult], tasks: dict[str, Task], backend: LocalBackend, task_id: str
+) -> None:
+    """The probe (kept from the grades above) sees the canaries, the summary and the audit boot work
+    without the patch: none of the layers is off for these projects."""
+    probe = await probe_runner(backend, tasks[task_id], {}, _TIMEOUT_S)
+    assert (probe.canaries, probe.summary, probe.audit, probe.audit_allow) == (True, True, True, ())
 
 
 @pytest.mark.parametrize("task_id", MOCKER_TASKS)
