@@ -366,7 +366,7 @@ class InterceptionServer:
         door = Door.make(rollout_id)
         listener = Listener(f"door of {rollout_id}", self._runner.server, self.limits.door_connections, self._budget)
         try:
-            listener.server = await asyncio.get_running_loop().create_unix_server(listener, str(door.socket))
+            listener.serve_unix(str(door.socket), self.limits.door_accepts_per_s)
             door.socket.chmod(0o666)  # the sandbox's user connects; the rollout's token still guards it
         except BaseException:
             listener.close()
@@ -411,6 +411,11 @@ class InterceptionServer:
     @property
     def open_rollouts(self) -> int:
         return len(self._rollouts)
+
+    def open_connections(self) -> dict[str, int]:
+        """The connections each listener holds now ("tcp", "door of ROLLOUT_ID"): for health checks and tests."""
+        listeners = ([self._tcp] if self._tcp else []) + [listener for _, listener in self._doors.values()]
+        return {listener.name: listener.open for listener in listeners}
 
     # ----------------------------------------------------------------- routes
 

@@ -9,7 +9,10 @@ rollout timed out. The bounds (`ServingLimits`, defaults in brackets):
   one request at a time; its HTTP client may keep a spare connection or two), the TCP port at most
   `tcp_connections` [512]; and all of them together at most `descriptor_share` [0.5] of the process's
   RLIMIT_NOFILE, so that vLLM's connections, sandboxes' pipes and files always find descriptors. A connection
-  over a cap is answered `503` at once and closed: it never reaches aiohttp and holds nothing.
+  over a cap is answered `503` at once and closed: it never reaches aiohttp and holds nothing. A door also
+  accepts at most `door_accepts_per_s` [20] new connections a second (a burst of `door_connections`): beyond
+  that it stops accepting for a moment and the rest wait in its small backlog, in the kernel, so that a
+  sandbox opening and closing connections in a loop costs the server's event loop nothing more.
 - time: a connection that has not sent a whole request head within `idle_timeout_s` [30 s] of opening or of its
   previous reply is closed (aiohttp's `keepalive_timeout`, which runs from the connection's start: a header
   timeout and an idle timeout in one; agents' HTTP clients drop idle connections after ~4-5 s themselves), and a
@@ -24,8 +27,10 @@ rollout timed out. The bounds (`ServingLimits`, defaults in brackets):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +45,7 @@ class ServingLimits:
 
     max_request_bytes: int = 32 * 1024**2
     door_connections: int = 8
+    door_accepts_per_s: float = 20.0
     tcp_connections: int = 512
     descriptor_share: float = 0.5
     idle_timeout_s: float = 30.0
@@ -105,7 +111,9 @@ class Listener:
         self.name, self._factory, self.cap, self._budget = name, factory, cap, budget
         self._open: set[_Counted] = set()
         self.refused = 0
-        self.server: asyncio.Server | None = None
+        self.server: asyncio.Server | None = None  # a listener started by `loop.create_server`
+        self._sock: socket.socket | None = None  # or one that `serve_unix` accepts on itself
+        self._accepting: asyncio.Task | None = None
 
     @property
     def open(self) -> int:
@@ -133,9 +141,48 @@ class Listener:
             self._open.discard(counted)
             self._budget.open -= 1
 
+    def serve_unix(self, path: str, per_second: float) -> None:
+        """Listen on the unix socket `path`, accepting at most `per_second` connections a second (bursts of `cap`)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            sock.listen(self.cap)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._accepting = asyncio.get_running_loop().create_task(self._accept(sock, per_second))
+
+    async def _accept(self, sock: socket.socket, per_second: float) -> None:
+        loop = asyncio.get_running_loop()
+        tokens, then = float(self.cap), loop.time()
+        while True:
+            now = loop.time()
+            tokens, then = min(float(self.cap), tokens + (now - then) * per_second), now
+            if tokens < 1:  # over the rate: accept nothing for a moment; the kernel's backlog holds the rest
+                await asyncio.sleep((1 - tokens) / per_second)
+                continue
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as e:  # EMFILE and the like: the process is short of descriptors; try again soon
+                log.warning("%s: accept failed: %s", self.name, e)
+                await asyncio.sleep(0.1)
+                continue
+            tokens -= 1
+            try:
+                await loop.connect_accepted_socket(self, conn)
+            except OSError:
+                conn.close()
+
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        if self._accepting is not None:
+            self._accepting.cancel()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
         for counted in list(self._open):
             if counted.transport is not None:
                 counted.transport.close()
