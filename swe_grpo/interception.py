@@ -86,7 +86,7 @@ from swe_grpo.chain import (
 from swe_grpo.door import Door, remove_orphaned_doors
 from swe_grpo.openai_wire import Answer, APIError, errors_as_json, json_response
 from swe_grpo.responses import ParsedResponse, ResponseParser
-from swe_grpo.serving_limits import ConnectionBudget, Listener, ServingLimits
+from swe_grpo.serving_limits import ConnectionBudget, Listener, ServingLimits, return_big_buffers
 from swe_grpo.vllm_client import (
     ContextOverflowError,
     Generation,
@@ -266,6 +266,7 @@ class InterceptionServer:
         # otherwise shows as latency spikes of hundreds of ms under many concurrent rollouts. (Undone by
         # stop(), so that what was frozen can be freed at exit.)
         gc.freeze()
+        return_big_buffers()
         await asyncio.to_thread(remove_orphaned_doors)
         # Linux nice values are per thread: the bulk threads yield the CPU to the event loop and to the
         # other rollouts' turns, so a big request takes longer instead of slowing everyone down.
@@ -470,6 +471,9 @@ class InterceptionServer:
                 except APIError as e:  # still the rollout's request: recorded like any refused turn
                     self._record(rollout, "bad_request", e.message, turn_index)
                     raise
+                except ConnectionError:  # the agent went away while sending its request
+                    self._record(rollout, "client_disconnected", "the agent went away mid-request", turn_index)
+                    return web.Response(status=499, reason="Client Closed Request")
                 answer = Answer(request, stream, bool(stream_options.get("include_usage")), rollout.endpoint.model)
                 try:
                     return await self._turn(rollout, body, size, params, answer)

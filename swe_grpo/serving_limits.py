@@ -21,13 +21,15 @@ rollout timed out. The bounds (`ServingLimits`, defaults in brackets):
   rollout has at most one request in flight: a newer one supersedes it (`InterceptionServer`). So a rollout holds
   at most one body of at most `max_request_bytes` [32 MiB: 16 x a 2 MB tool output, more than any context
   window holds] plus its waiting connections' read buffers (aiohttp stops reading a connection whose buffered
-  body passes 2 x 64 KiB).
+  body passes 2 x 64 KiB). And a freed body goes back to the system (`return_big_buffers`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import resource
 import socket
@@ -36,6 +38,8 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+_MMAP_THRESHOLD = 128 * 1024
 _BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
@@ -55,6 +59,17 @@ class ServingLimits:
         """How many connections all listeners together may hold: a share of the descriptors this process may open."""
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         return max(1, int(soft * self.descriptor_share))
+
+
+def return_big_buffers() -> None:
+    """Have glibc serve every allocation over 128 KiB with its own mapping, returned to the system when freed.
+    By default glibc raises that threshold after the first such free (up to 32 MiB), and request bodies read
+    after that stay in its heap once freed: in benchmark P9 three connections streaming bodies over the cap, one
+    capped body held at a time, still raised the server's RSS by 440 MiB; 24 MiB with this. Process-wide; a
+    no-op where the C library is not glibc."""
+    name = ctypes.util.find_library("c")
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(name).mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
 
 
 class _Refused(asyncio.Protocol):

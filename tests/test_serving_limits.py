@@ -236,3 +236,17 @@ async def test_the_tcp_port_and_all_listeners_together_are_capped(http) -> None:
         await asyncio.sleep(0.1)
         assert await served(http, srv, srv.open_rollout()) < 1.0
     assert 0 < limits.total_connections() < psutil.Process().rlimit(psutil.RLIMIT_NOFILE)[0]
+
+
+async def test_an_agent_that_goes_away_mid_body_is_a_client_disconnection(caplog) -> None:
+    async with limited_server() as srv:
+        endpoint = srv.open_rollout()
+        _, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        writer.write(head(endpoint, 1000) + b'{"messages": ')
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.transport.abort()
+        await asyncio.sleep(0.2)
+        record = srv.close_rollout(endpoint.rollout_id)
+    assert [e.kind for e in record.errors] == ["client_disconnected"]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]

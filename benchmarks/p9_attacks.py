@@ -1,0 +1,336 @@
+"""P9: one rollout attacks the InterceptionServer with its own token; what does it cost the other rollouts?
+
+What. `--rollouts` (default 32) simulated Pi agents run against one `InterceptionServer` whose generator is a STUB
+that sleeps 50 ms and returns a fixed, valid Qwen3 tool call (`_pi_agent.StubGenerator`; a real vLLM would only
+add the same generation time to every request); the tokenizer is the real tiny one. Each agent re-sends its whole
+history every turn, with a think pause of 0.5-1.5 s. After a baseline phase, each attack of issue 23 (section 3)
+runs for `--attack-s` seconds from a process of its own, against its own rollout's door (the unix socket a
+sandbox reaches the server by), with that rollout's token:
+
+- idle_flood: 1,100 connections that never send a byte (they exhausted the server's descriptors before);
+- slowloris: 200 connections that send a request head one byte a second and never finish it;
+- big_bodies: 3 connections at a time, each streaming 150 MiB of a chunked body (no length to refuse it by),
+  over and over (three raised the server's RSS by 450 MiB before);
+- churn: connections opened and closed as fast as one process can;
+- request_flood: 16 valid requests at once, over and over (each supersedes the one before).
+
+Reported per phase: the others' added latency (round-trip - 50 ms) p50 / p99 / max, their errors (non-200,
+transport errors, answers without tool calls), the server's RSS peak over its RSS before the attacks, and its
+open descriptors at peak. Targets: 0 errors for the others, their added p99 <= 50 ms, and the server's RSS
+within `RSS_BOUND_MIB` of where it started.
+
+How. The server runs in its own process (as P2/P5), the agents in this process, the attacker in a third; all on
+this machine over 127.0.0.1 and the door socket, competing for its CPUs (`--attacker-nice` stands in for the CPU
+share a sandbox's limits would give the attacker). Not from a real sandbox: the attacker is a host process that
+connects to the door socket as the sandbox's forwarder would (`door.cjs` pipes each connection to it).
+
+Run: `SWE_GRPO_CACHE=/tmp/swecache .venv/bin/python benchmarks/p9_attacks.py` (about 2 minutes; options
+`--rollouts`, `--attack-s`, `--baseline-s`, `--attacks`, `--json PATH`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import multiprocessing
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _pi_agent import (
+    TOOL_OUTPUTS,
+    PiConversation,
+    StubGenerator,
+    load_tokenizer,
+    markdown_table,
+    parse_sse,
+    percentile,
+    post,
+    server_process,
+)
+
+from swe_grpo.interception import InterceptionServer, RolloutEndpoint
+
+STUB_LATENCY_S = 0.05
+MIB = 1024 * 1024
+RSS_BOUND_MIB = 160  # 32 MiB of body, its decoding, and the allocator's slack: see the module docstring
+ATTACKS = ("idle_flood", "slowloris", "big_bodies", "churn", "request_flood")
+
+
+# --------------------------------------------------------------------------- the server process
+
+
+def serve(conn: Connection, rollouts: int, attackers: int) -> None:
+    logging.basicConfig(level=logging.ERROR)
+    asyncio.run(_serve(conn, rollouts, attackers))
+
+
+async def _serve(conn: Connection, rollouts: int, attackers: int) -> None:
+    tokenizer = load_tokenizer()
+    server = await InterceptionServer(StubGenerator(tokenizer, 1, STUB_LATENCY_S), tokenizer).start()
+    good = [server.open_rollout() for _ in range(rollouts)]
+    bad = [server.open_rollout() for _ in range(attackers)]
+    doors = [str((await server.open_door(e.rollout_id)).socket) for e in bad]
+    process = psutil.Process()
+    peak = {"rss": 0, "fds": 0}
+
+    async def sample() -> None:
+        while True:
+            peak["rss"] = max(peak["rss"], process.memory_info().rss)
+            peak["fds"] = max(peak["fds"], process.num_fds())
+            await asyncio.sleep(0.02)
+
+    sampling = asyncio.create_task(sample())
+    conn.send((good, bad, doors))
+    loop = asyncio.get_running_loop()
+    while (command := await loop.run_in_executor(None, conn.recv)) != "stop":
+        if command == "peak":  # the peak since the last ask, then start again from now
+            conn.send(dict(peak))
+            peak.update(rss=process.memory_info().rss, fds=process.num_fds())
+        elif command == "report":
+            records = [server.close_rollout(e.rollout_id) for e in good]
+            conn.send(
+                {
+                    "recorded_errors": sum(len(r.errors) for r in records),
+                    "forks": sum(t.kind == "fork" for r in records for t in r.turns),
+                }
+            )
+    sampling.cancel()
+    await server.stop()
+
+
+# --------------------------------------------------------------------------- the attacker's process
+
+
+def attack(name: str, socket_path: str, endpoint: RolloutEndpoint, seconds: float, nice: int) -> None:
+    os.nice(nice)  # stands in for the CPU share a sandbox's limits give it (none: 0)
+    asyncio.run(_attack(name, socket_path, endpoint, seconds))
+
+
+def _head(endpoint: RolloutEndpoint, chunked: bool = False, length: int = 0) -> bytes:
+    size = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {length}"
+    return (
+        f"POST /rollout/{endpoint.rollout_id}/v1/chat/completions HTTP/1.1\r\nHost: door\r\n"
+        f"Authorization: Bearer {endpoint.token}\r\nContent-Type: application/json\r\n{size}\r\n\r\n"
+    ).encode()
+
+
+async def _attack(name: str, path: str, endpoint: RolloutEndpoint, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    held: list[asyncio.StreamWriter] = []
+
+    async def connect() -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        with contextlib.suppress(OSError):
+            return await asyncio.open_unix_connection(path)
+        return None
+
+    async def hold(count: int, dribble: bytes = b"") -> None:
+        """Keep `count` connections open (re-opening those the server closes), sending `dribble` a byte a second."""
+        slots: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, int] | None] = [None] * count
+        while time.monotonic() < deadline:
+            for i, slot in enumerate(slots):
+                if slot is None or slot[0].at_eof() or slot[1].is_closing():
+                    if slot is not None:
+                        slot[1].close()
+                    opened = await connect()
+                    slots[i] = (*opened, 0) if opened else None
+                elif dribble and slot[2] < len(dribble):
+                    with contextlib.suppress(OSError):
+                        slot[1].write(dribble[slot[2] : slot[2] + 1])
+                    slots[i] = (slot[0], slot[1], slot[2] + 1)
+            await asyncio.sleep(1.0 if dribble else 0.2)
+        held.extend(s[1] for s in slots if s is not None)
+
+    async def big_body() -> None:
+        chunk = b"100000\r\n" + b"x" * 0x100000 + b"\r\n"  # 1 MiB chunks
+        while time.monotonic() < deadline:
+            opened = await connect()
+            if opened is None:
+                continue
+            reader, writer = opened
+            writer.write(_head(endpoint, chunked=True))
+            answered = asyncio.ensure_future(reader.read(100))
+            with contextlib.suppress(OSError):
+                for _ in range(150):
+                    if answered.done() or time.monotonic() > deadline:
+                        break
+                    writer.write(chunk)
+                    await writer.drain()
+            answered.cancel()
+            writer.close()
+
+    async def churn() -> None:
+        while time.monotonic() < deadline:
+            opened = await connect()
+            if opened:
+                opened[1].close()
+
+    async def request_flood() -> None:
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": False}).encode()
+        while time.monotonic() < deadline:
+            opened = await connect()
+            if opened is None:
+                await asyncio.sleep(0.01)
+                continue
+            reader, writer = opened
+            writer.write(_head(endpoint, length=len(body)) + body)
+            with contextlib.suppress(OSError, TimeoutError):
+                await asyncio.wait_for(reader.read(100), 1.0)
+            writer.close()
+
+    if name == "idle_flood":
+        await hold(1100)
+    elif name == "slowloris":
+        await hold(200, _head(endpoint)[:-4])
+    elif name == "big_bodies":
+        await asyncio.gather(*(big_body() for _ in range(3)))
+    elif name == "churn":
+        await churn()
+    elif name == "request_flood":
+        await asyncio.gather(*(request_flood() for _ in range(16)))
+    for writer in held:
+        writer.close()
+
+
+# --------------------------------------------------------------------------- the well-behaved agents
+
+
+@dataclass
+class Timeline:
+    requests: list[tuple[float, float]] = field(default_factory=list)  # (sent, answered)
+    errors: list[tuple[float, str]] = field(default_factory=list)
+
+
+async def agent(
+    session: aiohttp.ClientSession, endpoint: RolloutEndpoint, rng: random.Random, stop: asyncio.Event, tl: Timeline
+) -> None:
+    conversation = PiConversation(endpoint.model, rng, TOOL_OUTPUTS["small"].chars)
+    await asyncio.sleep(rng.uniform(0, 1.5))
+    while not stop.is_set():
+        sent = time.perf_counter()
+        try:
+            status, payload, _ = await post(session, endpoint, conversation.body())
+            if status != 200:
+                raise ValueError(f"HTTP {status}")
+            conversation.absorb(parse_sse(payload))
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as e:
+            tl.errors.append((sent, f"{type(e).__name__}: {e}"[:120]))
+            conversation = PiConversation(endpoint.model, rng, TOOL_OUTPUTS["small"].chars)
+        else:
+            tl.requests.append((sent, time.perf_counter()))
+        await asyncio.sleep(rng.uniform(0.5, 1.5))
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    async with server_process(serve, args.rollouts, len(args.attacks)) as running:
+        good, bad, doors = running.endpoints
+        tl, stop = Timeline(), asyncio.Event()
+        timeout = aiohttp.ClientTimeout(total=30)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+            agents = [asyncio.create_task(agent(session, e, random.Random(i), stop, tl)) for i, e in enumerate(good)]
+            phases: list[tuple[str, float, float, dict[str, int]]] = []
+            await asyncio.sleep(args.baseline_s / 2)  # warm up
+            running.conn.send("peak")
+            start_peak = running.conn.recv()
+            started = time.perf_counter()
+            await asyncio.sleep(args.baseline_s / 2)
+            running.conn.send("peak")
+            phases.append(("baseline", started, time.perf_counter(), running.conn.recv()))
+            ctx = multiprocessing.get_context("spawn")
+            for name, endpoint, path in zip(args.attacks, bad, doors, strict=False):
+                started = time.perf_counter()
+                process = ctx.Process(
+                    target=attack, args=(name, path, endpoint, args.attack_s, args.attacker_nice), daemon=True
+                )
+                process.start()
+                await loop.run_in_executor(None, process.join, args.attack_s + 60)
+                if process.is_alive():
+                    process.kill()
+                running.conn.send("peak")
+                phases.append((name, started, time.perf_counter(), running.conn.recv()))
+                await asyncio.sleep(2.0)  # let what the attack left be cleaned up before the next
+            stop.set()
+            await asyncio.gather(*agents)
+        server = running.finish()
+    rows = []
+    for name, t0, t1, peak in phases:
+        added = [b - a - STUB_LATENCY_S for a, b in tl.requests if t0 <= a < t1]
+        errors = [e for t, e in tl.errors if t0 <= t < t1]
+        rows.append(
+            {
+                "phase": name,
+                "requests": len(added),
+                "errors": len(errors),
+                "error_examples": sorted(set(errors))[:3],
+                "added_ms_p50": round(percentile(added, 50) * 1e3, 1),
+                "added_ms_p99": round(percentile(added, 99) * 1e3, 1),
+                "added_ms_max": round(max(added, default=float("nan")) * 1e3, 1),
+                "rss_peak_over_start_mib": round((peak["rss"] - start_peak["rss"]) / MIB, 1),
+                "fds_peak": peak["fds"],
+            }
+        )
+    return {"phases": rows, "server": server, "rss_start_mib": round(start_peak["rss"] / MIB, 1)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=32)
+    parser.add_argument("--attack-s", type=float, default=15.0)
+    parser.add_argument("--baseline-s", type=float, default=15.0)
+    parser.add_argument("--attacks", type=lambda s: s.split(","), default=list(ATTACKS))
+    parser.add_argument("--attacker-nice", type=int, default=0, help="the attacker's nice value (default 0)")
+    parser.add_argument("--json", type=Path, help="write the results here as JSON")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    result = asyncio.run(run(args))
+    others_errors = sum(r["errors"] for r in result["phases"]) + result["server"]["recorded_errors"]
+    met = (
+        others_errors == 0
+        and all(r["added_ms_p99"] <= 50 for r in result["phases"])
+        and all(r["rss_peak_over_start_mib"] <= RSS_BOUND_MIB for r in result["phases"])
+    )
+    result.update(
+        rollouts=args.rollouts,
+        attack_s=args.attack_s,
+        attacker_nice=args.attacker_nice,
+        stub_latency_ms=STUB_LATENCY_S * 1e3,
+        rss_bound_mib=RSS_BOUND_MIB,
+        targets_met=met,
+        cpus=os.cpu_count(),
+        load_before=[round(x, 2) for x in load_before],
+        load_after=[round(x, 2) for x in os.getloadavg()],
+        run_s=round(time.perf_counter() - t0, 1),
+    )
+    headers = ["phase", "others' requests", "errors", "added p50 ms", "added p99 ms", "max ms", "RSS peak +MiB", "fds"]
+    keys = ["phase", "requests", "errors", "added_ms_p50", "added_ms_p99", "added_ms_max", "rss_peak_over_start_mib"]
+    table = [[str(r[k]) for k in [*keys, "fds_peak"]] for r in result["phases"]]
+    print(markdown_table(headers, table))
+    print(
+        f"\nserver-recorded errors/forks of the others: {result['server']}; targets (0 errors, p99 <= 50 ms, RSS "
+        f"<= +{RSS_BOUND_MIB} MiB): {'met' if met else 'NOT met'}; load {result['load_before']} -> "
+        f"{result['load_after']} on {result['cpus']} CPUs; {result['run_s']} s"
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
