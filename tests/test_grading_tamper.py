@@ -158,6 +158,7 @@ EVENTS = ("os.exec", "sys.settrace", "object.__setattr__", "foreign")
         ("patch_runtest", (), "audit: the audit hook saw foreign _pytest.python.Function.runtest from /"),
         ("filter_output", (), "audit: the audit hook saw foreign TerminalReporter._tw._file from /"),
         ("os_exit_at_exit", (), "audit: the runner never reached its interpreter's exit"),
+        ("delete_audit_report", (), "audit: the audit hook never started"),
         # Also every audit event: the exec'd runner has no boot of its own, so no exit record.
         ("user_site", EVENTS, "audit: the runner never reached its interpreter's exit"),
         # ...the canaries, and the two reports against each other.

@@ -4,6 +4,7 @@ once per task base without the patch) and the witnessed test run that the probe 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import secrets
@@ -15,7 +16,7 @@ from swe_grpo.grading.protect import RunnerImports
 from swe_grpo.grading.reports import RunReports
 from swe_grpo.grading.steps import DEFAULT_TEST_CMD, BrokenTask, failure, in_sandbox, step
 from swe_grpo.grading.tamper import BOOT_ENV, AuditReport, Canaries, boot_secret, boot_source, shim_script
-from swe_grpo.sandbox.base import ExecResult, Sandbox, SandboxBackend, SandboxError
+from swe_grpo.sandbox.base import ExecResult, FileTooLarge, Sandbox, SandboxBackend, SandboxError
 from swe_grpo.tasks import Task
 
 # The environment of every witnessed run: no user site (a patch could have written one outside the
@@ -80,14 +81,28 @@ async def witnessed_run(
     )
     full_env = {**env, **PINNED_ENV, BOOT_ENV: secret}
     tests = await sandbox.exec(command, timeout_s=timeout_s, env=full_env, cwd=sandbox.workdir)
-    audit = AuditReport.parse((await sandbox.get_file(audit_path)).decode("utf-8", "replace"), nonce)
+    # Both files are within the patch's reach: a report it deleted reads as empty (no start or exit record:
+    # tampering, unless the run timed out, when no verdict is drawn from it), one it bloated as missing, and
+    # neither is ever read past its cap or parsed on the event loop.
+    audit_text = await _read_capped(sandbox, audit_path, _AUDIT_MAX_BYTES)
+    audit = await asyncio.to_thread(AuditReport.parse, audit_text or "", nonce)
     if tests.timed_out:
         return WitnessedRun(tests, None, audit, added, None)
+    junit_xml = await _read_capped(sandbox, junit_path, _JUNIT_MAX_BYTES)
+    reports = await asyncio.to_thread(RunReports.parse, ids, junit_xml, tests.stdout)
+    return WitnessedRun(tests, reports, audit, added, junit_xml)
+
+
+_AUDIT_MAX_BYTES = 4 * 1024**2
+_JUNIT_MAX_BYTES = 64 * 1024**2
+
+
+async def _read_capped(sandbox: Sandbox, path: str, max_bytes: int) -> str | None:
+    """A file of the graded run's scratch directory, or None when it is missing, unreadable or over `max_bytes`."""
     try:
-        junit_xml: str | None = (await sandbox.get_file(junit_path)).decode("utf-8", "replace")
-    except SandboxError:
-        junit_xml = None  # not written (or unreadable)
-    return WitnessedRun(tests, RunReports.parse(ids, junit_xml, tests.stdout), audit, added, junit_xml)
+        return (await sandbox.get_file(path, max_bytes=max_bytes)).decode("utf-8", "replace")
+    except (SandboxError, FileTooLarge):
+        return None
 
 
 _PROBE = """\
