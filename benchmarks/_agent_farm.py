@@ -28,9 +28,9 @@ from _pi_agent import TOOL_OUTPUTS, PiConversation, StubGenerator, load_tokenize
 from aiohttp import web
 
 from swe_grpo.agents import AgentConfig, AgentResult
-from swe_grpo.door import Door
-from swe_grpo.interception import RolloutEndpoint
 from swe_grpo.sandbox.base import Mount, Sandbox
+from swe_grpo.serving.door import Door
+from swe_grpo.types import RolloutEndpoint
 
 STUB_MODEL = "stub"
 

@@ -30,11 +30,11 @@ import aiohttp
 import orjson
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from swe_grpo.tiny_model import build_tiny_model
-from swe_grpo.vllm_client import Generation, SamplingParams
+from swe_grpo.extras.tiny_model import build_tiny_model
+from swe_grpo.serving.vllm_client import Generation, SamplingParams
 
 if TYPE_CHECKING:
-    from swe_grpo.interception import RolloutEndpoint
+    from swe_grpo.types import RolloutEndpoint
 
 # --------------------------------------------------------------------------- the request Pi sends
 

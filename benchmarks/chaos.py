@@ -12,7 +12,7 @@ recorded with its cause; TRL's trainer would stop there). Faults, each a named i
 - `vllm_5xx`: a burst of 5-30 s during which every request to vLLM gets HTTP 503 (`ChaosProxy`).
 - `pi_kill` / `pi_stall`: one running Pi process of this run SIGKILLed / SIGSTOPped (left stopped:
   the stall watchdog must end it).
-- `host_kill`: a rollout host (swe_grpo/rollout_hosts.py) SIGKILLed mid-run, its rollouts with it. The
+- `host_kill`: a rollout host (swe_grpo/worker/hosts.py) SIGKILLed mid-run, its rollouts with it. The
   worker's `check_health` must name it; TRL's trainer stops there, so the loop does what its operator
   would: `stop()` (which must remove everything the dead host left) and a new worker on the same policy.
   The rollouts the host had in flight are counted as `died_with_host`, apart from `lost`.
@@ -74,14 +74,15 @@ import requests
 from aiohttp import web
 from transformers import AutoTokenizer
 
-from swe_grpo.sandbox._common import CgroupLayout
+from swe_grpo.demo.tasks import demo_tasks
+from swe_grpo.extras.tiny_model import build_tiny_model
+from swe_grpo.extras.vllm_server import VLLMServer
 from swe_grpo.sandbox.base import SandboxError
 from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend, LocalLimits
-from swe_grpo.tasks import demo_tasks
-from swe_grpo.tiny_model import build_tiny_model
-from swe_grpo.vllm_server import VLLMServer
-from swe_grpo.worker import RolloutWorkerError, SWERolloutWorker
-from swe_grpo.worker_config import WorkerConfig
+from swe_grpo.sandbox.process import CgroupLayout
+from swe_grpo.types import RolloutWorkerError
+from swe_grpo.worker import SWERolloutWorker
+from swe_grpo.worker.config import WorkerConfig
 
 log = logging.getLogger("chaos")
 
@@ -488,7 +489,7 @@ def worker_log() -> Iterator[_WorkerLog]:
 
 
 def door_dirs() -> set[Path]:
-    """The door directories (`swe_grpo.door`) whose socket this process or a Python child of it (a rollout
+    """The door directories (`swe_grpo.serving.door`) whose socket this process or a Python child of it (a rollout
     host) serves."""
     me = psutil.Process()
     sockets = []

@@ -36,6 +36,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from swe_grpo.demo.run import DemoConfig
+from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.demo.warm_start import (
     SHIPPED_DIR,
     Episode,
@@ -46,8 +47,7 @@ from swe_grpo.demo.warm_start import (
     load_capture,
     sample,
 )
-from swe_grpo.task_sampling import TaskSampler
-from swe_grpo.tasks import demo_tasks
+from swe_grpo.worker.task_sampling import TaskSampler
 
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # as the demo's
 

@@ -27,11 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.grading import DEFAULT_TEST_CMD, grade, scan_patch
 from swe_grpo.grading.probe import witnessed_run
 from swe_grpo.sandbox.base import Sandbox
 from swe_grpo.sandbox.local import LocalBackend
-from swe_grpo.tasks import Task, demo_tasks
+from swe_grpo.tasks import Task
 
 
 async def _plain(sandbox: Sandbox, scratch: str, task: Task, ids: list[str]) -> float:

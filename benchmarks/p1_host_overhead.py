@@ -57,10 +57,11 @@ from _pi_agent import (
     post,
 )
 
-from swe_grpo import interception
-from swe_grpo.chain import TokenChain, normalize_message
-from swe_grpo.interception import InterceptionServer, RolloutEndpoint
-from swe_grpo.vllm_client import SamplingParams, VLLMClient
+from swe_grpo.serving import interception
+from swe_grpo.serving.interception import InterceptionServer
+from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient
+from swe_grpo.tokens.chain import TokenChain, normalize_message
+from swe_grpo.types import RolloutEndpoint
 
 # Rows of the breakdown: (label, key in Sample.stage); "- " marks a part of the row above.
 STAGES = [

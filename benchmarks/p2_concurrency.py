@@ -69,7 +69,8 @@ from _pi_agent import (
     server_process,
 )
 
-from swe_grpo.interception import InterceptionServer, RolloutEndpoint
+from swe_grpo.serving.interception import InterceptionServer
+from swe_grpo.types import RolloutEndpoint
 
 STUB_LATENCY_S = 0.05
 WARMUP_TURNS = 5

@@ -2,7 +2,7 @@
 
 What. `--rollouts` (default 32) simulated Pi agents run against one `InterceptionServer` whose generator is
 a STUB that sleeps 50 ms and returns a fixed, valid Qwen3 tool call (`_pi_agent.StubGenerator`); the
-tokenizer is the real tiny one (`swe_grpo.tiny_model`). Each agent re-sends its whole history every turn,
+tokenizer is the real tiny one (`swe_grpo.extras.tiny_model`). Each agent re-sends its whole history every turn,
 with one small tool result (200-600 chars) per turn and a think pause of `--think` seconds between turns.
 After a baseline phase, a separate "big" rollout makes `--big` requests one after another, each on a fresh
 rollout: one ordinary first turn, then a turn whose tool result is `--big-mb` MB of Python source (new
@@ -48,7 +48,7 @@ from _pi_agent import (
 )
 from p2_concurrency import STUB_LATENCY_S, ServerReport, serve
 
-from swe_grpo.interception import RolloutEndpoint
+from swe_grpo.types import RolloutEndpoint
 
 MB = 1_000_000
 

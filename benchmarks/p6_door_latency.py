@@ -1,4 +1,4 @@
-"""P6: the latency the agent's door (`swe_grpo.door`) adds to each request. Target: p50 <= 1 ms.
+"""P6: the latency the agent's door (`swe_grpo.serving.door`) adds to each request. Target: p50 <= 1 ms.
 
 What. A client inside a real `local` sandbox sends `GET /rollout/<id>/v1/models` (authenticated; no
 generation, so the time is transport and aiohttp) to a real InterceptionServer, one request after another,
@@ -29,11 +29,11 @@ from _pi_agent import load_tokenizer, markdown_table, percentile
 from sandbox_helpers import calc_task, make_repo
 
 from swe_grpo.agents.pi import NODE_PATH, PI_MOUNT, PiBundle
-from swe_grpo.door import DOOR_PORT
-from swe_grpo.interception import InterceptionServer
 from swe_grpo.sandbox.base import Sandbox
 from swe_grpo.sandbox.local import LocalBackend
-from swe_grpo.vllm_client import VLLMClient
+from swe_grpo.serving.door import DOOR_PORT
+from swe_grpo.serving.interception import InterceptionServer
+from swe_grpo.serving.vllm_client import VLLMClient
 
 # argv: port, path, token, requests, "keep" or "new"; prints the latencies in seconds as JSON.
 CLIENT = r"""

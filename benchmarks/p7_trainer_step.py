@@ -1,6 +1,6 @@
 """P7: the trainer's CPU step while 256 rollouts run against it, rollouts in its process vs in a rollout host.
 
-What. A training step of the demo's policy (the tiny Qwen3 built by `swe_grpo.tiny_model`: forward,
+What. A training step of the demo's policy (the tiny Qwen3 built by `swe_grpo.extras.tiny_model`: forward,
 backward and AdamW over `--batch` sequences of `--seq-len` tokens) on one thread, timed step by step in
 three modes:
 
@@ -55,11 +55,11 @@ from _agent_farm import STUB_MODEL, FarmAgent, agent_farm, stats, stub_vllm
 from _pi_agent import TOOL_OUTPUTS, markdown_table, percentile
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from swe_grpo.demo.tasks import demo_tasks
+from swe_grpo.extras.tiny_model import build_tiny_model
 from swe_grpo.sandbox.local import LocalBackend
-from swe_grpo.tasks import demo_tasks
-from swe_grpo.tiny_model import build_tiny_model
 from swe_grpo.worker import SWERolloutWorker
-from swe_grpo.worker_config import WorkerConfig
+from swe_grpo.worker.config import WorkerConfig
 
 MODES = ("none", "in-process", "out-of-process")
 log = logging.getLogger("p7")

@@ -8,14 +8,12 @@ repository's tests give the reward.
 import importlib
 from typing import Any
 
-from swe_grpo.chain import TokenChain, TrainingRow, TrainingTemplate, TurnRecord
+from swe_grpo import _compat
 from swe_grpo.grading import GradeResult, grade
-from swe_grpo.interception import InterceptionServer, Policy, RolloutEndpoint, RolloutRecord
-from swe_grpo.responses import ParsedResponse, ResponseParser
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
 from swe_grpo.sandbox import make_backend
-from swe_grpo.tasks import Task, demo_tasks, load_tasks
-from swe_grpo.vllm_client import (
+from swe_grpo.serving.interception import InterceptionServer, RolloutRecord
+from swe_grpo.serving.vllm_client import (
     BadResponseError,
     ContextOverflowError,
     Generation,
@@ -24,14 +22,20 @@ from swe_grpo.vllm_client import (
     VLLMClient,
     VLLMError,
 )
+from swe_grpo.tasks import Task, load_tasks
+from swe_grpo.tokens.chain import TokenChain, TrainingRow, TrainingTemplate, TurnRecord
+from swe_grpo.tokens.responses import ParsedResponse, ResponseParser
+from swe_grpo.types import Policy, RolloutEndpoint, RolloutWorkerError
 
-# The trainer-side pieces import TRL's trainer (~10 s): loaded on first use, so the CLI and the
-# rollout-only API stay quick to import.
+_compat.install()
+
+# The trainer-side pieces import TRL's trainer (~10 s), and the demo is not the library: loaded on first
+# use, so the CLI and the rollout-only API stay quick to import.
 _LAZY = {
-    "RolloutWorkerError": "swe_grpo.worker",
-    "SWERolloutWorker": "swe_grpo.worker",
-    "WorkerConfig": "swe_grpo.worker_config",
-    "use_cpu_fallbacks": "swe_grpo.cpu",
+    "SWERolloutWorker": "swe_grpo.worker.rollout_worker",
+    "demo_tasks": "swe_grpo.demo.tasks",
+    "WorkerConfig": "swe_grpo.worker.config",
+    "use_cpu_fallbacks": "swe_grpo.extras.cpu",
 }
 
 

@@ -27,11 +27,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from swe_grpo.demo import DemoConfig, plot_results, run_in_terminal
-from swe_grpo.door import check_allow
+from swe_grpo.serving.door import check_allow
 
 if TYPE_CHECKING:
+    from swe_grpo.extras.vllm_server import VLLMServer
     from swe_grpo.rollout import RolloutConfig
-    from swe_grpo.vllm_server import VLLMServer
 
 console = Console(stderr=True)
 
@@ -45,11 +45,11 @@ async def run_rollouts(args: argparse.Namespace) -> list:
     from transformers import AutoTokenizer
 
     from swe_grpo.agents import make_agent
-    from swe_grpo.interception import InterceptionServer
     from swe_grpo.rollout import run_rollout
     from swe_grpo.sandbox import make_backend
+    from swe_grpo.serving.interception import InterceptionServer
+    from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient
     from swe_grpo.tasks import load_tasks
-    from swe_grpo.vllm_client import SamplingParams, VLLMClient
 
     tasks = load_tasks(args.tasks, args.split, args.instance_ids)
     agent = make_agent(args.agent)
@@ -210,7 +210,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def vllm_server_from_args(args: argparse.Namespace) -> VLLMServer:
     """The server `swe-grpo serve-vllm` runs for these arguments (not started)."""
-    from swe_grpo.vllm_server import VLLMServer
+    from swe_grpo.extras.vllm_server import VLLMServer
 
     return VLLMServer(
         args.model,
@@ -243,7 +243,7 @@ def cmd_serve_vllm(args: argparse.Namespace) -> int:
 
 
 def cmd_build_tiny_model(args: argparse.Namespace) -> int:
-    from swe_grpo.tiny_model import TinyModelSpec, build_tiny_model
+    from swe_grpo.extras.tiny_model import TinyModelSpec, build_tiny_model
 
     print(build_tiny_model(TinyModelSpec(chat_template=args.chat_template)))
     return 0

@@ -55,12 +55,13 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from swe_grpo.agents.base import Agent, AgentConfig, AgentResult
-from swe_grpo.chain import Message, TrainingRow, TurnRecord, oldest_version
-from swe_grpo.door import Door, check_allow
 from swe_grpo.grading import DEFAULT_TIMEOUT_S, GradeResult, grade
-from swe_grpo.interception import InterceptionServer, RequestError
 from swe_grpo.sandbox.base import DIFF_TIMEOUT_S, MAX_PATCH_BYTES, PatchError, SandboxBackend, SandboxError
+from swe_grpo.serving.door import Door, check_allow
+from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.tasks import Task
+from swe_grpo.tokens.chain import Message, TrainingRow, TurnRecord, oldest_version
+from swe_grpo.types import RequestError
 
 _INFRA_REQUEST_ERRORS = ("server_unavailable", "bad_response", "internal")
 # An agent whose exit status is above this died of signal (status - 128): the shell's and docker's convention.
@@ -144,11 +145,11 @@ class RolloutConfig:
     # How long taking the agent's patch may take before it is `diff_timeout` (the policy's): ~4 s for 20,000
     # files on a loaded 2-core box; raise it for much larger repositories.
     diff_timeout_s: float = DIFF_TIMEOUT_S
-    # The agent's sandbox has no network but its one door to its own endpoint (`swe_grpo.door`); False:
+    # The agent's sandbox has no network but its one door to its own endpoint (`swe_grpo.serving.door`); False:
     # it shares the backend's network. Backends whose mounts are copies (`hf`) cannot have a door: their
     # agents reach the server's public, token-authenticated endpoint.
     door: bool = True
-    # With the door: the `host:port`s the agent may also reach, through an HTTPS proxy (`swe_grpo.door`).
+    # With the door: the `host:port`s the agent may also reach, through an HTTPS proxy (`swe_grpo.serving.door`).
     allow: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

@@ -18,9 +18,9 @@ from sandbox_helpers import backend, docker_backend, local_backend, sandbox_limi
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from swe_grpo.agents.pi import PiBundle
-from swe_grpo.tiny_model import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
-from swe_grpo.vllm_client import VLLMClient
-from swe_grpo.vllm_server import VLLMServer
+from swe_grpo.extras.tiny_model import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
+from swe_grpo.extras.vllm_server import VLLMServer
+from swe_grpo.serving.vllm_client import VLLMClient
 
 SERVED_NAME = "tiny"
 LORA_RANK = 8

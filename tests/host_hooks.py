@@ -9,9 +9,9 @@ import asyncio
 import json
 from typing import Any
 
-from swe_grpo.groups import GroupAssembler
-from swe_grpo.vllm_client import SamplingParams, VLLMClient
+from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient
 from swe_grpo.worker import SWERolloutWorker
+from swe_grpo.worker.groups import GroupAssembler
 
 
 def break_group_assembly() -> None:

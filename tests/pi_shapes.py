@@ -193,8 +193,8 @@ def main(versions: list[str]) -> None:
 
     from transformers import AutoTokenizer
 
+    from swe_grpo.extras.tiny_model import build_tiny_model
     from swe_grpo.sandbox.local import LocalBackend
-    from swe_grpo.tiny_model import build_tiny_model
 
     async def capture(version: str) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp:

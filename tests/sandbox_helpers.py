@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from swe_grpo.sandbox._common import CgroupLayout
 from swe_grpo.sandbox.base import SandboxBackend
 from swe_grpo.sandbox.docker import SANDBOX_LABEL, DockerBackend, DockerLimits
 from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend, LocalLimits
+from swe_grpo.sandbox.process import CgroupLayout
 from swe_grpo.tasks import Task
 
 CALC = "def add(a, b):\n    return a + b\n"

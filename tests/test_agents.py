@@ -13,7 +13,7 @@ from swe_grpo.agents import AGENTS, make_agent
 from swe_grpo.agents.mini_swe import MINI_MOUNT, MiniSweAgent, MiniSweAgentBundleError
 from swe_grpo.agents.pi import PI_MOUNT, PiAgent
 from swe_grpo.cli import parse_args
-from swe_grpo.worker_config import WorkerConfig
+from swe_grpo.worker.config import WorkerConfig
 
 ROLLOUT = ["rollout", "--tasks", "t.jsonl", "--vllm-url", "http://127.0.0.1:9", "--model", "m"]
 

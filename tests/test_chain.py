@@ -9,7 +9,7 @@ import pytest
 from conftest import TEMPLATES, tiny_tokenizer
 from pi_shapes import PiConversation, scripted_output, tool_call
 
-from swe_grpo.chain import (
+from swe_grpo.tokens.chain import (
     MessageFormatError,
     TemplateNotPrefixPreservingError,
     TemplateRefusedError,
@@ -17,7 +17,7 @@ from swe_grpo.chain import (
     TrainingTemplate,
     normalize_message,
 )
-from swe_grpo.responses import ResponseParser
+from swe_grpo.tokens.responses import ResponseParser
 
 REPLIES = [
     {

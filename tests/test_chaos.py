@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from sandbox_helpers import calc_task, make_repo
 
+from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.sandbox.local import LocalBackend
-from swe_grpo.tasks import demo_tasks
 from swe_grpo.worker import SWERolloutWorker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

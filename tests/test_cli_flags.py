@@ -25,12 +25,12 @@ from test_rollout import STRUTIL, edit_call, tool_call
 
 from swe_grpo.agents.pi import PiAgent
 from swe_grpo.cli import parse_args, rollout_config
-from swe_grpo.door import PROXY_PORT
-from swe_grpo.interception import InterceptionServer
+from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
 from swe_grpo.sandbox.base import SandboxBackend
-from swe_grpo.tasks import demo_tasks
-from swe_grpo.vllm_client import SamplingParams
+from swe_grpo.serving.door import PROXY_PORT
+from swe_grpo.serving.interception import InterceptionServer
+from swe_grpo.serving.vllm_client import SamplingParams
 
 STRUTIL_TASK = next(t for t in demo_tasks() if t.instance_id == STRUTIL)
 ROLLOUT = ["rollout", "--tasks", "tasks.jsonl", "--vllm-url", "http://127.0.0.1:9", "--model", SERVED_NAME]

@@ -24,11 +24,12 @@ from sandbox_helpers import assert_nothing_left, calc_task, make_repo
 from test_pi_integration import RecordingClient
 from test_rollout import STRUTIL, rollout
 
+from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.grading import DEFAULT_TEST_CMD, grade
 from swe_grpo.sandbox.base import ExecResult, Sandbox, SandboxBackend
 from swe_grpo.sandbox.docker import DockerLimits
 from swe_grpo.sandbox.local import LocalBackend, LocalLimits
-from swe_grpo.tasks import Task, demo_tasks
+from swe_grpo.tasks import Task
 
 STRUTIL_TASK = next(t for t in demo_tasks() if t.instance_id == STRUTIL)
 MEMORY = 256 << 20

@@ -23,7 +23,7 @@ from trl.experimental.async_grpo.packing import TREE_ATTENTION, TreeRow
 from trl.trainer import utils as trl_utils
 from trl.trainer.utils import add_fused_lm_head
 
-from swe_grpo.cpu import PEAK_FLOPS_ENV, peak_flops_per_device, tree_attention_cpu, use_cpu_fallbacks
+from swe_grpo.extras.cpu import PEAK_FLOPS_ENV, peak_flops_per_device, tree_attention_cpu, use_cpu_fallbacks
 
 VOCAB = 64
 SLIDING_WINDOW = 4  # well below the samples' lengths (up to 27 tokens), so the window cuts most paths

@@ -1,4 +1,4 @@
-"""The agent's one door (`swe_grpo.door`) on real sandboxes and a real InterceptionServer: from inside an
+"""The agent's one door (`swe_grpo.serving.door`) on real sandboxes and a real InterceptionServer: from inside an
 agent sandbox its own rollout's endpoint answers (and still wants the token), while the server's other
 routes and rollouts, its TCP port, vLLM's port and another host loopback port are out of reach, and the
 sandbox has no interface or route but its own loopback. A real Pi run goes through the door.
@@ -24,11 +24,11 @@ from sandbox_helpers import calc_task, make_repo
 
 from swe_grpo.agents.base import AgentConfig
 from swe_grpo.agents.pi import NODE_PATH, PI_MOUNT, PiBundle, run_pi
-from swe_grpo.door import DOOR_PORT, PROXY_PORT, Door
-from swe_grpo.interception import InterceptionServer
 from swe_grpo.sandbox.base import Sandbox, SandboxBackend
+from swe_grpo.serving.door import DOOR_PORT, PROXY_PORT, Door
+from swe_grpo.serving.interception import InterceptionServer
+from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient
 from swe_grpo.tasks import Task
-from swe_grpo.vllm_client import SamplingParams, VLLMClient
 
 NODE = f"{PI_MOUNT}/{NODE_PATH}"
 

@@ -33,10 +33,10 @@ import yaml
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from swe_grpo.cli import parse_args, vllm_server_from_args
+from swe_grpo.extras.vllm_server import VLLMServer
 from swe_grpo.sandbox.docker import DockerBackend
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.tasks import load_tasks, swe_gym_image, tasks_from_dataset
-from swe_grpo.vllm_server import VLLMServer
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_PY = REPO / "examples" / "train.py"

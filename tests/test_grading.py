@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from cheats import CHEATS, append, conftest_hooks, delete_tests, files_under_test, git, make_patch, source_module
 
+from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.grading import (
     DEFAULT_TEST_CMD,
     GradeResult,
@@ -32,7 +33,7 @@ from swe_grpo.grading import (
 )
 from swe_grpo.sandbox.base import Mount, Sandbox, SandboxBackend
 from swe_grpo.sandbox.local import LocalBackend
-from swe_grpo.tasks import Task, TaskFormatError, demo_tasks, task_from_row
+from swe_grpo.tasks import Task, TaskFormatError, task_from_row
 
 TASKS = demo_tasks()
 TASK_IDS = [task.instance_id.split("__")[1] for task in TASKS]

@@ -16,6 +16,7 @@ import pytest
 from cheats import git
 from tampers import PLAIN_FAILURES, TAMPERS, UNITTEST_TAMPERS, tamper_patch
 
+from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.grading import (
     DEFAULT_TEST_CMD,
     SCAN_RULES,
@@ -28,7 +29,7 @@ from swe_grpo.grading import (
 )
 from swe_grpo.grading.probe import probe_runner
 from swe_grpo.sandbox.local import LocalBackend
-from swe_grpo.tasks import Task, TaskFormatError, demo_tasks, task_from_row
+from swe_grpo.tasks import Task, TaskFormatError, task_from_row
 
 INIPARSE = next(task for task in demo_tasks() if "iniparse" in task.instance_id)
 

@@ -1,4 +1,4 @@
-"""GroupAssembler (swe_grpo/groups.py): how a group's graded attempts become the trainer's samples —
+"""GroupAssembler (swe_grpo/worker/groups.py): how a group's graded attempts become the trainer's samples —
 advantages over valid members, one sample per training row, the group's honest version on every sample,
 and groups that cannot teach dropped whole with the reason — read back through TRL's own staleness filter."""
 
@@ -17,12 +17,12 @@ from accelerate import PartialState
 from trl.experimental.async_grpo.async_grpo_config import AsyncGRPOConfig
 from trl.experimental.async_grpo.async_grpo_trainer import FixedCountBatcher, RolloutQueueDataset, TokenBudgetBatcher
 
-from swe_grpo.chain import TrainingRow
-from swe_grpo.groups import GroupAssembler
+from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.rollout import Trajectory
-from swe_grpo.tasks import demo_tasks
+from swe_grpo.tokens.chain import TrainingRow
 from swe_grpo.worker import SWERolloutWorker
-from swe_grpo.worker_config import WorkerConfig
+from swe_grpo.worker.config import WorkerConfig
+from swe_grpo.worker.groups import GroupAssembler
 
 KEEP_ALL = WorkerConfig(num_generations=2, drop_zero_variance_groups=False)
 

@@ -18,15 +18,16 @@ import pytest
 from conftest import SERVED_NAME, TEMPLATES, tiny_tokenizer
 from pi_shapes import SYSTEM_PROMPT, PiConversation, scripted_output, tool_call
 
-from swe_grpo.chain import TrainingTemplate, normalize_message
-from swe_grpo.interception import InterceptionServer, RolloutEndpoint
-from swe_grpo.vllm_client import (
+from swe_grpo.serving.interception import InterceptionServer
+from swe_grpo.serving.vllm_client import (
     ContextOverflowError,
     Generation,
     SamplingParams,
     ServerUnavailableError,
     VLLMClient,
 )
+from swe_grpo.tokens.chain import TrainingTemplate, normalize_message
+from swe_grpo.types import RolloutEndpoint
 
 pytestmark = pytest.mark.integration
 

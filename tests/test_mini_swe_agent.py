@@ -18,11 +18,12 @@ from test_rollout import STRUTIL, tool_call
 
 from swe_grpo.agents.base import AgentConfig
 from swe_grpo.agents.mini_swe import MINI_SWE_AGENT_VERSION, MiniSweAgent
-from swe_grpo.interception import InterceptionServer
+from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.rollout import RolloutConfig, run_rollout
 from swe_grpo.sandbox.local import LocalBackend
-from swe_grpo.tasks import Task, demo_tasks
-from swe_grpo.vllm_client import SamplingParams
+from swe_grpo.serving.interception import InterceptionServer
+from swe_grpo.serving.vllm_client import SamplingParams
+from swe_grpo.tasks import Task
 
 pytestmark = pytest.mark.integration
 

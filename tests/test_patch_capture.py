@@ -25,14 +25,15 @@ from test_pi_integration import RecordingClient
 
 from swe_grpo.agents.base import AgentConfig
 from swe_grpo.agents.pi import PiAgent
+from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.grading import grade
-from swe_grpo.interception import InterceptionServer
 from swe_grpo.rollout import RolloutConfig, run_rollout
 from swe_grpo.sandbox.base import BaseCommitLost, DiffUnreadable, PatchTooLarge, Sandbox, SandboxBackend
 from swe_grpo.sandbox.docker import DockerBackend
 from swe_grpo.sandbox.local import LocalBackend
-from swe_grpo.tasks import Task, demo_tasks
-from swe_grpo.vllm_client import SamplingParams
+from swe_grpo.serving.interception import InterceptionServer
+from swe_grpo.serving.vllm_client import SamplingParams
+from swe_grpo.tasks import Task
 from swe_grpo.worker import SWERolloutWorker
 
 # Attributes that turn off every content conversion, for the host's checkout the patch is applied to.

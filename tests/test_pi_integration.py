@@ -22,9 +22,9 @@ from pi_shapes import make_repo
 
 from swe_grpo.agents.base import AgentConfig, AgentResult
 from swe_grpo.agents.pi import SUPPORTED_PI_VERSIONS, PiBundle, run_pi
-from swe_grpo.interception import InterceptionServer, RolloutRecord
 from swe_grpo.sandbox.local import LocalBackend
-from swe_grpo.vllm_client import SamplingParams, VLLMClient
+from swe_grpo.serving.interception import InterceptionServer, RolloutRecord
+from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient
 
 pytestmark = pytest.mark.integration
 

@@ -13,10 +13,10 @@ import pytest
 from sandbox_helpers import calc_task, make_repo
 
 from swe_grpo.agents.base import AgentConfig, AgentResult, Launch, run_agent
-from swe_grpo.interception import RequestError
 from swe_grpo.rollout import outcome_before_grading
 from swe_grpo.sandbox.base import PatchError, SandboxBackend
 from swe_grpo.tasks import Task
+from swe_grpo.types import RequestError
 
 # What an agent can leave in its tree that git cannot read as a patch (each used to end as infra_error).
 UNREADABLE = {

@@ -26,10 +26,10 @@ import psutil
 import pytest
 from sandbox_helpers import marker
 
-from swe_grpo.interception import InterceptionServer
-from swe_grpo.sandbox._common import CgroupLayout
 from swe_grpo.sandbox.docker import OWNER_LABEL, SANDBOX_LABEL, DockerBackend
 from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend
+from swe_grpo.sandbox.process import CgroupLayout
+from swe_grpo.serving.interception import InterceptionServer
 
 pytestmark = pytest.mark.integration
 
@@ -42,12 +42,12 @@ CHILD = textwrap.dedent(
     from transformers import AutoTokenizer
     from swe_grpo.agents.base import AgentConfig
     from swe_grpo.agents.pi import PiAgent
-    from swe_grpo.interception import InterceptionServer
+    from swe_grpo.serving.interception import InterceptionServer
     from swe_grpo.rollout import RolloutConfig, run_rollout
     from swe_grpo.sandbox.docker import DockerBackend
     from swe_grpo.sandbox.local import LocalBackend
-    from swe_grpo.tasks import demo_tasks
-    from swe_grpo.tiny_model import build_tiny_model
+    from swe_grpo.demo.tasks import demo_tasks
+    from swe_grpo.extras.tiny_model import build_tiny_model
 
     kind, run_dir, docker_url, mark = sys.argv[1:]
     waiting = 0
@@ -204,7 +204,7 @@ async def next_start(backend: LocalBackend | DockerBackend) -> None:
     """What the next run's `SWERolloutWorker.start` does first: start its backend and its InterceptionServer."""
     from transformers import AutoTokenizer
 
-    from swe_grpo.tiny_model import build_tiny_model
+    from swe_grpo.extras.tiny_model import build_tiny_model
 
     await backend.start()
     try:

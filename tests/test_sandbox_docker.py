@@ -27,7 +27,6 @@ import docker.errors
 import pytest
 from sandbox_helpers import CALC, calc_task, git, host_pids, make_repo, marker, wait_for_pids
 
-from swe_grpo.sandbox._common import export_repo
 from swe_grpo.sandbox.base import Mount, SandboxError
 from swe_grpo.sandbox.docker import (
     DEFAULT_IMAGE,
@@ -37,6 +36,7 @@ from swe_grpo.sandbox.docker import (
     DockerLimits,
     DockerSandbox,
 )
+from swe_grpo.sandbox.process import export_repo
 from swe_grpo.tasks import Task, swe_gym_image
 
 UID = 1000

@@ -11,10 +11,10 @@ import platform
 import pytest
 from sandbox_helpers import calc_task, make_repo
 
-from swe_grpo.sandbox._common import CgroupLayout
 from swe_grpo.sandbox.base import FileTooLarge, Sandbox, SandboxBackend
 from swe_grpo.sandbox.docker import DockerLimits
 from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend, LocalLimits, LocalSandbox
+from swe_grpo.sandbox.process import CgroupLayout
 from swe_grpo.tasks import Task
 
 OPEN_FILES = 256

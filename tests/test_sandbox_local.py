@@ -21,9 +21,9 @@ import pytest
 from aiohttp import web
 from sandbox_helpers import CALC, git, host_pids, marker, wait_for_pids
 
-from swe_grpo.sandbox._common import CgroupLayout
 from swe_grpo.sandbox.base import WORKDIR, Mount, SandboxError
 from swe_grpo.sandbox.local import CGROUP_PARENT, CowMethod, LocalBackend, LocalLimits, LocalSandbox, _Cgroup
+from swe_grpo.sandbox.process import CgroupLayout
 from swe_grpo.tasks import Task
 
 SANDBOX_UID = 999

@@ -1,4 +1,4 @@
-"""Every bound of `swe_grpo.serving_limits`, tried as an attacker holding its rollout's token would (issue 23,
+"""Every bound of `swe_grpo.serving.limits`, tried as an attacker holding its rollout's token would (issue 23,
 section 3): a real InterceptionServer on loopback and on a rollout's door (a unix socket), raw sockets that open
 connections and never speak, dribble a request head, or stream bodies far bigger than any request; meanwhile the
 server's own health, its descriptors and memory, and another rollout's requests are watched. The generator is a
@@ -20,8 +20,9 @@ import pytest
 from pi_shapes import PiConversation
 from test_interception import ScriptedGenerator, post_chat, stub_server, training
 
-from swe_grpo.interception import InterceptionServer, RolloutEndpoint
-from swe_grpo.serving_limits import ServingLimits
+from swe_grpo.serving.interception import InterceptionServer
+from swe_grpo.serving.limits import ServingLimits
+from swe_grpo.types import RolloutEndpoint
 
 MIB = 1024 * 1024
 LIMITS = ServingLimits(max_request_bytes=8 * MIB, door_connections=4, idle_timeout_s=0.5, body_timeout_s=1.0)

@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 
-from swe_grpo.task_sampling import TaskSampler
-from swe_grpo.tasks import demo_tasks
-from swe_grpo.worker_config import WorkerConfig
+from swe_grpo.demo.tasks import demo_tasks
+from swe_grpo.worker.config import WorkerConfig
+from swe_grpo.worker.task_sampling import TaskSampler
 
 TASKS = demo_tasks()
 SOLVED, MIXED, FAILED = (t.instance_id for t in TASKS)

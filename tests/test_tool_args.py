@@ -13,9 +13,9 @@ import pytest
 from conftest import TEMPLATES, tiny_tokenizer
 from pi_shapes import echo_assistant, scripted_output
 
-from swe_grpo.chain import TrainingTemplate, normalize_message, same_message
-from swe_grpo.responses import ResponseParser, UnsupportedTemplateError
-from swe_grpo.tiny_model import chat_template_text
+from swe_grpo.extras.tiny_model import chat_template_text
+from swe_grpo.tokens.chain import TrainingTemplate, normalize_message, same_message
+from swe_grpo.tokens.responses import ResponseParser, UnsupportedTemplateError
 
 
 def _schema(**types: Any) -> dict[str, Any]:

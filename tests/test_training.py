@@ -20,8 +20,8 @@ from peft import LoraConfig
 from sandbox_helpers import assert_no_agent_or_sandbox_left
 
 from swe_grpo import SWERolloutWorker, WorkerConfig, use_cpu_fallbacks
+from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.sandbox.local import LocalBackend
-from swe_grpo.tasks import demo_tasks
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,8 @@ from conftest import tiny_tokenizer
 from pi_shapes import TOOLS, PiConversation, tool_call
 from test_interception import ScriptedGenerator, post_chat, sse_events, stub_server, training
 
-from swe_grpo.interception import RolloutEndpoint
-from swe_grpo.responses import ResponseParser
+from swe_grpo.tokens.responses import ResponseParser
+from swe_grpo.types import RolloutEndpoint
 
 
 async def chat(http: aiohttp.ClientSession, endpoint: RolloutEndpoint, body: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from aiohttp import web
 from conftest import SERVED_NAME
 from transformers import AutoModelForCausalLM
 
-from swe_grpo.vllm_client import (
+from swe_grpo.serving.vllm_client import (
     BadResponseError,
     ContextOverflowError,
     SamplingParams,

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from swe_grpo.agents.base import AgentConfig
 from swe_grpo.agents.pi import PiAgent
+from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.demo.warm_start import (
     METADATA_FILE,
     SHIPPED_DIR,
@@ -30,11 +31,10 @@ from swe_grpo.demo.warm_start import (
     load_capture,
     sample,
 )
-from swe_grpo.interception import InterceptionServer
 from swe_grpo.rollout import RolloutConfig, run_rollout
 from swe_grpo.sandbox.local import LocalBackend
-from swe_grpo.tasks import demo_tasks
-from swe_grpo.vllm_client import Generation, SamplingParams
+from swe_grpo.serving.interception import InterceptionServer
+from swe_grpo.serving.vllm_client import Generation, SamplingParams
 
 # A cold build of the policy takes minutes on a busy 2-core box (then it is cached).
 pytestmark = pytest.mark.timeout(1800)

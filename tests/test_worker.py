@@ -33,13 +33,15 @@ from host_hooks import block_launches, break_group_assembly, record_vllm_request
 from sandbox_helpers import PI_PROCESS, assert_no_agent_or_sandbox_left, host_pids
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
+from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.grading import DEFAULT_TEST_CMD
 from swe_grpo.sandbox.base import SandboxError
 from swe_grpo.sandbox.local import LocalBackend
-from swe_grpo.tasks import Task, demo_tasks
-from swe_grpo.vllm_client import VLLMClient
-from swe_grpo.worker import RolloutWorkerError, SWERolloutWorker
-from swe_grpo.worker_config import WorkerConfig
+from swe_grpo.serving.vllm_client import VLLMClient
+from swe_grpo.tasks import Task
+from swe_grpo.types import RolloutWorkerError
+from swe_grpo.worker import SWERolloutWorker
+from swe_grpo.worker.config import WorkerConfig
 
 FAST = WorkerConfig(
     num_generations=2,
@@ -265,7 +267,7 @@ def test_a_host_killed_or_frozen_mid_rollout_is_reported_and_stop_leaves_nothing
 ) -> None:
     """The OOM killer or an operator's `kill -9` takes a host with agents at work, or a host hangs (here:
     SIGSTOP): health names it, and `stop()` leaves no agent, sandbox directory, mount or cgroup of it."""
-    monkeypatch.setattr("swe_grpo.rollout_hosts._ANSWER_TIMEOUT_S", 5.0)  # a frozen host: reported after 5 s
+    monkeypatch.setattr("swe_grpo.worker.hosts._ANSWER_TIMEOUT_S", 5.0)  # a frozen host: reported after 5 s
     worker = make_worker(demo_tasks())
     worker.start()
     drain = Drain(worker)

@@ -18,9 +18,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from swe_grpo.door import Door
-from swe_grpo.interception import RolloutEndpoint
 from swe_grpo.sandbox.base import Mount, Sandbox
+from swe_grpo.serving.door import Door
+from swe_grpo.types import RolloutEndpoint
 
 #: How much of an agent's stdout and stderr an `AgentResult` keeps (the end).
 TAIL_CHARS = 4000
@@ -61,7 +61,7 @@ class Launch:
     env: Mapping[str, str]
     files: Mapping[str, bytes]
     secret_env: str
-    # The Node binary inside the sandbox that runs the door's forwarder (`swe_grpo.door`).
+    # The Node binary inside the sandbox that runs the door's forwarder (`swe_grpo.serving.door`).
     node: str
 
 

@@ -1,9 +1,6 @@
 """The CPU demo, apart from the library: `swe-grpo demo` (`run.py`), the warm-started tiny policy it
-trains (`warm_start.py`) and the three bundled tasks it trains on (`tasks/`, also what
-`swe_grpo.tasks.demo_tasks()` loads). The library's data path never imports this package.
-
-The tiny model itself (`swe_grpo.tiny_model`) stays in the library: the test fixtures and the
-benchmarks build it too.
+trains (`warm_start/`) and the three bundled tasks it trains on (`tasks/`, also what
+`swe_grpo.demo.tasks.demo_tasks()` loads). The library's data path never imports this package.
 """
 
 from swe_grpo.demo.run import DemoConfig, DemoResult, plot_results, run_demo, run_in_terminal, save_curve, save_result

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from swe_grpo.task_sampling import TaskSampling
-from swe_grpo.tasks import demo_tasks
+from swe_grpo.demo.tasks import demo_tasks
+from swe_grpo.worker.task_sampling import TaskSampling
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -61,7 +61,7 @@ class DemoConfig:
     max_staleness: int = 1  # samples at most one policy behind: learning stays steady (PLATFORM.md)
     max_concurrent_rollouts: int = 6
     # Groups go to the tasks the policy is still undecided on: a learned task's groups are all solved and
-    # teach nothing, so late steps would pay for rollouts without signal (see swe_grpo/task_sampling.py).
+    # teach nothing, so late steps would pay for rollouts without signal (see swe_grpo/worker/task_sampling.py).
     task_sampling: TaskSampling = "informative"
     # Every group is trained on, all-equal ones with advantage 0 (no gradient): a step costs one group, so
     # the run's time is fixed. Dropping them instead, once the policy solves every task a step drew 225
@@ -132,12 +132,12 @@ def run_demo(config: DemoConfig, report: Report | None = None) -> DemoResult:
     from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
 
     from swe_grpo.agents.pi import PiAgent
-    from swe_grpo.cpu import use_cpu_fallbacks
     from swe_grpo.demo.warm_start import build_warm_policy, one_torch_thread
+    from swe_grpo.extras.cpu import use_cpu_fallbacks
+    from swe_grpo.extras.vllm_server import VLLMServer
     from swe_grpo.sandbox import make_backend
-    from swe_grpo.vllm_server import VLLMServer
     from swe_grpo.worker import SWERolloutWorker
-    from swe_grpo.worker_config import WorkerConfig
+    from swe_grpo.worker.config import WorkerConfig
 
     use_cpu_fallbacks()
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer

@@ -46,19 +46,19 @@ import orjson
 from aiohttp import ClientSession, web
 from transformers import PreTrainedTokenizerBase
 
-from swe_grpo.chain import Message, TokenChain, TrainingTemplate
+from swe_grpo.extras.tiny_model import build_tiny_model
 from swe_grpo.paths import cache_root
-from swe_grpo.responses import ResponseParser
-from swe_grpo.tiny_model import build_tiny_model
-from swe_grpo.vllm_client import Generation, SamplingParams
+from swe_grpo.serving.vllm_client import Generation, SamplingParams
+from swe_grpo.tokens.chain import Message, TokenChain, TrainingTemplate
+from swe_grpo.tokens.responses import ResponseParser
 
 if TYPE_CHECKING:
     import torch
 
     from swe_grpo.agents.base import AgentResult
     from swe_grpo.agents.pi import PiBundle
-    from swe_grpo.interception import RolloutRecord
     from swe_grpo.sandbox.base import SandboxBackend
+    from swe_grpo.serving.interception import RolloutRecord
     from swe_grpo.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ async def capture_pi_run(
     exited, with the rollout's token in `$TOKEN`. The sandbox is gone when this returns."""
     from swe_grpo.agents.base import AgentConfig
     from swe_grpo.agents.pi import run_pi
-    from swe_grpo.interception import InterceptionServer
+    from swe_grpo.serving.interception import InterceptionServer
 
     template = TrainingTemplate(tokenizer)
     generator = ScriptedGenerator([completion_ids(template, reply) for reply in replies])
@@ -286,7 +286,7 @@ async def capture_pi_requests(
     candidate of a task. Tool-call ids are made canonical (they are random and never rendered).
     `tokenizer` only scripts the replies; the capture does not depend on it.
     """
-    from swe_grpo.tasks import demo_tasks
+    from swe_grpo.demo.tasks import demo_tasks
 
     tasks = list(tasks or demo_tasks())
     candidates = candidates or load_candidates()

@@ -34,7 +34,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from swe_grpo.sandbox._common import Exhaustion
+    from swe_grpo.sandbox.process import Exhaustion
     from swe_grpo.tasks import Task
 
 #: Where the repository is inside every sandbox (SWE-bench images use this path too).
@@ -259,7 +259,7 @@ class SandboxBackend(ABC):
 
     name: str
     #: Whether a mount is the host directory itself, live (a unix socket in it can be connected to from
-    #: inside), not a copy: what an agent's door (`swe_grpo.door`) needs.
+    #: inside), not a copy: what an agent's door (`swe_grpo.serving.door`) needs.
     live_mounts: bool = True
 
     async def start(self) -> None:  # noqa: B027  (optional hook)

@@ -112,7 +112,8 @@ import requests
 from docker.models.containers import Container
 from docker.models.images import Image
 
-from swe_grpo.sandbox._common import (
+from swe_grpo.sandbox.base import WORKDIR, ExecResult, FileTooLarge, Mount, Sandbox, SandboxBackend, SandboxError
+from swe_grpo.sandbox.process import (
     EXEC_MARKER_VAR,
     PREPARE_TESTBED,
     CgroupLayout,
@@ -122,7 +123,6 @@ from swe_grpo.sandbox._common import (
     kill_tree_argv,
     local_repo,
 )
-from swe_grpo.sandbox.base import WORKDIR, ExecResult, FileTooLarge, Mount, Sandbox, SandboxBackend, SandboxError
 from swe_grpo.tasks import Task, swe_gym_image
 
 log = logging.getLogger(__name__)

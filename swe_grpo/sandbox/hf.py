@@ -51,7 +51,8 @@ from typing import Any, TypeVar
 
 from huggingface_hub import Sandbox as HubSandbox
 
-from swe_grpo.sandbox._common import (
+from swe_grpo.sandbox.base import WORKDIR, ExecResult, FileTooLarge, Mount, Sandbox, SandboxBackend, SandboxError
+from swe_grpo.sandbox.process import (
     EXEC_MARKER_VAR,
     PREPARE_TESTBED,
     OutputTail,
@@ -60,7 +61,6 @@ from swe_grpo.sandbox._common import (
     kill_tree_argv,
     local_repo,
 )
-from swe_grpo.sandbox.base import WORKDIR, ExecResult, FileTooLarge, Mount, Sandbox, SandboxBackend, SandboxError
 from swe_grpo.tasks import Task, swe_gym_image
 
 log = logging.getLogger(__name__)

@@ -77,7 +77,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from swe_grpo.paths import cache_root
-from swe_grpo.sandbox._common import HOST_GIT_ENV, CgroupLayout, Exhaustion, OutputTail
 from swe_grpo.sandbox.base import (
     WORKDIR,
     ExecResult,
@@ -88,6 +87,7 @@ from swe_grpo.sandbox.base import (
     SandboxError,
     owner_gone,
 )
+from swe_grpo.sandbox.process import HOST_GIT_ENV, CgroupLayout, Exhaustion, OutputTail
 from swe_grpo.sandbox.seccomp import filter_fd
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 `GroupAssembler.assemble` takes a finished group's trajectories and returns either its samples or the
 reason the whole group is dropped (`DropReason`). It keeps the worker's "Groups" and "One honest version
-per group" guarantees, stated once in swe_grpo/worker.py's docstring: advantages over the valid members
+per group" guarantees, stated once in swe_grpo/worker/rollout_worker.py's docstring: advantages over the valid members
 only, a group pushed or dropped whole, one sample per training row, the group's oldest version on each,
 and no row the trainer's `token_budget` would drop alone.
 """
@@ -18,7 +18,7 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from swe_grpo.rollout import Trajectory
 from swe_grpo.tasks import Task
-from swe_grpo.worker_config import WorkerConfig
+from swe_grpo.worker.config import WorkerConfig
 
 DropReason = Literal["too_few_valid", "zero_variance", "stale", "oversize"]
 

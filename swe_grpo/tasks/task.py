@@ -3,7 +3,6 @@
 `Task` is the SWE-Gym/SWE-bench row shape. `load_tasks` reads a local JSONL file, a dataset saved with
 `datasets.Dataset.save_to_disk`, or a Hugging Face Hub dataset (`SWE-Gym/SWE-Gym`, ...); every row of
 every source goes through the same `task_from_row`, so they accept and reject exactly the same rows.
-`demo_tasks()` returns the small tasks bundled with the package (see `swe_grpo/demo/tasks/`).
 """
 
 from __future__ import annotations
@@ -15,6 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The tasks bundled with the package (`swe_grpo.demo.tasks`), loadable by the source name "demo": read
+# as data, so loading tasks never imports the demo.
+DEMO_TASKS = Path(__file__).resolve().parents[1] / "demo" / "tasks" / "tasks.jsonl"
 
 @dataclass(frozen=True)
 class Task:
@@ -221,7 +223,7 @@ def load_tasks(source: str | Path, split: str = "train", instance_ids: Sequence[
     (`SWE-Gym/SWE-Gym`, `SWE-Gym/SWE-Gym-Lite`) loaded with `datasets.load_dataset(source, split=split)`.
     With `instance_ids`, only those tasks, in source order; an id that is not in the source raises
     `KeyError`."""
-    path = demo_tasks_path() if str(source) == "demo" else Path(source)
+    path = DEMO_TASKS if str(source) == "demo" else Path(source)
     if path.is_file():
         tasks = load_jsonl(path)
     elif path.is_dir():
@@ -242,15 +244,3 @@ def load_tasks(source: str | Path, split: str = "train", instance_ids: Sequence[
         raise KeyError(f"{source}: no task with instance_id {', '.join(sorted(missing))}")
     wanted = set(instance_ids)
     return [task for task in tasks if task.instance_id in wanted]
-
-
-def demo_tasks_path() -> Path:
-    """The bundled demo task file (`swe_grpo/demo/tasks/tasks.jsonl`); its repositories are git bundles
-    next to it."""
-    return Path(__file__).resolve().parent / "demo" / "tasks" / "tasks.jsonl"
-
-
-def demo_tasks() -> list[Task]:
-    """The small tasks shipped with the package: tiny stdlib-only Python repositories, each with a real
-    bug, a test patch, FAIL_TO_PASS / PASS_TO_PASS tests and the gold patch."""
-    return load_jsonl(demo_tasks_path())

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from swe_grpo.responses import ParsedResponse
+from swe_grpo.tokens.responses import ParsedResponse
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ What it guarantees:
   and the `chat_template_kwargs` it renders prompts with (e.g. `enable_thinking`); each reaches every
   vLLM request or the rendered prompt. A setting the worker cannot honour (`max_tool_calling_iterations`:
   Pi runs its own tool loop) is refused with the reason.
-- Groups (assembled by swe_grpo/groups.py). Each task drawn is attempted `num_generations` times.
+- Groups (assembled by swe_grpo/worker/groups.py). Each task drawn is attempted `num_generations` times.
   Advantages are `(r - mean) / (std + eps)` over the group's *valid* members: a rollout that ended in an
   infrastructure outcome (reward None: infra_error, rollout_error, timeout, context_overflow, or
   cancelled as stale) is left out of the baseline and not trained on. A group with fewer than two
@@ -61,7 +61,7 @@ What it guarantees:
   everything and leaves no sandbox, process or mount behind.
 
 Process model: the trainer's process only trains. With `WorkerConfig.rollout_hosts = N` (default 1) the
-worker the trainer holds spawns N rollout hosts (swe_grpo/rollout_hosts.py), child processes that each run
+worker the trainer holds spawns N rollout hosts (swe_grpo/worker/hosts.py), child processes that each run
 this same engine (its own InterceptionServer, Pi, sandboxes, grading) on a share of
 `max_concurrent_rollouts`; the trainer's side only moves groups of samples, metrics, traces and log
 records out of them and the policy into them, asks each for its health and stops them. Every guarantee
@@ -96,18 +96,19 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 from urllib3.util.retry import Retry
 
 from swe_grpo.agents import Agent, AgentConfig, make_agent
-from swe_grpo.door import remove_orphaned_doors
-from swe_grpo.group_queue import GroupQueue
-from swe_grpo.groups import GroupAssembler, group_advantages
-from swe_grpo.interception import InterceptionServer, Policy
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
-from swe_grpo.rollout_hosts import EngineArgs, HostSpec, ProcessHost, RolloutHost, RolloutHosts
 from swe_grpo.sandbox import make_backend
 from swe_grpo.sandbox.base import SandboxBackend
-from swe_grpo.task_sampling import TaskSampler
+from swe_grpo.serving.door import remove_orphaned_doors
+from swe_grpo.serving.interception import InterceptionServer
+from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient, VLLMError
 from swe_grpo.tasks import Task, tasks_from_dataset
-from swe_grpo.vllm_client import SamplingParams, VLLMClient, VLLMError
-from swe_grpo.worker_config import WorkerConfig
+from swe_grpo.types import Policy, RolloutWorkerError
+from swe_grpo.worker.config import WorkerConfig
+from swe_grpo.worker.group_queue import GroupQueue
+from swe_grpo.worker.groups import GroupAssembler, group_advantages
+from swe_grpo.worker.hosts import EngineArgs, HostSpec, ProcessHost, RolloutHost, RolloutHosts
+from swe_grpo.worker.task_sampling import TaskSampler
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +119,6 @@ _UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9_.-]")  # what the InterceptionServer
 # Listing vLLM's models at a weight sync: a vLLM unreachable or answering 5xx for a while (a restart, a burst)
 # is waited for, about a minute (backoff 0, 2, 4 ... 32 s), instead of stopping training with an exception.
 _LIST_RETRIES = Retry(total=6, backoff_factor=1.0, status_forcelist=(500, 502, 503, 504), raise_on_status=False)
-
-
-class RolloutWorkerError(RuntimeError):
-    """The worker crashed, stalled, or was misconfigured; raised by `check_health` and `start`."""
 
 
 class QueueOutlet:
@@ -248,7 +245,7 @@ class SWERolloutWorker:
             if self.config.ray_resources is None:
                 hosts: list[RolloutHost] = [ProcessHost(spec) for spec in specs]
             else:
-                from swe_grpo.ray_hosts import RayHost  # the optional extra swe_grpo[ray]
+                from swe_grpo.worker.ray_hosts import RayHost  # the optional extra swe_grpo[ray]
 
                 hosts = [RayHost(spec, self.config.ray_resources) for spec in specs]
             self._hosts = RolloutHosts(hosts, self.outlet)

@@ -52,15 +52,15 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Protocol
 
 from swe_grpo.agents import Agent
-from swe_grpo.interception import Policy
 from swe_grpo.sandbox.base import SandboxBackend
 from swe_grpo.tasks import Task
+from swe_grpo.types import Policy, RolloutWorkerError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from swe_grpo.worker import QueueOutlet
-    from swe_grpo.worker_config import WorkerConfig
+    from swe_grpo.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,6 @@ class RolloutHosts:
             host.set_policy(policy)
 
     def check_health(self, stale_after_s: float) -> None:
-        from swe_grpo.worker import RolloutWorkerError
 
         if self._failure is not None:
             raise RolloutWorkerError("moving the rollout hosts' output failed") from self._failure
@@ -278,7 +277,6 @@ class ProcessHost:
         self.name = f"rollout host {self.spec.index} (pid {process.pid})"
 
     def wait_started(self, timeout_s: float) -> None:
-        from swe_grpo.worker import RolloutWorkerError
 
         if (failure := self._answer(timeout_s, "start")) is not None:
             raise RolloutWorkerError(f"{self.name} failed to start") from failure
@@ -306,7 +304,6 @@ class ProcessHost:
         self._ask("health", stale_after_s)
 
     def stop(self, timeout_s: float) -> None:
-        from swe_grpo.worker import RolloutWorkerError
 
         process = self._process
         if process is None:
@@ -329,7 +326,6 @@ class ProcessHost:
     def _ask(self, request: str, argument: Any, answer_s: float | None = None) -> None:
         """Send a request and wait for its answer; `RolloutWorkerError` (the host's exception chained) if
         the host raised, died or did not answer."""
-        from swe_grpo.worker import RolloutWorkerError
 
         assert self._commands is not None
         with self._lock:
@@ -346,7 +342,6 @@ class ProcessHost:
     def _answer(self, timeout_s: float, request: str) -> BaseException | None:
         """Wait for the answer to `request`: None, or the exception the host raised; RolloutWorkerError if
         no answer came."""
-        from swe_grpo.worker import RolloutWorkerError
 
         assert self._commands is not None and self._process is not None
         try:
@@ -577,7 +572,6 @@ def _pack(exc: BaseException) -> _PackedException:
 
 def _unpack(chain: _PackedException, where: str) -> BaseException:
     """The exception chain rebuilt on this side, each with the host's traceback as a note."""
-    from swe_grpo.worker import RolloutWorkerError
 
     rebuilt: list[BaseException] = []
     for blob, summary, text in chain:

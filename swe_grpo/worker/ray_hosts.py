@@ -1,6 +1,6 @@
 """Rollout hosts as Ray actors, for rollouts on more machines than the trainer's (the extra `swe_grpo[ray]`).
 
-`RayHost` is a `RolloutHost` (swe_grpo/rollout_hosts.py) whose engine runs in a Ray actor, placed by Ray
+`RayHost` is a `RolloutHost` (swe_grpo/worker/hosts.py) whose engine runs in a Ray actor, placed by Ray
 on a node that offers the host's resources: the user gives the nodes that hold sandboxes a custom resource
 (`ray start --resources '{"swe_grpo_sandboxes": 1}'`, one unit per host the node takes) and the worker
 asks for it (`WorkerConfig(rollout_hosts=N, ray_resources={"swe_grpo_sandboxes": 1})`). The actor builds
@@ -42,8 +42,8 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
-from swe_grpo.interception import Policy
-from swe_grpo.rollout_hosts import HostMessage, HostSpec, build_engine
+from swe_grpo.types import Policy, RolloutWorkerError
+from swe_grpo.worker.hosts import HostMessage, HostSpec, build_engine
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,6 @@ class RayHost:
         self._launch(self.spec)
 
     def wait_started(self, timeout_s: float) -> None:
-        from swe_grpo.worker import RolloutWorkerError
 
         try:
             self._serves_on(ray.get(self._started, timeout=timeout_s))
@@ -208,7 +207,6 @@ class RayHost:
         return messages
 
     def health(self, stale_after_s: float) -> None:
-        from swe_grpo.worker import RolloutWorkerError
 
         if self._failure is not None:
             raise RolloutWorkerError(f"{self.name} is gone") from self._failure
@@ -229,7 +227,6 @@ class RayHost:
             raise RolloutWorkerError(f"{self.name} did not answer within {_ANSWER_TIMEOUT_S:.0f}s") from e
 
     def stop(self, timeout_s: float) -> None:
-        from swe_grpo.worker import RolloutWorkerError
 
         with self._lock:
             self._stopping = True  # from now on a lost actor is not replaced

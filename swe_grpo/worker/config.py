@@ -1,4 +1,4 @@
-"""WorkerConfig: how the rollout worker (swe_grpo/worker.py) samples, schedules and judges rollouts.
+"""WorkerConfig: how the rollout worker (swe_grpo/worker/rollout_worker.py) samples, schedules and judges rollouts.
 
 Kept apart from the worker so that a script can build and check a configuration without importing TRL's
 async GRPO trainer (~3 s), which the worker needs.
@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from swe_grpo.agents import AGENTS
 from swe_grpo.grading import DEFAULT_TIMEOUT_S
 from swe_grpo.sandbox.base import MAX_PATCH_BYTES
-from swe_grpo.task_sampling import TASK_SAMPLING, TaskSampling
-from swe_grpo.vllm_client import SamplingParams
+from swe_grpo.serving.vllm_client import SamplingParams
+from swe_grpo.worker.task_sampling import TASK_SAMPLING, TaskSampling
 
 if TYPE_CHECKING:
     from trl.experimental.async_grpo import AsyncGRPOConfig
@@ -54,7 +54,7 @@ class WorkerConfig:
     grade_timeout_s: float = DEFAULT_TIMEOUT_S
     plugin_autoload: bool = True  # pytest plugin autoload when grading; a task's own setting wins
     max_patch_bytes: int = MAX_PATCH_BYTES  # a larger patch ends the rollout patch_too_large (reward 0.0)
-    door: bool = True  # the agent's only network is its own endpoint (swe_grpo.door); False: the backend's
+    door: bool = True  # the agent's only network is its own endpoint (swe_grpo.serving.door); False: the backend's
     allow: tuple[str, ...] = ()  # with the door: host:port targets the agent may also reach (HTTPS proxy)
     adapter_prefix: str = "trl-policy"  # what AsyncGRPOTrainer names the adapters it publishes
     adapter_dir: str | None = None
@@ -62,7 +62,7 @@ class WorkerConfig:
     port: int = 0
     public_base_url: str | None = None
     seed: int = 0  # of the task order
-    task_sampling: TaskSampling = "shuffle"  # or "informative": see swe_grpo/task_sampling.py
+    task_sampling: TaskSampling = "shuffle"  # or "informative": see swe_grpo/worker/task_sampling.py
     queue_maxsize: int = 0  # launch no new group while this many samples wait for the trainer (0: no limit)
     # The trainer's: its TokenBudgetBatcher drops a longer sample alone, so a group with one is dropped whole here.
     # None: no limit (the trainer's default budget, vLLM's max_model_len, fits any row; <= 0 batches by count).
@@ -70,7 +70,7 @@ class WorkerConfig:
     log_traces: bool = False  # one group's agent conversations per policy version to the trainer's trackio run
     rollout_hosts: int = 1  # 0: rollouts run in a thread of this process; N: in N child processes (rollout_hosts.py)
     agent: str = "pi"  # the harness (swe_grpo.agents.AGENTS) when the worker is not given an Agent
-    # The rollout hosts as Ray actors (swe_grpo/ray_hosts.py, extra swe_grpo[ray]) on nodes offering these resources
+    # The rollout hosts as Ray actors (worker/ray_hosts.py, extra swe_grpo[ray]) on nodes offering these resources
     # each, e.g. {"swe_grpo_sandboxes": 1}; None: child processes of the trainer. Unused with rollout_hosts=0.
     ray_resources: Mapping[str, float] | None = None
 

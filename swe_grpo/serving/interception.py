@@ -10,7 +10,7 @@ answered as OpenAI JSON or SSE. Routes:
     GET  /rollout/{rollout_id}/v1/models
 
 A rollout may also be served on a door of its own (`open_door`: a unix socket for a sandbox without a
-network, `swe_grpo.door`); a request that comes through a door reaches only that rollout's two routes
+network, `swe_grpo.serving.door`); a request that comes through a door reaches only that rollout's two routes
 (anything else: 403), with its token checked as over TCP.
 
 Every rollout route checks the rollout's own token (constant-time): no or wrong token -> 401, unknown
@@ -20,7 +20,7 @@ run concurrently. A newer chat request of a rollout supersedes the one in flight
 answered 409 `superseded` with `x-should-retry: false`, or an SSE error event, and recorded "superseded"),
 before its own body is read: only one reply to concurrent requests is ever delivered, the newest, and it is
 the one trained. A body is read only once the rollout's previous request is over, within the bounds of
-`swe_grpo.serving_limits` (its size, its time; connections per door and per port; header and idle
+`swe_grpo.serving.limits` (its size, its time; connections per door and per port; header and idle
 timeouts). Every request refused after its token was checked (a body too big, too slow or not JSON, bad
 parameters) is recorded on the rollout too. A request that brings more than `_BULK_BYTES` of new content (a
 big tool output), or makes the chain render a long history whole (a fork), is prepared (normalised,
@@ -73,7 +73,18 @@ from aiohttp import web
 from aiohttp.web_exceptions import HTTPRequestEntityTooLarge
 from transformers import PreTrainedTokenizerBase
 
-from swe_grpo.chain import (
+from swe_grpo.serving.door import Door, remove_orphaned_doors
+from swe_grpo.serving.limits import ConnectionBudget, Listener, ServingLimits, return_big_buffers
+from swe_grpo.serving.openai_wire import Answer, APIError, errors_as_json, json_response
+from swe_grpo.serving.vllm_client import (
+    ContextOverflowError,
+    Generation,
+    Generator,
+    SamplingParams,
+    ServerUnavailableError,
+    VLLMError,
+)
+from swe_grpo.tokens.chain import (
     Message,
     MessageFormatError,
     PreparedTurn,
@@ -83,18 +94,8 @@ from swe_grpo.chain import (
     TurnRecord,
     oldest_version,
 )
-from swe_grpo.door import Door, remove_orphaned_doors
-from swe_grpo.openai_wire import Answer, APIError, errors_as_json, json_response
-from swe_grpo.responses import ParsedResponse, ResponseParser
-from swe_grpo.serving_limits import ConnectionBudget, Listener, ServingLimits, return_big_buffers
-from swe_grpo.vllm_client import (
-    ContextOverflowError,
-    Generation,
-    Generator,
-    SamplingParams,
-    ServerUnavailableError,
-    VLLMError,
-)
+from swe_grpo.tokens.responses import ParsedResponse, ResponseParser
+from swe_grpo.types import Policy, RequestError, RolloutEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -109,41 +110,6 @@ _BULK_NICE = 10
 # An attacker's rollout can send bad requests without end: each kind of error is recorded this many times at
 # most, later ones of a kind only counted (`RolloutRecord.errors_not_recorded`).
 _ERRORS_PER_KIND = 100
-
-
-@dataclass(frozen=True)
-class RolloutEndpoint:
-    """What an agent needs to talk to its rollout: OpenAI `base_url`, bearer `token`, `model` name."""
-
-    rollout_id: str
-    base_url: str
-    token: str
-    model: str
-
-
-@dataclass(frozen=True)
-class Policy:
-    """The policy that serves generations now: its version (recorded with every token it produces)
-    and the model name vLLM serves it under (a LoRA adapter such as `trl-policy-v3`; None = the
-    generator's default model)."""
-
-    version: int = 0
-    model: str | None = None
-
-
-@dataclass(frozen=True)
-class RequestError:
-    """A request the server could not complete. `kind` is one of "context_overflow",
-    "server_unavailable", "bad_response", "bad_request" (malformed messages, or a conversation the chat
-    template refuses; a body too big, too slow or not JSON), "internal" (anything unexpected),
-    "client_disconnected" (the agent went away before its reply was delivered; nothing was committed),
-    "superseded" (a newer request of the same rollout arrived first; nothing was committed). Only
-    "server_unavailable", "bad_response" and "internal" are the host's failures."""
-
-    kind: str
-    message: str
-    turn: int
-    at: float
 
 
 @dataclass
@@ -272,7 +238,7 @@ class InterceptionServer:
         # other rollouts' turns, so a big request takes longer instead of slowing everyone down.
         self._bulk = ThreadPoolExecutor(_BULK_THREADS, "interception-bulk", initializer=os.nice, initargs=(_BULK_NICE,))
         # aiohttp's keepalive timeout runs from a connection's opening and from each reply until a whole
-        # request head arrived: the header and idle timeout in one (`swe_grpo.serving_limits`).
+        # request head arrived: the header and idle timeout in one (`swe_grpo.serving.limits`).
         self._runner = web.AppRunner(self.app(), access_log=None, keepalive_timeout=self.limits.idle_timeout_s)
         await self._runner.setup()
         # Our own listeners, not aiohttp's sites: they count and cap their connections.
@@ -355,11 +321,11 @@ class InterceptionServer:
             refused_connections=rollout.refused_connections,
         )
 
-    # ----------------------------------------------------------------- doors (swe_grpo.door)
+    # ----------------------------------------------------------------- doors (swe_grpo.serving.door)
 
     async def open_door(self, rollout_id: str) -> Door:
         """Serve the open rollout `rollout_id` also on a unix socket of its own, which answers only that
-        rollout's routes (for a sandbox whose only way out it is: `swe_grpo.door`). `close_door` ends it."""
+        rollout's routes (for a sandbox whose only way out it is: `swe_grpo.serving.door`). `close_door` ends it."""
         if rollout_id not in self._rollouts:
             raise ValueError(f"rollout {rollout_id!r} is not open")
         if self._runner is None:

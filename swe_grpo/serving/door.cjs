@@ -1,4 +1,4 @@
-// The sandbox side of a rollout's door (swe_grpo/door.py). Run by the bundle's Node inside the sandbox's
+// The sandbox side of a rollout's door (swe_grpo/serving/door.py). Run by the bundle's Node inside the sandbox's
 // own network namespace: `node door.cjs PORT SOCKET [PROXY_PORT PROXY_SOCKET] -- CMD ARGS...` listens on
 // 127.0.0.1:PORT (and PROXY_PORT), pipes every connection to SOCKET (PROXY_SOCKET): unix sockets on the
 // host, bind-mounted in. Once listening it runs CMD (the agent) with this process's stdio, and with

@@ -1,0 +1,66 @@
+"""Module paths from before the package layout of 0.2 keep working until 0.3, with a DeprecationWarning.
+
+`swe_grpo.chain` is now `swe_grpo.tokens.chain`, and so on (`MOVED`). Importing an old path returns the
+new module itself, so a name patched through either path is patched for both.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+from types import ModuleType
+
+MOVED = {
+    "swe_grpo.chain": "swe_grpo.tokens.chain",
+    "swe_grpo.responses": "swe_grpo.tokens.responses",
+    "swe_grpo.interception": "swe_grpo.serving.interception",
+    "swe_grpo.openai_wire": "swe_grpo.serving.openai_wire",
+    "swe_grpo.serving_limits": "swe_grpo.serving.limits",
+    "swe_grpo.vllm_client": "swe_grpo.serving.vllm_client",
+    "swe_grpo.door": "swe_grpo.serving.door",
+    "swe_grpo.rollout_hosts": "swe_grpo.worker.hosts",
+    "swe_grpo.ray_hosts": "swe_grpo.worker.ray_hosts",
+    "swe_grpo.groups": "swe_grpo.worker.groups",
+    "swe_grpo.group_queue": "swe_grpo.worker.group_queue",
+    "swe_grpo.task_sampling": "swe_grpo.worker.task_sampling",
+    "swe_grpo.worker_config": "swe_grpo.worker.config",
+    "swe_grpo.cpu": "swe_grpo.extras.cpu",
+    "swe_grpo.vllm_server": "swe_grpo.extras.vllm_server",
+    "swe_grpo.tiny_model": "swe_grpo.extras.tiny_model",
+    "swe_grpo.sandbox._common": "swe_grpo.sandbox.process",
+}
+# Names that left a module which stayed: {old module: {name: new module}}.
+MOVED_NAMES = {"swe_grpo.tasks": {"demo_tasks": "swe_grpo.demo.tasks", "demo_tasks_path": "swe_grpo.demo.tasks"}}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(
+        self, fullname: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        return importlib.util.spec_from_loader(fullname, self) if fullname in MOVED else None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        new = MOVED[spec.name]
+        warnings.warn(f"{spec.name} moved to {new}; the old path goes in 0.3", DeprecationWarning, stacklevel=2)
+        return importlib.import_module(new)
+
+    def exec_module(self, module: ModuleType) -> None:
+        pass  # already executed under its new name
+
+
+def moved_name(module: str, name: str) -> object:
+    """For a module's `__getattr__`: a name that moved out of `module`, from its new home."""
+    new = MOVED_NAMES.get(module, {}).get(name)
+    if new is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    warnings.warn(f"{module}.{name} moved to {new}.{name}; the old path goes in 0.3", DeprecationWarning, stacklevel=3)
+    return getattr(importlib.import_module(new), name)
+
+
+def install() -> None:
+    """Let the old module paths import (idempotent)."""
+    if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+        sys.meta_path.append(_MovedModules())
