@@ -440,3 +440,45 @@ def test_train_py_takes_a_step_with_the_cpu_config_and_resumes(
     assert (adapter["r"], adapter["lora_dropout"]) == (8, 0.0)
     assert set(adapter["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
     assert (out / "adapter_model.safetensors").is_file()
+
+
+def readme_python(heading: str) -> str:
+    """The first Python block under the README's section `heading`."""
+    section = (REPO / "README.md").read_text().split(f"## {heading}\n", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_trl_script_builds_its_trainer_on_this_box(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's own-script snippet, run as written up to the trainer (whose construction loads the model
+    and contacts vLLM): on a box without CUDA its config must not ask for bf16, which raised "Your setup
+    doesn't support bf16/gpu" at `AsyncGRPOConfig(...)`. Only the model, the task source, the sandbox and
+    the output directory are swapped for this box's."""
+    import trl.experimental.async_grpo as async_grpo
+
+    source = readme_python("In your own TRL script")
+    swaps = {
+        'MODEL = "Qwen/Qwen3-1.7B"': f"MODEL = {str(tiny_model_dir)!r}",
+        'load_tasks("SWE-Gym/SWE-Gym-Lite")': 'load_tasks("demo")',
+        'sandbox="docker"': 'sandbox="local"',
+        'output_dir="out"': f"output_dir={str(tmp_path)!r}",
+    }
+    for old, new in swaps.items():
+        assert old in source, f"the README snippet no longer has {old!r}"
+        source = source.replace(old, new)
+
+    class Trainer(CapturedTrainer):
+        trained = False
+
+        def train(self) -> None:
+            self.trained = True
+
+    monkeypatch.setattr(async_grpo, "AsyncGRPOTrainer", Trainer)
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "README.md", "exec"), namespace)
+    trainer, args, worker = namespace["trainer"], namespace["args"], namespace["worker"]
+    assert trainer.trained and trainer.kwargs["rollout_worker"] is worker
+    assert args.bf16 is torch.cuda.is_available()
+    assert worker.config.num_generations == args.num_generations == 8
+    assert len(trainer.kwargs["train_dataset"]) == len(worker.tasks) > 0
