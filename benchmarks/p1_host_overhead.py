@@ -11,7 +11,7 @@ How. Per case, one simulated Pi session (`_pi_agent.py`) is grown over HTTP unti
 size, and its history is snapshotted there. Each timed sample opens a fresh rollout, primes it with the
 snapshot (a full render, as on a rollout's first turn or after a fork: "full-render turn"), then times
 the next turn, which must be served by the bridge (held chain + interstitial). Stages are timed by
-wrapping, in this process only, `InterceptionServer._json_body`, `TokenChain.prepare` (and in it the
+wrapping, in this process only, `openai_wire.read_body`, `TokenChain.prepare` (and in it the
 template's render + encode), `ResponseParser.parse`, `TokenChain.commit` and the SSE writer; the rest is
 HTTP + aiohttp. "HTTP floor": the same bytes through a bare aiohttp handler. Measured on the same data:
 the approach to beat (re-render + re-tokenise the whole history every turn), and what `VLLMClient` does
@@ -57,7 +57,7 @@ from _pi_agent import (
     post,
 )
 
-from swe_grpo.serving import interception
+from swe_grpo.serving import interception, openai_wire
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient
 from swe_grpo.tokens.chain import TokenChain, normalize_message
@@ -65,7 +65,7 @@ from swe_grpo.types import RolloutEndpoint
 
 # Rows of the breakdown: (label, key in Sample.stage); "- " marks a part of the row above.
 STAGES = [
-    ("body read + JSON decode (`_json_body`)", "json_body"),
+    ("body read + JSON decode (`read_body`)", "json_body"),
     ("chain.prepare", "prepare"),
     ("- render + tokenise the interstitial", "interstitial"),
     ("- normalise, compare, concatenate", "prepare_rest"),
@@ -120,13 +120,14 @@ class Probe:
 
 def instrument(probe: Probe, server: InterceptionServer) -> None:
     """Wrap the stages of a request, in this process only."""
-    server._json_body = probe.timed_async("json_body", server._json_body)  # type: ignore[method-assign]
+    # `read_body` is looked up in the interception module when a request is served: wrap it there.
+    interception.read_body = probe.timed_async("json_body", interception.read_body)
     TokenChain.prepare = probe.timed("prepare", TokenChain.prepare)  # type: ignore[method-assign]
     TokenChain.commit = probe.timed("commit", TokenChain.commit)  # type: ignore[method-assign]
     server.template.render = probe.timed("render", server.template.render)  # type: ignore[method-assign]
     server.template.encode = probe.timed("encode", server.template.encode)  # type: ignore[method-assign]
     server.parser.parse = probe.timed("parse", server.parser.parse)  # type: ignore[method-assign]
-    interception._Answer.send = probe.timed_async("sse", interception._Answer.send)  # type: ignore[method-assign]
+    openai_wire.Answer.send = probe.timed_async("sse", openai_wire.Answer.send)  # type: ignore[method-assign]
 
 
 @dataclass

@@ -60,7 +60,8 @@ from swe_grpo.sandbox.base import DIFF_TIMEOUT_S, MAX_PATCH_BYTES, PatchError, S
 from swe_grpo.serving.door import Door, check_allow
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.tasks import Task
-from swe_grpo.tokens.chain import Message, TrainingRow, TurnRecord, oldest_version
+from swe_grpo.tokens.chain import TrainingRow, TurnRecord, oldest_version
+from swe_grpo.tokens.messages import Message
 from swe_grpo.types import RequestError
 
 _INFRA_REQUEST_ERRORS = ("server_unavailable", "bad_response", "internal")
@@ -142,8 +143,8 @@ class RolloutConfig:
     grade_timeout_s: float = DEFAULT_TIMEOUT_S
     plugin_autoload: bool = True  # pytest plugin autoload when grading; a task's own setting wins
     max_patch_bytes: int = MAX_PATCH_BYTES
-    # How long taking the agent's patch may take before it is `diff_timeout` (the policy's): ~4 s for 20,000
-    # files on a loaded 2-core box; raise it for much larger repositories.
+    # How long taking the agent's patch may take before it is `diff_timeout` (the policy's); raise it for much
+    # larger repositories.
     diff_timeout_s: float = DIFF_TIMEOUT_S
     # The agent's sandbox has no network but its one door to its own endpoint (`swe_grpo.serving.door`); False:
     # it shares the backend's network. Backends whose mounts are copies (`hf`) cannot have a door: their

@@ -1,9 +1,8 @@
 """What one agent can make the InterceptionServer hold: every resource a rollout's connections touch, bounded.
 
-The policy is an adversary (DESIGN decision 12), and an agent sandbox holds its rollout's token. Without bounds,
-one sandbox made the server hold N x 256 MiB (N connections each streaming a big body, read before the rollout's
-lock) and exhausted its descriptors with ~1,100 idle connections to its door, so that `/health` and every other
-rollout timed out. The bounds (`ServingLimits`, defaults in brackets):
+The policy is an adversary (DESIGN decision 12), and an agent sandbox holds its rollout's token: whatever its
+connections make the server hold (memory for bodies, descriptors for connections, time) must stay bounded, so that
+`/health` and every other rollout keep being served. The bounds (`ServingLimits`, defaults in brackets):
 
 - connections: each listener counts its open connections: a door at most `door_connections` [8] (an agent makes
   one request at a time; its HTTP client may keep a spare connection or two), the TCP port at most
@@ -15,7 +14,7 @@ rollout timed out. The bounds (`ServingLimits`, defaults in brackets):
   sandbox opening and closing connections in a loop costs the server's event loop nothing more.
 - time: a connection that has not sent a whole request head within `idle_timeout_s` [30 s] of opening or of its
   previous reply is closed (aiohttp's `keepalive_timeout`, which runs from the connection's start: a header
-  timeout and an idle timeout in one; agents' HTTP clients drop idle connections after ~4-5 s themselves), and a
+  timeout and an idle timeout in one; agents' HTTP clients drop idle connections sooner themselves), and a
   request body that has not arrived whole within `body_timeout_s` [60 s] is answered 408.
 - bytes: a request body is read only once the rollout's previous request is over (the rollout's lock), and a
   rollout has at most one request in flight: a newer one supersedes it (`InterceptionServer`). So a rollout holds
@@ -64,9 +63,7 @@ class ServingLimits:
 def return_big_buffers() -> None:
     """Have glibc serve every allocation over 128 KiB with its own mapping, returned to the system when freed.
     By default glibc raises that threshold after the first such free (up to 32 MiB), and request bodies read
-    after that stay in its heap once freed: in benchmark P9 three connections streaming bodies over the cap, one
-    capped body held at a time, still raised the server's RSS by 440 MiB; 24 MiB with this. Process-wide; a
-    no-op where the C library is not glibc."""
+    after that would stay in its heap once freed. Process-wide; a no-op where the C library is not glibc."""
     name = ctypes.util.find_library("c")
     with contextlib.suppress(OSError, AttributeError, TypeError):
         ctypes.CDLL(name).mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)

@@ -1,6 +1,8 @@
-"""The OpenAI chat-completions wire format, as the InterceptionServer speaks it: errors in OpenAI's shape, a
-reply as JSON or as SSE chunks, and `Answer`, the agent's side of one request (headers first and keep-alive
-comments while streaming, every write to a connection the agent closed reported instead of raised)."""
+"""The OpenAI chat-completions wire format, as the InterceptionServer speaks it: a request's body read within
+bounds (`read_body`) and its streaming options (`stream_mode`), errors in OpenAI's shape (`APIError`,
+`errors_as_json`), a reply as JSON or as SSE chunks (`Reply`), and `Answer`, the agent's side of one request
+(headers first and keep-alive comments while streaming, every write to a connection the agent closed reported
+instead of raised)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.web_exceptions import HTTPRequestEntityTooLarge
 
 from swe_grpo.tokens.responses import ParsedResponse
 
@@ -63,6 +66,38 @@ async def errors_as_json(request: web.Request, handler: Callable) -> web.StreamR
     except Exception:
         log.exception("internal error serving %s", request.path)
         return APIError(500, "internal server error", "server_error").response()
+
+
+async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> tuple[dict[str, Any], int]:
+    """The request's JSON object and its size in bytes: 413 over `max_bytes` (refused before a byte is read when
+    its Content-Length says so), 408 when it has not arrived whole within `timeout_s`, 400 when it is not a JSON
+    object. A `ConnectionError` (the agent went away mid-body) is raised as it is."""
+    too_big = APIError(413, f"request body over {max_bytes} bytes")
+    if (request.content_length or 0) > max_bytes:
+        raise too_big
+    try:
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()  # aiohttp stops at `client_max_size` (the same limit) too
+    except TimeoutError:
+        raise APIError(408, f"request body not received within {timeout_s:g} s") from None
+    except HTTPRequestEntityTooLarge:
+        raise too_big from None
+    try:
+        body = orjson.loads(raw)  # the whole history, every turn: decode it fast
+    except orjson.JSONDecodeError:
+        raise APIError(400, "request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    return body, len(raw)
+
+
+def stream_mode(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(`stream`, `stream_options.include_usage`) of a request body; 400 when they are of the wrong type."""
+    stream = body.get("stream", False)
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream, bool) or not isinstance(stream_options, dict):
+        raise APIError(400, "'stream' must be a boolean and 'stream_options' an object")
+    return stream, bool(stream_options.get("include_usage"))
 
 
 @dataclass(frozen=True)

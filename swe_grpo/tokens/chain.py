@@ -6,13 +6,11 @@ arguments, drops empty text, and the template may render an earlier assistant tu
 tokens the model actually produced. The trainer would then score tokens under a context vLLM never saw.
 
 The chain avoids this by construction ("bridge-exact"). It holds every prompt token it sent and every
-token the model produced, untouched. When the next request's history extends what it holds, the next
-prompt is the held chain followed by the *interstitial*: the tokens the training chat template puts
-after the last assistant message (tool results, the next generation prompt). The interstitial is
-rendered from a two-message context, so its cost grows with the new messages, not with the history.
-When the history does not extend what the chain holds (the agent compacted, truncated or edited it), the
-chain FORKS: the current training row is closed and a new one starts from a fresh render. Every turn is
-recorded as clean or fork.
+token the model produced, untouched. When the next request's history extends what it holds (compared with
+`same_message`), the next prompt is the held chain followed by the *interstitial* of the training template
+(`TrainingTemplate.interstitial_ids`: tool results, the next generation prompt). When the history does not
+extend what the chain holds (the agent compacted, truncated or edited it), the chain FORKS: the current
+training row is closed and a new one starts from a fresh render. Every turn is recorded as clean or fork.
 
 A turn is a transaction: `prepare` changes nothing, and `commit` validates the reply completely (it
 normalises, and the training template renders it) before it touches the chain, so a failure leaves the
@@ -22,236 +20,38 @@ on. "Says again" is decided by what was said, not by bytes: the same conversatio
 re-serialised, numbers respelled) counts, whatever the system prompt or tool list; when those changed, the retry's
 prompt is a fresh render (a fork), else it is the replaced turn's prompt and does not fork.
 
-The template is TRL's prefix-preserving training template (`get_training_chat_template`), verified with
-`is_chat_template_prefix_preserving`; a tokenizer that cannot provide one is refused at construction.
+Usage: one `TokenChain(template)` per rollout; per request `turn = chain.prepare(messages, tools)`, generate
+from `turn.prompt_ids`, then `chain.commit(turn, output_ids, log_probs, version, reply, finish_reason)`. The
+training data is `chain.rows` (`TrainingRow`), the per-turn story `chain.turns` (`TurnRecord`). The template and
+message helpers are re-exported here from `swe_grpo.tokens.template` and `swe_grpo.tokens.messages`.
 """
 
 from __future__ import annotations
 
-import copy
-import json
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, Literal
 
-from transformers import PreTrainedTokenizerBase
-from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
+from swe_grpo.tokens.messages import Message, MessageFormatError, normalize_message, same_json, same_message
+from swe_grpo.tokens.template import TemplateNotPrefixPreservingError, TemplateRefusedError, TrainingTemplate
 
-Message = dict[str, Any]
-
-# Stands in for the history before the last assistant message when rendering an interstitial. Templates
-# that require a user turn somewhere in the conversation (Qwen3.5+) are satisfied by it.
-_CONTEXT_USER: Message = {"role": "user", "content": "."}
-
-
-class TemplateNotPrefixPreservingError(ValueError):
-    """The tokenizer's chat template cannot give bridge-exact prompts."""
-
-
-class MessageFormatError(ValueError):
-    """A request's messages are not valid OpenAI chat messages (the caller answers 400)."""
-
-
-class TemplateRefusedError(MessageFormatError):
-    """The training chat template raised while rendering a conversation (e.g. Llama 3.2's refuses an
-    assistant message with two tool calls)."""
-
-
-# --------------------------------------------------------------------------- message normalisation
-
-
-def _text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise MessageFormatError(f"{where}: unsupported content part {kind!r} (only text is supported)")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise MessageFormatError(f"{where}: content must be a string, a list of text parts, or null")
-
-
-def _tool_call(call: Any, where: str) -> Message:
-    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-        raise MessageFormatError(f"{where}: a tool call needs a 'function' object")
-    fn = call["function"]
-    if not isinstance(fn.get("name"), str):
-        raise MessageFormatError(f"{where}: a tool call needs a function name")
-    args = fn.get("arguments")
-    if args is None or args == "":
-        args = {}
-    elif isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError as e:
-            raise MessageFormatError(f"{where}: tool call arguments are not valid JSON: {e}") from None
-    if not isinstance(args, dict):
-        raise MessageFormatError(f"{where}: tool call arguments must be a JSON object")
-    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
-
-
-def normalize_message(message: Any, index: int = 0) -> Message:
-    """One OpenAI chat message, as an agent sends it, in the form chat templates render.
-
-    Content parts are joined into one string and `null` becomes `""`; tool-call `arguments` JSON
-    strings become objects, so re-serialised JSON compares equal; reasoning echoed back under
-    `reasoning` or `reasoning_content` becomes `reasoning_content`; `developer` becomes `system`.
-    """
-    where = f"messages[{index}]"
-    if not isinstance(message, dict):
-        raise MessageFormatError(f"{where}: must be an object")
-    role = message.get("role")
-    if role == "developer":
-        role = "system"
-    if role not in ("system", "user", "assistant", "tool"):
-        raise MessageFormatError(f"{where}: unsupported role {role!r}")
-    out: Message = {"role": role, "content": _text(message.get("content"), where)}
-    if role == "assistant":
-        reasoning = message.get("reasoning_content", message.get("reasoning"))
-        if reasoning:
-            out["reasoning_content"] = _text(reasoning, where)
-        calls = message.get("tool_calls")
-        if calls:
-            if not isinstance(calls, list):
-                raise MessageFormatError(f"{where}: tool_calls must be a list")
-            out["tool_calls"] = [_tool_call(c, where) for c in calls]
-    elif role == "tool":
-        out["tool_call_id"] = message.get("tool_call_id")
-        if isinstance(message.get("name"), str):
-            out["name"] = message["name"]
-    return out
-
-
-def same_json(a: Any, b: Any) -> bool:
-    """Whether two decoded JSON values are the same value: numbers by value (`30.0` is `30`, as a JavaScript
-    agent re-serialises it), but a boolean is no number (Python's `True == 1` must not decide it)."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same_json(v, b[k]) for k, v in a.items())
-    if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(map(same_json, a, b))
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return a == b
-    return type(a) is type(b) and a == b
-
-
-def _same_assistant(held: Message, incoming: Message) -> bool:
-    calls, echoed = held.get("tool_calls") or [], incoming.get("tool_calls") or []
-    return (
-        held["content"].strip() == incoming["content"].strip()
-        and held.get("reasoning_content", "").strip() == incoming.get("reasoning_content", "").strip()
-        and len(calls) == len(echoed)
-        and all(
-            a["function"]["name"] == b["function"]["name"]
-            and same_json(a["function"]["arguments"], b["function"]["arguments"])
-            for a, b in zip(calls, echoed, strict=True)
-        )
-    )
-
-
-def same_message(held: Message, incoming: Message) -> bool:
-    """Whether an incoming (normalised) message says what the held one said.
-
-    Exact for every role but the assistant's: an agent echoing a reply back may re-serialise it (other
-    tool-call ids, whitespace around text), and the chain already holds the tokens the model produced,
-    so an assistant message matches when its text, reasoning, tool names and argument values (`same_json`) do.
-    """
-    if held is incoming:
-        return True
-    if held["role"] == incoming["role"] == "assistant":
-        return _same_assistant(held, incoming)
-    return held == incoming
-
-
-# --------------------------------------------------------------------------- the training template
-
-
-class TrainingTemplate:
-    """A tokenizer with TRL's prefix-preserving training chat template installed.
-
-    Holds its own copy of the tokenizer (the caller's is not modified). Refuses, with the reason,
-    a tokenizer whose template cannot be made prefix-preserving or does not end an assistant turn
-    with the tokenizer's EOS token (the marker the interstitial is cut at).
-    """
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, **template_kwargs: Any):
-        if not tokenizer.chat_template:
-            raise TemplateNotPrefixPreservingError("the tokenizer has no chat template")
-        self.tokenizer = copy.deepcopy(tokenizer)
-        try:
-            patched = get_training_chat_template(self.tokenizer)
-        except ValueError:
-            patched = None  # TRL has no training variant; the template may still be usable as it is
-        if patched is not None:
-            self.tokenizer.chat_template = patched
-        if not is_chat_template_prefix_preserving(self.tokenizer):
-            raise TemplateNotPrefixPreservingError(
-                "the chat template is not prefix-preserving (rendering [user, assistant] and then "
-                "[user, assistant, tool] changes the earlier tokens) and TRL has no training variant for "
-                "it; bridge-exact prompts are impossible. Use a template TRL supports "
-                "(trl.chat_template_utils.get_training_chat_template) or fix the template."
-            )
-        self.template_kwargs = template_kwargs
-        # The Rust tokenizer directly: the same ids as `tokenizer.encode` without its Python overhead.
-        self._backend = self.tokenizer.backend_tokenizer
-        self.eos_token: str = self.tokenizer.eos_token
-        self.eos_token_id: int = self.tokenizer.convert_tokens_to_ids(self.eos_token)
-        probe = self.render([_CONTEXT_USER, {"role": "assistant", "content": "probe"}])
-        if self.eos_token not in probe[probe.rfind("probe") :]:
-            raise TemplateNotPrefixPreservingError(
-                f"the chat template does not end an assistant turn with the EOS token {self.eos_token!r}"
-            )
-
-    def render(self, messages: list[Message], tools: list | None = None, generation_prompt: bool = False) -> str:
-        """The template's text for `messages`. Raises TemplateRefusedError when the template raises: a
-        template is code that may refuse a conversation (`raise_exception(...)`) or fail on its shape."""
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools or None,
-                tokenize=False,
-                add_generation_prompt=generation_prompt,
-                **self.template_kwargs,
-            )
-        except Exception as e:
-            raise TemplateRefusedError(f"the chat template refuses this conversation: {type(e).__name__}: {e}") from e
-
-    def encode(self, text: str) -> list[int]:
-        # The same ids as `encode`, but `encode_batch*` releases the GIL while it tokenises (a megabyte
-        # takes about a second; the server's event loop keeps running meanwhile), and the `_fast` variant
-        # tracks no offsets, whose deallocation alone (under the GIL) takes ~50 ms for 2 MB of text.
-        return self._backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
-
-    def prompt_ids(self, messages: list[Message], tools: list | None = None) -> list[int]:
-        """A full render of `messages` with the generation prompt (first turn, or a fork)."""
-        return self.encode(self.render(messages, tools, generation_prompt=True))
-
-    def interstitial_ids(
-        self, last_assistant: Message, new_messages: list[Message], tools: list | None, closed: bool
-    ) -> list[int] | None:
-        """Tokens that follow the last assistant turn's EOS: `new_messages` and the generation prompt.
-
-        `closed` says whether the model's output ended with the EOS token; if not (it hit max_tokens),
-        the EOS is prepended, as the template would have closed the turn. Returns None when this
-        conversation breaks prefix preservation (the caller forks instead).
-        """
-        context = [_CONTEXT_USER, last_assistant]
-        before = self.render(context, tools)
-        after = self.render(context + new_messages, tools, generation_prompt=True)
-        if not after.startswith(before):
-            return None
-        cut = before.rfind(self.eos_token) + len(self.eos_token)
-        text = before[cut:] + after[len(before) :]
-        return self.encode(text if closed else self.eos_token + text)
-
+__all__ = [
+    "Message",
+    "MessageFormatError",
+    "PreparedTurn",
+    "TemplateNotPrefixPreservingError",
+    "TemplateRefusedError",
+    "TokenChain",
+    "TrainingRow",
+    "TrainingTemplate",
+    "TurnRecord",
+    "normalize_message",
+    "oldest_version",
+    "same_json",
+    "same_message",
+]
 
 # --------------------------------------------------------------------------- records
 
@@ -262,7 +62,7 @@ class TrainingRow:
 
     `completion_mask[i]` is 1 where the model produced `input_ids[i]`; `old_log_probs[i]` is vLLM's
     log-prob of that token (0.0 elsewhere). `model_version` is the oldest policy version that produced
-    any of the row's tokens. Stored as typed arrays, not lists: ~13 bytes a token instead of ~50, and
+    any of the row's tokens. Stored as typed arrays, not lists: 13 bytes a token (int32, int8, float64) and
     nothing for the garbage collector to walk (hundreds of rollouts hold millions of tokens); `as_dict`
     gives plain lists.
     """
@@ -275,7 +75,7 @@ class TrainingRow:
 
     def extend_prompt(self, ids: list[int] | array) -> None:
         """Append prompt tokens. Given an `array("i")` (as `PreparedTurn.packed_new_ids`), every copy is a
-        memcpy: a megabyte-sized tool output appends in a millisecond (a list takes a hundred)."""
+        memcpy, whatever the size of the tool output it holds."""
         self.input_ids.extend(ids if isinstance(ids, array) else array("i", ids))
         self.completion_mask.frombytes(bytes(len(ids)))
         self.old_log_probs.frombytes(bytes(self.old_log_probs.itemsize * len(ids)))  # all-zero bytes are 0.0
@@ -475,7 +275,7 @@ class TokenChain:
         the training template as the next turn's interstitial will render it. Raises MessageFormatError
         (TemplateRefusedError when the template refuses it); changes nothing."""
         held = normalize_message(message, len(turn.messages))
-        self.template.render([_CONTEXT_USER, held], turn.tools)
+        self.template.check_reply(held, turn.tools)
         return held
 
     def commit(

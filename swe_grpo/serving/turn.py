@@ -1,0 +1,178 @@
+"""One turn of a rollout as a transaction: prepare -> generate -> parse -> validate -> deliver -> commit.
+
+`TurnTransaction.run` serves one chat request whose body was read and checked, while its rollout's lock is held:
+
+- prepare: the rollout's TokenChain turns the messages into exact prompt ids (`TokenChain.prepare`). A request
+  that brings more than `BULK_BYTES` of new content (a big tool output), or makes the chain render a long history
+  whole (a fork), is prepared in the bulk executor (`bulk_executor`: threads of lower CPU priority; the tokenizer
+  releases the GIL), so that one rollout's megabyte-sized history does not stall the others; smaller ones are
+  cheaper on the event loop than a thread hop.
+- generate: the `Generator` (vLLM) produces token ids and log-probs under the live policy (`Policy`, read when the
+  generation starts; its version is committed with the tokens). While it runs, a streaming answer sends an SSE
+  keep-alive every `keepalive_s` (its headers went out when the prompt was ready, so that agent idle timeouts
+  never fire during long generations), and a non-streaming one looks at the connection as often; an agent that
+  went away abandons the generation (cancelling it makes vLLM abort the request).
+- parse and validate: the output is parsed into an assistant message and validated as the chain will hold it
+  (normalised, rendered by the training template); a reply that fails validation goes back as plain text, its
+  tool calls counted as malformed.
+- deliver, then commit: the reply is committed to the chain only once it was written whole to the agent's
+  connection. An agent that disconnects first leaves no turn (recorded "client_disconnected"); one that re-sends
+  the last committed request gets a new generation from the same prefix that replaces that turn
+  (`TurnRecord.retries`). A reply the agent never received is never trained on.
+
+Every failure is recorded on the rollout as a named `RequestError` and raised as an `APIError` (bad messages or a
+template refusal 400, context overflow 400 `context_length_exceeded`, backend unavailable 503, backend error 502,
+rollout closed meanwhile 410), with the chain unchanged; the caller answers it through the `Answer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+from aiohttp import web
+
+from swe_grpo.serving.openai_wire import Answer, APIError
+from swe_grpo.serving.session import RolloutSession
+from swe_grpo.serving.vllm_client import (
+    ContextOverflowError,
+    Generation,
+    Generator,
+    SamplingParams,
+    ServerUnavailableError,
+    VLLMError,
+)
+from swe_grpo.tokens.chain import PreparedTurn, TokenChain
+from swe_grpo.tokens.messages import MessageFormatError
+from swe_grpo.tokens.responses import ParsedResponse, ResponseParser
+from swe_grpo.types import Policy
+
+log = logging.getLogger(__name__)
+
+# A request that brings more new bytes than this (a big tool output, or a rollout's first request with a long
+# history) is prepared in the bulk executor; below it, the two thread hops cost more than they save.
+BULK_BYTES = 32 * 1024
+_BULK_THREADS = 4
+_BULK_NICE = 10
+
+
+def bulk_executor() -> ThreadPoolExecutor:
+    """The threads big requests are prepared in. Linux nice values are per thread: these yield the CPU to the event
+    loop and to the other rollouts' turns, so a big request takes longer instead of slowing everyone down."""
+    return ThreadPoolExecutor(_BULK_THREADS, "interception-bulk", initializer=os.nice, initargs=(_BULK_NICE,))
+
+
+def requested_sampling(body: dict[str, Any], base: SamplingParams) -> SamplingParams:
+    """The rollout's sampling `base`, with the fewer tokens the request may ask for (`max_completion_tokens` or
+    `max_tokens`); 400 for a limit that is not a positive integer. The agent may ask for fewer tokens, never for
+    other sampling: the trainer's log-probs assume the rollout's temperature and top_p."""
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is None:
+        return base
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise APIError(400, "'max_tokens' must be a positive integer")
+    return replace(base, max_tokens=min(limit, base.max_tokens or limit))
+
+
+@dataclass(frozen=True, slots=True)
+class TurnTransaction:
+    """One turn of `rollout`, answered through `answer` (see the module docstring). `bulk`: the executor big
+    requests are prepared in (None: the default executor)."""
+
+    rollout: RolloutSession
+    answer: Answer
+    generator: Generator
+    parser: ResponseParser
+    policy: Callable[[], Policy]
+    keepalive_s: float
+    bulk: Executor | None
+
+    async def run(self, body: dict[str, Any], size: int, params: SamplingParams) -> web.StreamResponse:
+        """Serve the request `body` (`size` bytes): nothing reaches the chain until the reply was delivered."""
+        rollout, answer = self.rollout, self.answer
+        chain = rollout.chain
+        turn_index = len(chain.turns)
+        turn = await self._prepare(body, size)
+        await answer.start()
+        policy = self.policy()
+        generation = await self._generate(turn, params, rollout.model or policy.model)
+        delivered = generation is not None and await answer.send(
+            self._reply(chain, turn, generation), len(turn.prompt_ids), len(generation.token_ids)
+        )
+        if not delivered:
+            rollout.record_error("client_disconnected", "the agent went away before its reply was sent", turn_index)
+            return answer.abandoned()
+        parsed = answer.parsed
+        chain.commit(
+            turn, generation.token_ids, generation.log_probs, policy.version, parsed.message, parsed.finish_reason
+        )
+        rollout.malformed_tool_calls += parsed.malformed_tool_calls
+        return answer.response
+
+    async def _prepare(self, body: dict[str, Any], size: int) -> PreparedTurn:
+        """The chain's prepared turn for the request. Agents re-send the whole history: what a request brings is,
+        roughly, how much it grew. A request that brings much, or makes the chain render a long history whole (a
+        fork), is prepared in the bulk threads, the rollout's lock still held (its requests stay in order)."""
+        rollout = self.rollout
+        chain = rollout.chain
+        messages, tools = body.get("messages"), body.get("tools")
+        grew, rollout.body_bytes = size - rollout.body_bytes, size
+        try:
+            bulk = grew > BULK_BYTES or (size > BULK_BYTES and chain.renders_whole_history(messages, tools))
+            prepare = functools.partial(chain.prepare, messages, tools)
+            return await asyncio.get_running_loop().run_in_executor(self.bulk, prepare) if bulk else prepare()
+        except MessageFormatError as e:
+            rollout.record_error("bad_request", str(e), len(chain.turns))
+            raise APIError(400, str(e)) from None
+
+    async def _generate(self, turn: PreparedTurn, params: SamplingParams, model: str | None) -> Generation | None:
+        """The generation for `turn`, keeping the agent's connection alive meanwhile; None when the agent
+        went away (the generation is then abandoned: cancelling it makes vLLM abort the request)."""
+        rollout = self.rollout
+        turn_index = len(rollout.chain.turns)
+        started = time.monotonic()
+        generating = asyncio.ensure_future(self.generator.generate(turn.prompt_ids, params, model))
+        try:
+            while not (await asyncio.wait({generating}, timeout=self.keepalive_s))[0]:
+                if not await self.answer.keep_alive():
+                    return None
+            generation = generating.result()
+        except ContextOverflowError as e:
+            rollout.record_error("context_overflow", str(e), turn_index)
+            raise APIError(400, str(e), "invalid_request_error", "context_length_exceeded") from None
+        except ServerUnavailableError as e:
+            rollout.record_error("server_unavailable", str(e), turn_index)
+            raise APIError(503, f"generation backend unavailable: {e}", "server_error") from None
+        except VLLMError as e:  # BadResponseError and anything else the client raises
+            rollout.record_error("bad_response", str(e), turn_index)
+            raise APIError(502, f"generation backend error: {e}", "server_error") from None
+        finally:
+            rollout.generation_s += time.monotonic() - started
+            if not generating.done():
+                generating.cancel()
+                await asyncio.wait({generating})
+        if rollout.closed:
+            raise APIError(410, "rollout was closed during generation")
+        return generation
+
+    def _reply(self, chain: TokenChain, turn: PreparedTurn, generation: Generation) -> ParsedResponse:
+        """The generation as the reply to send: parsed, and validated as the chain will hold it. A parse
+        the chain cannot hold (tool-call arguments that are not a JSON object, a message the template
+        refuses) degrades to plain text, its calls counted as malformed."""
+        ids, finish = generation.token_ids, generation.finish_reason
+        parsed = self.parser.parse(ids, turn.prompt_ids, finish, turn.tools)
+        try:
+            chain.reply_message(turn, parsed.message)
+        except MessageFormatError as e:
+            calls = len(parsed.message.get("tool_calls") or [])
+            log.info("reply degraded to plain text (%d tool calls counted as malformed): %s", calls, e)
+            parsed = self.parser.plain_text(ids, finish, parsed.malformed_tool_calls + calls)
+            chain.reply_message(turn, parsed.message)
+        return parsed

@@ -1,0 +1,118 @@
+"""The training chat template: how a conversation becomes the exact text and token ids a policy is trained on.
+
+`TrainingTemplate` installs TRL's prefix-preserving training template (`get_training_chat_template`, verified
+with `is_chat_template_prefix_preserving`) on its own copy of a tokenizer, and refuses, with the reason, a
+tokenizer that cannot provide one or whose template does not end an assistant turn with the EOS token. It
+renders and tokenises whole conversations (`prompt_ids`: a first turn or a fork) and the *interstitial*
+(`interstitial_ids`: the tokens between the last assistant turn's EOS and the next generation, rendered from a
+two-message context so that its cost grows with the new messages, not with the history). `check_reply` tells
+whether the template renders an assistant reply at all. Messages are normalised first (`swe_grpo.tokens.messages`);
+a template that raises on a conversation is reported as `TemplateRefusedError`, a `MessageFormatError`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
+
+from swe_grpo.tokens.messages import Message, MessageFormatError
+
+# Stands in for the history before the last assistant message when rendering an interstitial. Templates
+# that require a user turn somewhere in the conversation (Qwen3.5+) are satisfied by it.
+_CONTEXT_USER: Message = {"role": "user", "content": "."}
+
+
+class TemplateNotPrefixPreservingError(ValueError):
+    """The tokenizer's chat template cannot give bridge-exact prompts."""
+
+
+class TemplateRefusedError(MessageFormatError):
+    """The training chat template raised while rendering a conversation (e.g. Llama 3.2's refuses an
+    assistant message with two tool calls)."""
+
+
+class TrainingTemplate:
+    """A tokenizer with TRL's prefix-preserving training chat template installed.
+
+    Holds its own copy of the tokenizer (the caller's is not modified). Refuses, with the reason,
+    a tokenizer whose template cannot be made prefix-preserving or does not end an assistant turn
+    with the tokenizer's EOS token (the marker the interstitial is cut at).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, **template_kwargs: Any):
+        if not tokenizer.chat_template:
+            raise TemplateNotPrefixPreservingError("the tokenizer has no chat template")
+        self.tokenizer = copy.deepcopy(tokenizer)
+        try:
+            patched = get_training_chat_template(self.tokenizer)
+        except ValueError:
+            patched = None  # TRL has no training variant; the template may still be usable as it is
+        if patched is not None:
+            self.tokenizer.chat_template = patched
+        if not is_chat_template_prefix_preserving(self.tokenizer):
+            raise TemplateNotPrefixPreservingError(
+                "the chat template is not prefix-preserving (rendering [user, assistant] and then "
+                "[user, assistant, tool] changes the earlier tokens) and TRL has no training variant for "
+                "it; bridge-exact prompts are impossible. Use a template TRL supports "
+                "(trl.chat_template_utils.get_training_chat_template) or fix the template."
+            )
+        self.template_kwargs = template_kwargs
+        # The Rust tokenizer directly: the same ids as `tokenizer.encode` without its Python overhead.
+        self._backend = self.tokenizer.backend_tokenizer
+        self.eos_token: str = self.tokenizer.eos_token
+        self.eos_token_id: int = self.tokenizer.convert_tokens_to_ids(self.eos_token)
+        probe = self.render([_CONTEXT_USER, {"role": "assistant", "content": "probe"}])
+        if self.eos_token not in probe[probe.rfind("probe") :]:
+            raise TemplateNotPrefixPreservingError(
+                f"the chat template does not end an assistant turn with the EOS token {self.eos_token!r}"
+            )
+
+    def render(self, messages: list[Message], tools: list | None = None, generation_prompt: bool = False) -> str:
+        """The template's text for `messages`. Raises TemplateRefusedError when the template raises: a
+        template is code that may refuse a conversation (`raise_exception(...)`) or fail on its shape."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools or None,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+                **self.template_kwargs,
+            )
+        except Exception as e:
+            raise TemplateRefusedError(f"the chat template refuses this conversation: {type(e).__name__}: {e}") from e
+
+    def encode(self, text: str) -> list[int]:
+        # The same ids as `encode`, but `encode_batch*` releases the GIL while it tokenises (the server's event
+        # loop keeps running meanwhile), and the `_fast` variant tracks no offsets, whose deallocation would run
+        # under the GIL.
+        return self._backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
+
+    def prompt_ids(self, messages: list[Message], tools: list | None = None) -> list[int]:
+        """A full render of `messages` with the generation prompt (first turn, or a fork)."""
+        return self.encode(self.render(messages, tools, generation_prompt=True))
+
+    def interstitial_ids(
+        self, last_assistant: Message, new_messages: list[Message], tools: list | None, closed: bool
+    ) -> list[int] | None:
+        """Tokens that follow the last assistant turn's EOS: `new_messages` and the generation prompt.
+
+        `closed` says whether the model's output ended with the EOS token; if not (it hit max_tokens),
+        the EOS is prepended, as the template would have closed the turn. Returns None when this
+        conversation breaks prefix preservation (the caller forks instead).
+        """
+        context = [_CONTEXT_USER, last_assistant]
+        before = self.render(context, tools)
+        after = self.render(context + new_messages, tools, generation_prompt=True)
+        if not after.startswith(before):
+            return None
+        cut = before.rfind(self.eos_token) + len(self.eos_token)
+        text = before[cut:] + after[len(before) :]
+        return self.encode(text if closed else self.eos_token + text)
+
+    def check_reply(self, message: Message, tools: list | None = None) -> None:
+        """Render the (normalised) assistant `message` as `interstitial_ids` will render it after the turn; raises
+        TemplateRefusedError when the template refuses it."""
+        self.render([_CONTEXT_USER, message], tools)
