@@ -31,6 +31,7 @@ MOVED = {
     "swe_grpo.vllm_server": "swe_grpo.extras.vllm_server",
     "swe_grpo.tiny_model": "swe_grpo.extras.tiny_model",
     "swe_grpo.sandbox._common": "swe_grpo.sandbox.process",
+    "swe_grpo.sandbox.seccomp": "swe_grpo.sandbox.local.seccomp",
 }
 # Names that left a module which stayed: {old module: {name: new module}}.
 MOVED_NAMES = {"swe_grpo.tasks": {"demo_tasks": "swe_grpo.demo.tasks", "demo_tasks_path": "swe_grpo.demo.tasks"}}

@@ -18,15 +18,17 @@ import signal
 import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from swe_grpo.demo import DemoConfig, plot_results, run_in_terminal
+from swe_grpo.plugins import check_choice
 from swe_grpo.serving.door import check_allow
 
 if TYPE_CHECKING:
@@ -252,6 +254,25 @@ def cmd_build_tiny_model(args: argparse.Namespace) -> int:
 _AUTOLOAD_HELP = "pytest plugin autoload when grading (default: on; a task's plugin_autoload wins)"
 
 
+def _plugin_flag(registry: Mapping[str, str], kind: str, default: str) -> dict[str, Any]:
+    """`add_argument` options for a flag that takes a name of `registry` or a class of one's own as
+    "package.module:Class" (`swe_grpo.plugins`); anything else is refused by name at parse time."""
+
+    def choice(name: str) -> str:
+        try:
+            return check_choice(name, registry, kind)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    names = ", ".join(registry)
+    return {
+        "type": choice,
+        "default": default,
+        "metavar": "{" + ",".join(registry) + ",module:Class}",
+        "help": f"the {kind}: {names} (default {default}), or a class of your own as package.module:Class",
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     from swe_grpo.agents import AGENTS
     from swe_grpo.sandbox import BACKENDS
@@ -285,8 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--tokenizer", help="default: the directory vLLM loaded the model from")
     rollout.add_argument("--num-rollouts", type=int, default=1, help="per task")
     rollout.add_argument("--concurrency", type=int, default=4)
-    rollout.add_argument("--sandbox", choices=BACKENDS, default="local")
-    rollout.add_argument("--agent", choices=AGENTS, default="pi", help="the coding-agent harness")
+    rollout.add_argument("--sandbox", **_plugin_flag(BACKENDS, "sandbox backend", "local"))
+    rollout.add_argument("--agent", **_plugin_flag(AGENTS, "agent", "pi"))
     rollout.add_argument("--output", help="results JSONL (appended)")
     rollout.add_argument("--save-trajectories", help="directory for one JSON per rollout: rows, turns, patch")
     rollout.add_argument("--temperature", type=float, default=1.0)
@@ -321,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--tasks", required=True)
     grade.add_argument("--split", default="train")
     grade.add_argument("--predictions", required=True, help="JSON list or JSONL")
-    grade.add_argument("--sandbox", choices=BACKENDS, default="local")
+    grade.add_argument("--sandbox", **_plugin_flag(BACKENDS, "sandbox backend", "local"))
     grade.add_argument("--output", required=True)
     grade.add_argument("--concurrency", type=int, default=4)
     grade.add_argument("--timeout", type=float, default=1800.0)

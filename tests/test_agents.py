@@ -1,6 +1,7 @@
 """The harness seam: each name in `AGENTS` makes its real harness from its real host install, and every entry
 point (`WorkerConfig`, `swe-grpo rollout`, examples/train.py) takes the choice or refuses an unknown one by
-name. The end-to-end runs are in tests/test_rollout.py (Pi) and tests/test_mini_swe_agent.py."""
+name. A harness class of one's own (a dotted path) is in tests/test_plugins.py. The end-to-end runs are in
+tests/test_rollout.py (Pi) and tests/test_mini_swe_agent.py."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def test_each_agent_is_made_from_its_install_and_mounted_read_only() -> None:
     assert isinstance(pi, PiAgent) and isinstance(mini, MiniSweAgent)
     mounts = [(a.mount().sandbox_path, a.mount().writable) for a in (pi, mini)]
     assert mounts == [(PI_MOUNT, False), (MINI_MOUNT, False)]
-    assert [a.name for a in (pi, mini)] == list(AGENTS)
+    assert [a.name for a in (pi, mini)] == list(AGENTS)  # each registry name is its harness's own name
 
 
 def test_an_unknown_agent_is_refused_by_name() -> None:

@@ -1,6 +1,6 @@
 """Containment on real sandboxes (`local` and `docker`): a sandbox that exhausts its own memory, process or
 disk limit harms no other sandbox, is reported by `exhausted()` with the right cause, and leaves nothing
-behind; a grading sandbox (`network=False`) has no network at all.
+behind; a grading sandbox (`network=False`, the default) has no network at all.
 
 Every attack here is bounded even if the limit it tests failed (this box is shared): the fork bomb starts
 at most 2,000 sleeping processes, the memory hog holds at most 1 GiB, the disk filler writes at most
@@ -204,10 +204,14 @@ async def test_tests_that_exhaust_the_grading_sandbox_alone_are_an_infra_error(
 IFACES = "import json, socket; print(json.dumps([name for _, name in socket.if_nameindex()]))"
 
 
-async def test_grading_sandbox_has_no_network(backend: SandboxBackend, task: Task, run_dir: Path) -> None:
-    """`network=False`: a loopback of its own and nothing else: no other interface, no route (IPv4 or
-    IPv6) anywhere."""
-    offline = await backend.create(task, network=False)
+@pytest.mark.parametrize("asked", [{}, {"network": False}], ids=["by-default", "network-false"])
+async def test_grading_sandbox_has_no_network(
+    backend: SandboxBackend, task: Task, run_dir: Path, asked: dict[str, bool]
+) -> None:
+    """`network=False`, which is also what `create()` gives when not asked (so a caller's own loop is
+    contained unless it asks): a loopback of its own and nothing else: no other interface, no route (IPv4
+    or IPv6) anywhere."""
+    offline = await backend.create(task, **asked)
     try:
         result = await offline.exec(["python3", "-c", IFACES], timeout_s=30)
         assert json.loads(result.stdout) == ["lo"], result
@@ -226,9 +230,9 @@ async def test_grading_sandbox_has_no_network(backend: SandboxBackend, task: Tas
 async def test_a_sandbox_asked_for_the_network_shares_the_hosts(
     backend: SandboxBackend, task: Task, run_dir: Path
 ) -> None:
-    """`create()` without `network=False` keeps the backend's network (the host's here): what an agent gets
-    only when its door is turned off (`RolloutConfig.door=False`); rollouts default to the door."""
-    online = await backend.create(task)
+    """`create(network=True)` gives the backend's network (the host's here): what an agent gets only when its
+    door is turned off (`RolloutConfig.door=False`); rollouts default to the door."""
+    online = await backend.create(task, network=True)
     try:
         result = await online.exec(["python3", "-c", IFACES], timeout_s=30)
         assert json.loads(result.stdout) == [name for _, name in socket.if_nameindex()]

@@ -1,23 +1,27 @@
-"""Coding-agent harnesses behind one seam (`base.Agent`): Pi (the default) and mini-swe-agent."""
+"""Coding-agent harnesses behind one seam (`base.Agent`): Pi (the default) and mini-swe-agent.
+
+`make_agent(name)` builds one from its default host install: a name of `AGENTS` (`pi`, `mini-swe-agent`), or
+a harness class of one's own as a dotted path (`mypkg.mod:MyAgent`, built with no arguments, implementing
+`base.Agent`).
+"""
 
 from __future__ import annotations
 
 from swe_grpo.agents.base import Agent, AgentConfig, AgentResult
+from swe_grpo.plugins import load_choice
 
-AGENTS = ("pi", "mini-swe-agent")
+#: The built-in harnesses: name -> "module:Class".
+AGENTS = {
+    "pi": "swe_grpo.agents.pi:PiAgent",
+    "mini-swe-agent": "swe_grpo.agents.mini_swe:MiniSweAgent",
+}
 
 __all__ = ["AGENTS", "Agent", "AgentConfig", "AgentResult", "make_agent"]
 
 
 def make_agent(name: str) -> Agent:
-    """The harness called `name` (one of `AGENTS`), from its default host install. Raises ValueError for
-    another name, and the harness's bundle error when it is not installed."""
-    if name == "pi":
-        from swe_grpo.agents.pi import PiAgent
-
-        return PiAgent()
-    if name == "mini-swe-agent":
-        from swe_grpo.agents.mini_swe import MiniSweAgent
-
-        return MiniSweAgent()
-    raise ValueError(f"unknown agent {name!r}: choose one of {', '.join(AGENTS)}")
+    """The harness `name` (one of `AGENTS`, or "package.module:Class"), from its default host install. Raises
+    ValueError naming the problem for an unknown name or a path that does not lead to a class
+    (`swe_grpo.plugins.load_object`), and the harness's bundle error when it is not installed."""
+    agent: Agent = load_choice(name, AGENTS, "agent")()
+    return agent

@@ -1,29 +1,35 @@
-"""Sandbox backends; `make_backend(name)` picks one by name (`local`, `docker`, `hf`)."""
+"""Sandbox backends behind one interface (`base.SandboxBackend`, `base.Sandbox`).
+
+`make_backend(name, **options)` builds one: a name of `BACKENDS` (`local`, `docker`, `hf`), or a backend
+class of one's own as a dotted path (`mypkg.mod:MyBackend`, a subclass of `SandboxBackend`):
+
+    backend = make_backend("docker", network="bridge")
+    backend = make_backend("mypkg.sandboxes:MyBackend", region="eu")
+
+Only the backend asked for is imported.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+from swe_grpo.plugins import load_choice
 from swe_grpo.sandbox.base import ExecResult, Mount, Sandbox, SandboxBackend, SandboxError
 
-BACKENDS = ("local", "docker", "hf")
+#: The built-in backends: name -> "module:Class".
+BACKENDS = {
+    "local": "swe_grpo.sandbox.local:LocalBackend",
+    "docker": "swe_grpo.sandbox.docker:DockerBackend",
+    "hf": "swe_grpo.sandbox.hf:HFBackend",
+}
 
 
 def make_backend(name: str, **options: Any) -> SandboxBackend:
-    """A backend by name; `options` go to its constructor. Imports only the backend asked for."""
-    if name == "local":
-        from swe_grpo.sandbox.local import LocalBackend
-
-        return LocalBackend(**options)
-    if name == "docker":
-        from swe_grpo.sandbox.docker import DockerBackend
-
-        return DockerBackend(**options)
-    if name == "hf":
-        from swe_grpo.sandbox.hf import HFBackend
-
-        return HFBackend(**options)
-    raise ValueError(f"unknown sandbox backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    """The backend `name` (one of `BACKENDS`, or "package.module:Class"), built with `options`. Raises
+    `ValueError` naming the problem for an unknown name or a path that does not lead to a `SandboxBackend`
+    subclass (`swe_grpo.plugins.load_object`)."""
+    backend: SandboxBackend = load_choice(name, BACKENDS, "sandbox backend", base=SandboxBackend)(**options)
+    return backend
 
 
 __all__ = ["BACKENDS", "ExecResult", "Mount", "Sandbox", "SandboxBackend", "SandboxError", "make_backend"]

@@ -34,7 +34,6 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from swe_grpo.sandbox.process import Exhaustion
     from swe_grpo.tasks import Task
 
 #: Where the repository is inside every sandbox (SWE-bench images use this path too).
@@ -44,8 +43,11 @@ WORKDIR = "/testbed"
 #: The largest patch `Sandbox.diff` returns unless told otherwise (bytes).
 MAX_PATCH_BYTES = 32 << 20
 
-#: How long `Sandbox.diff` may take unless told otherwise (seconds, in all): ~4 s for 20,000 files, loaded 2 cores.
+#: How long `Sandbox.diff` may take unless told otherwise (seconds, in all).
 DIFF_TIMEOUT_S = 120.0
+
+#: What a sandbox ran out of, by its own doing: see `Sandbox.exhausted`.
+Exhaustion = Literal["memory", "pids", "disk"]
 
 
 class SandboxError(Exception):
@@ -266,10 +268,11 @@ class SandboxBackend(ABC):
         """Prepare the backend (check the engine, reap leftovers)."""
 
     @abstractmethod
-    async def create(self, task: Task, mounts: Sequence[Mount] = (), *, network: bool = True) -> Sandbox:
-        """A new sandbox with the task's repository at its base commit at `WORKDIR`. `network=False`: no
-        network at all, only a loopback of its own (grading asks for that). Raises `SandboxError` when it
-        cannot be made; never leaves anything behind when it fails."""
+    async def create(self, task: Task, mounts: Sequence[Mount] = (), *, network: bool = False) -> Sandbox:
+        """A new sandbox with the task's repository at its base commit at `WORKDIR`, `mounts` visible inside.
+        Without `network` (the default): no network at all, only a loopback of its own, so a caller's own
+        loop is contained unless it asks; `network=True`: the backend's network (the host's, for `local`).
+        Raises `SandboxError` when it cannot be made; never leaves anything behind when it fails."""
 
     async def close(self) -> None:  # noqa: B027  (optional hook)
         """Release what the backend holds (caches are kept)."""
@@ -333,7 +336,7 @@ echo "* $diff !text !eol !crlf !ident !filter !working-tree-encoding" > "$GIT_DI
 if [ "$style" = text ]; then
   # The refresh hashes the files the base commit has without writing objects, so only changed and new
   # files are written (writing an object the repository has makes git touch its pack: on an overlay
-  # filesystem a copy-up of the whole pack, ~1 s per 100 MB).
+  # filesystem a copy-up of the whole pack).
   g update-index -q --refresh > /dev/null
   g add -u >&2 || exit 1
   # Untracked files. A directory holding its own repository is listed as "dir/" (`git add -A` would

@@ -11,21 +11,21 @@ task's SWE-Gym image. /testbed is then checked to be at the base commit and git 
 
 Exec: the sandbox server's `timeout` kills the command's process group only; a `setsid` child survives
 it, so on timeout or cancellation every process of the exec is killed by its environment marker (see
-`_common`) before `exec` returns or raises. Output is streamed into a capped tail (`output_bytes`).
+`swe_grpo.sandbox.process`) before `exec` returns or raises. Output is streamed into a capped tail (`output_bytes`).
 HF does not count a running foreground command as activity, so while one runs the sandbox is called
 every `KEEPALIVE_S` (`processes()`), or a command longer than `idle_timeout` would lose its sandbox.
 
 Differences from the other backends, by the nature of HF Jobs: commands run as the image's user (root
 in `python:3.12` and SWE-bench images; the sandbox is a whole VM); the agent reaches the host only
 through a public URL, so the InterceptionServer must be public (and its per-rollout tokens then matter);
-every sandbox, grading's too, has the network HF gives it (`create(network=False)` cannot cut it);
+every sandbox has the network HF gives it (`create(network=False)`, the default, cannot cut it);
 there is no reaper: a sandbox whose `destroy` never ran (crash) stops by itself after `idle_timeout`,
 and a failed `kill()` is only logged by huggingface_hub (it does not raise), so `idle_timeout` bounds
 that leak too.
 
 Checked only against a fake of the API (`tests/test_sandbox_hf.py`), never against HF itself. The fake
 does NOT exercise: the HTTP transport, authentication and job start-up (`start_timeout`, images pulled
-by HF, ~7 s starts); real images (the fake runs the host's /usr, as root); how the real server streams
+by HF); real images (the fake runs the host's /usr, as root); how the real server streams
 output (the fake delivers it when the command ends) and reports a timeout (its `exit_code`/`signal`
 values); its file API's path rules and limits (the fake maps a few top-level directories) and the
 format of `files.write`'s `mode`; `idle_timeout` itself and whether the keep-alive call resets it;
@@ -229,9 +229,9 @@ class HFBackend(SandboxBackend):
 
         return asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(guarded))
 
-    async def create(self, task: Task, mounts: Sequence[Mount] = (), *, network: bool = True) -> HFSandbox:
-        """`network=False` is not honoured: HF Jobs sandboxes have no network switch, so a grading sandbox
-        here keeps the network HF gives it (the `local` and `docker` backends cut it)."""
+    async def create(self, task: Task, mounts: Sequence[Mount] = (), *, network: bool = False) -> HFSandbox:
+        """`network=False` (the default) is not honoured: HF Jobs sandboxes have no network switch, so every
+        sandbox here, grading's too, keeps the network HF gives it (the `local` and `docker` backends cut it)."""
         if writable := [m.sandbox_path for m in mounts if m.writable]:
             raise SandboxError(f"the hf backend cannot mount host directories writable: {writable}")
         repo = None if task.image else local_repo(task)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from swe_grpo.sandbox.base import SandboxError
+from swe_grpo.sandbox.base import Exhaustion, SandboxError
 from swe_grpo.tasks import Task
 
 #: The environment variable that tags every process an exec starts (see the module docstring).
@@ -64,10 +64,6 @@ if [ -n "$2" ]; then
   chown -R "$2:$2" /testbed /home/sandbox
 fi
 """
-
-
-#: What a sandbox ran out of, by its own doing: see `Sandbox.exhausted`.
-Exhaustion = Literal["memory", "pids", "disk"]
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from swe_grpo.agents import AGENTS
 from swe_grpo.grading import DEFAULT_TIMEOUT_S
+from swe_grpo.plugins import check_choice
 from swe_grpo.sandbox.base import MAX_PATCH_BYTES
 from swe_grpo.serving.vllm_client import SamplingParams
 from swe_grpo.worker.task_sampling import TASK_SAMPLING, TaskSampling
@@ -69,7 +70,9 @@ class WorkerConfig:
     token_budget: int | None = None
     log_traces: bool = False  # one group's agent conversations per policy version to the trainer's trackio run
     rollout_hosts: int = 1  # 0: rollouts run in a thread of this process; N: in N child processes (rollout_hosts.py)
-    agent: str = "pi"  # the harness (swe_grpo.agents.AGENTS) when the worker is not given an Agent
+    # The harness when the worker is not given an Agent: a name of swe_grpo.agents.AGENTS, or a class of one's
+    # own as "package.module:Class" (imported where the rollouts run).
+    agent: str = "pi"
     # The rollout hosts as Ray actors (worker/ray_hosts.py, extra swe_grpo[ray]) on nodes offering these resources
     # each, e.g. {"swe_grpo_sandboxes": 1}; None: child processes of the trainer. Unused with rollout_hosts=0.
     ray_resources: Mapping[str, float] | None = None
@@ -87,8 +90,7 @@ class WorkerConfig:
             raise ValueError("several rollout hosts bind a port each: leave port 0 and public_base_url unset")
         if self.task_sampling not in TASK_SAMPLING:
             raise ValueError(f"unknown task_sampling {self.task_sampling!r}: choose one of {', '.join(TASK_SAMPLING)}")
-        if self.agent not in AGENTS:
-            raise ValueError(f"unknown agent {self.agent!r}: choose one of {', '.join(AGENTS)}")
+        check_choice(self.agent, AGENTS, "agent")
 
     @property
     def rollout_limit_s(self) -> float:

@@ -1,0 +1,178 @@
+"""`LocalBackend`: makes `local` sandboxes (`sandbox.py`) and removes what sandboxes of dead processes left.
+
+A sandbox is a private host directory (`run_dir/swe-grpo-<pid>-*`, mode 0711; a tmpfs of the disk limit)
+holding a copy-on-write view of the task's cached checkout (`testbed/`, see `cow.py` and `checkout.py`) and
+the sandbox's `/tmp` (`tmp/`, with `HOME` at `/tmp/home`), its cgroup (`limits.py`), and the bwrap argv every
+exec of it starts with (`bwrap.py`). `create()` either returns a sandbox that has run a first command with
+every mount in place, or raises `SandboxError` having left nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from swe_grpo.paths import cache_root
+from swe_grpo.sandbox.base import Mount, SandboxBackend, SandboxError, owner_gone
+from swe_grpo.sandbox.local.bwrap import bwrap_argv
+from swe_grpo.sandbox.local.checkout import CheckoutCache
+from swe_grpo.sandbox.local.cow import CowMethod, detect_cow_method, mount_cow
+from swe_grpo.sandbox.local.host import PREFIX, mount, mounts_under
+from swe_grpo.sandbox.local.limits import CGROUP_PARENT, Cgroup, LocalLimits, parent_cgroups
+from swe_grpo.sandbox.local.sandbox import LocalSandbox
+from swe_grpo.sandbox.process import CgroupLayout
+
+if TYPE_CHECKING:
+    from swe_grpo.tasks import Task
+
+log = logging.getLogger(__name__)
+
+# The user's git config inside: a repository mounted from elsewhere may belong to another uid, and an
+# agent that commits needs an identity.
+_GITCONFIG = "[safe]\n\tdirectory = *\n[user]\n\tname = swe-sandbox\n\temail = swe-sandbox@localhost\n"
+
+
+class LocalBackend(SandboxBackend):
+    """bubblewrap sandboxes over cached checkouts. Needs root (for mounts and to switch to `user`),
+    `bwrap`, `setpriv` and `prlimit` (util-linux), `git`, `fuse-overlayfs` where kernel overlayfs is
+    not allowed, and the memory and pids cgroup controllers (v1 or v2) unless `limits` sets neither
+    `memory_bytes` nor `pids`. `run_dir` must be traversable by `user` (bwrap, running as that user, binds from it);
+    `method` forces a copy-on-write method instead of detecting one."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        *,
+        limits: LocalLimits | None = None,
+        user: str = "swe-sandbox",
+        cache_dir: Path | None = None,
+        run_dir: Path | None = None,
+        method: CowMethod | None = None,
+    ) -> None:
+        try:
+            entry = pwd.getpwnam(user)
+        except KeyError:
+            raise SandboxError(f"no user {user!r} to run sandboxes as (scripts/setup.sh creates it)") from None
+        self.uid, self.gid = entry.pw_uid, entry.pw_gid
+        self.limits = limits or LocalLimits()
+        self.checkouts = CheckoutCache(cache_dir or cache_root() / "checkouts", self.uid, self.gid)
+        self.run_dir = run_dir or Path(tempfile.gettempdir())
+        self.method = method
+        self._cgroups: CgroupLayout | None = None
+        self._method_lock = asyncio.Lock()
+
+    @property
+    def cache_dir(self) -> Path:
+        """Where the checkouts are cached."""
+        return self.checkouts.cache_dir
+
+    async def start(self) -> None:
+        """Check that the limits can be enforced, remove what sandboxes of dead processes left behind, and
+        detect the copy-on-write method."""
+        self._check_reachable(self.run_dir)
+        layout = self._cgroup_layout()
+        await asyncio.to_thread(reap_leftovers, self.run_dir, layout)
+        await self._cow_method()
+
+    def _cgroup_layout(self) -> CgroupLayout | None:
+        """The cgroup controllers, with the sandboxes' parent cgroups made (once); None when no limit
+        needs them. `SandboxError` when they cannot be had."""
+        if self._cgroups is None:
+            self._cgroups = parent_cgroups(self.limits)
+        return self._cgroups
+
+    async def create(self, task: Task, mounts: Sequence[Mount] = (), *, network: bool = False) -> LocalSandbox:
+        """See `SandboxBackend.create`. `network=True` shares the host's network: the sandbox reaches the
+        host's 127.0.0.1 (an InterceptionServer there) and everything else the host reaches."""
+        sandbox = None
+        try:
+            for m in mounts:
+                if not m.host_path.exists() or not m.sandbox_path.startswith("/"):
+                    raise SandboxError(f"bad mount {m}: the host path must exist, the sandbox path be absolute")
+                self._check_reachable(m.host_path)
+            lower = await self.checkouts.get(task)
+            method = await self._cow_method()
+            layout = self._cgroup_layout()
+            host_dir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=self.run_dir))
+            cgroup = Cgroup(layout, host_dir.name) if layout is not None else None
+            argv = bwrap_argv(self.uid, self.gid, self.limits, host_dir, mounts, network, cgroup)
+            sandbox = LocalSandbox(host_dir, argv, self.limits, cgroup)
+            if cgroup is not None:
+                cgroup.make(self.limits)
+            sandbox.fuse = await self._prepare(host_dir, lower, method)
+            # Proves bwrap starts with every bind in place, so a bad mount fails here, not in the agent.
+            first = await sandbox.exec(["true"], timeout_s=30)
+            if first.exit_code != 0:
+                raise SandboxError(f"bwrap failed (exit {first.exit_code}): {first.stderr[-1000:]}")
+        except BaseException as e:
+            if sandbox is not None:
+                try:
+                    await sandbox.destroy()
+                except SandboxError as cleanup:
+                    log.warning("cleaning up after a failed create: %s", cleanup)
+            if isinstance(e, Exception) and not isinstance(e, SandboxError):
+                raise SandboxError(f"cannot create a sandbox for {task.instance_id}: {e!r}") from e
+            raise
+        return sandbox
+
+    def _check_reachable(self, path: Path) -> None:
+        """bwrap runs as the sandbox user, so it can bind only what that user can reach: name the
+        directory that stops it, instead of bwrap's bare "Permission denied" from inside every rollout."""
+        resolved = path.resolve()
+        for directory in [*reversed(resolved.parents), *([resolved] if resolved.is_dir() else [])]:
+            st = directory.stat()
+            bit = 0o100 if st.st_uid == self.uid else 0o010 if st.st_gid == self.gid else 0o001
+            if not st.st_mode & bit:
+                raise SandboxError(
+                    f"the sandbox user (uid {self.uid}) cannot reach {path}: {directory} is mode "
+                    f"{st.st_mode & 0o777:o}; `chmod o+x {directory}` or move it under a traversable directory"
+                )
+
+    async def _prepare(self, host_dir: Path, lower: Path, method: CowMethod) -> asyncio.subprocess.Process | None:
+        """Make the sandbox's directories and its view of `lower` at `host_dir/testbed`; the fuse
+        daemon when there is one. With a disk limit, all of it is on a tmpfs of that size."""
+        if (size := self.limits.disk_bytes) is not None:
+            options = f"size={size},nr_inodes={max(size // 4096, 1024)},mode=0711"
+            mount("tmpfs", "swe-grpo-sandbox", host_dir, options)
+        host_dir.chmod(0o711)
+        tmp = host_dir / "tmp"
+        (tmp / "home").mkdir(parents=True)
+        (tmp / "home" / ".gitconfig").write_text(_GITCONFIG)
+        for path in (tmp, tmp / "home", tmp / "home" / ".gitconfig"):
+            os.chown(path, self.uid, self.gid)
+        tmp.chmod(0o700)
+        (host_dir / "testbed").mkdir()
+        return await mount_cow(method, lower, host_dir)
+
+    async def _cow_method(self) -> CowMethod:
+        async with self._method_lock:
+            if self.method is None:
+                self.method = await detect_cow_method(self.run_dir)
+                log.info("local sandboxes use %s for their copy of the checkout", self.method)
+            return self.method
+
+
+def reap_leftovers(run_dir: Path, layout: CgroupLayout | None) -> None:
+    """Unmount and remove the sandbox directories, and remove the cgroups, whose owning process is dead."""
+    for entry in run_dir.glob(f"{PREFIX}*"):
+        if not entry.is_dir() or not owner_gone(entry.name, PREFIX):
+            continue
+        for point in sorted(mounts_under(entry), reverse=True):  # innermost first
+            subprocess.run(["umount", "-l", point], capture_output=True)
+        if not mounts_under(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+            log.info("removed the leftover sandbox %s", entry)
+    if layout is not None:
+        for entry in (layout.memory / CGROUP_PARENT).glob(f"{PREFIX}*"):
+            if owner_gone(entry.name, PREFIX):
+                Cgroup(layout, entry.name).remove()
+                log.info("removed the leftover cgroup %s", entry.name)
