@@ -451,8 +451,8 @@ def sent_call(name: str, **arguments: Any) -> dict[str, Any]:
 
 
 async def test_tool_call_arguments_that_are_not_an_object_come_back_as_plain_text(http) -> None:
-    """`"arguments": "ls -la"` used to commit the row, then fail normalising it: a 500, nothing recorded,
-    a corrupted row. It is plain text now, counted as malformed, and the conversation goes on cleanly."""
+    """`"arguments": "ls -la"` (not an object) is never committed as a call: the reply is plain text, counted as
+    malformed, nothing is recorded as an error, and the conversation goes on cleanly."""
     text = '<tool_call>\n{"name": "bash", "arguments": "ls -la"}\n</tool_call>'
     generator = ScriptedGenerator.texts(training("qwen3"), [text + "<|im_end|>", "Done.<|im_end|>"])
     async with stub_server("qwen3", generator) as srv:
@@ -477,7 +477,8 @@ async def test_tool_call_arguments_that_are_not_an_object_come_back_as_plain_tex
 
 async def test_a_reply_the_template_would_refuse_comes_back_as_plain_text(http) -> None:
     """Llama 3.2's template raises on an assistant message with two tool calls (the hermes fallback can
-    parse two). Such a reply used to be sent, and the agent's next request was an unrecorded 500."""
+    parse two). Such a reply is validated before it is sent, so it goes back as plain text and the agent's next
+    request is served."""
     calls = "".join(
         f'<tool_call>{{"name": "read", "arguments": {{"path": "{p}"}}}}</tool_call>' for p in ("a.py", "b.py")
     )
@@ -640,8 +641,8 @@ async def test_the_stall_watchdog_counts_a_generation_in_flight_as_activity(http
 
 
 async def test_a_big_request_does_not_stall_other_rollouts(http) -> None:
-    """Rendering and tokenising a 2 MB tool output takes about a second; it runs off the event loop, so
-    another rollout's request is answered meanwhile (benchmarks/p5_big_requests.py measures this)."""
+    """Rendering and tokenising a 2 MB tool output runs off the event loop, so another rollout's request is
+    answered meanwhile."""
     generator = ScriptedGenerator.texts(training("qwen3"), ["Done.<|im_end|>"])
     async with stub_server("qwen3", generator) as srv:
         big, small = srv.open_rollout(), srv.open_rollout()

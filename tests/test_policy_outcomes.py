@@ -18,7 +18,7 @@ from swe_grpo.sandbox.base import PatchError, SandboxBackend
 from swe_grpo.tasks import Task
 from swe_grpo.types import RequestError
 
-# What an agent can leave in its tree that git cannot read as a patch (each used to end as infra_error).
+# What an agent can leave in its tree that git cannot read as a patch (each the policy's outcome, not infra_error).
 UNREADABLE = {
     "fifo-replaces-a-tracked-file": "rm old.txt && mkfifo old.txt",
     "chmod-000-tracked-file": "chmod 000 calc.py",

@@ -264,7 +264,7 @@ def test_no_token_sequence_makes_the_parser_raise_or_pass_on_a_bad_call(template
 
 @pytest.mark.parametrize("template", TEMPLATES)
 def test_degenerate_output_parses_in_linear_time(template: str) -> None:
-    # ~30k tokens of unclosed parameters: scanning on from each opener took ~5 s here, TRL's XML parser ~35 s.
+    # ~30k tokens of unclosed parameters: a parser that scans on from each opener is quadratic in them.
     text = THOUGHT + "<tool_call>\n<function=bash>\n" + "<parameter=command>\n" * 4000 + "</function>\n</tool_call>"
     tokenizer = tiny_tokenizer(template)
     ids = TrainingTemplate(tokenizer).encode(text)

@@ -178,7 +178,7 @@ async def test_agent_killed_by_its_own_tool_is_the_policys_doing(
     vllm_server, tokenizer, pi_bundle, backend, strutil
 ) -> None:
     """`kill -9 $PPID` from Pi's bash tool (the tool's parent is Pi): reward 0.0 under its own name, so the
-    rollout stays in its group; it used to end as infra_error, out of the group's baseline."""
+    rollout stays in its group (not infra_error, which would take it out of the group's baseline)."""
     client = RecordingClient(
         vllm_server.url,
         SERVED_NAME,
@@ -214,7 +214,7 @@ async def test_a_patch_past_its_time_bound_is_the_policys(vllm_client, tokenizer
 
 
 async def test_grading_timeout(vllm_client, tokenizer, pi_bundle, backend, strutil) -> None:
-    # 20 ms: no pytest run finishes in that (this task's whole run, start-up included, takes ~0.2 s on an idle box).
+    # 20 ms: no pytest run finishes in that, start-up included.
     trajectory, server = await rollout(vllm_client, tokenizer, backend, strutil, pi_bundle, grade_timeout_s=0.02)
     assert trajectory.outcome == "timeout", (trajectory.error, trajectory.grade)
     assert trajectory.reward is None

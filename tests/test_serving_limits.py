@@ -70,7 +70,7 @@ async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bytes:
 
 
 async def test_a_flood_of_idle_door_connections_holds_only_the_doors_cap(http) -> None:
-    """~1,100 idle connections to a door exhausted the server's descriptors; now the door holds at most
+    """A flood of idle connections to a door cannot exhaust the server's descriptors: the door holds at most
     `door_connections`, accepts at most `door_accepts_per_s` more a second (each answered 503 while it is full),
     leaves the rest in the kernel, and the server stays healthy for everyone."""
     async with limited_server(replace(LIMITS, idle_timeout_s=5.0)) as srv:
@@ -124,8 +124,7 @@ async def test_opening_and_closing_door_connections_in_a_loop_costs_the_loop_lit
         busy = sorted([await served(http, srv, victim) for _ in range(5)])[2]
         opened = int((await churn.communicate())[0])
         await srv.close_door(door)
-    # 3 s at 20 a second, and the backlog: ~70 got through (~50,000 when every connection was accepted, and the
-    # other rollout's request took 27 ms instead of 1).
+    # 3 s at 20 a second, and the backlog: the door accepts a few dozen, not every connection the churn opens.
     assert opened < 10 * LIMITS.door_accepts_per_s and busy < quiet + 0.01, (quiet, busy, opened)
 
 

@@ -37,7 +37,7 @@ async def http() -> Any:
 
 async def test_a_call_to_an_unknown_tool_goes_to_the_agent_as_a_call(http) -> None:
     """vLLM's own tool parsers return a call to a tool the request did not list; the agent then answers "tool not
-    found", and the policy learns from that. It used to end the episode as text with raw markup."""
+    found", and the policy learns from that; it is not turned into text with raw markup."""
     reply = {"role": "assistant", "content": "", "tool_calls": [tool_call("rm_rf", path="/")]}
     generator = ScriptedGenerator.replies(training("qwen3"), [reply, {"role": "assistant", "content": "Done."}])
     async with stub_server("qwen3", generator) as srv:

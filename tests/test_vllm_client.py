@@ -43,7 +43,7 @@ async def test_generate_returns_ids_and_log_probs(vllm_client, tokenizer) -> Non
 
 async def test_the_cpu_server_does_not_spin_between_requests(vllm_server, vllm_client, tokenizer) -> None:
     """vLLM's CPU default runs the model in a worker process that busy-polls its queue for a second after
-    every step: on a 2-core box beside agents and a trainer that spin cost ~a core. The server runs the
+    every step, a cost that agents and a trainer on the same box pay. The server runs the
     model in its engine process instead (`VLLMServer.cpu_threads`), so between requests it is idle."""
     server = psutil.Process(vllm_server.pid)
     processes = [server, *server.children(recursive=True)]
@@ -154,7 +154,7 @@ async def test_cancelling_aborts_the_request_in_vllm(vllm_server, tokenizer) -> 
 
     async with Long(vllm_server.url, SERVED_NAME) as client:
         task = asyncio.create_task(client.generate(prompt(tokenizer), SamplingParams(max_tokens=6000)))
-        # vLLM's gauge can lag on a busy box: wait for it (a 6000-token generation takes ~20 s here).
+        # vLLM's gauge can lag on a busy box: wait for it.
         deadline = time.monotonic() + 15
         while await vllm_running(vllm_server.url) < 1 and not task.done() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
