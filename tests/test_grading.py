@@ -11,12 +11,13 @@ import json
 import os
 import re
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from cheats import CHEATS, append, conftest_hooks, delete_tests, files_under_test, git, make_patch, source_module
+from sandbox_helpers import no_sandbox_left_in_run_dir  # noqa: F401  (autouse here; `local_backend` is conftest's)
 
 from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.grading import (
@@ -38,19 +39,6 @@ from swe_grpo.tasks import Task, TaskFormatError, task_from_row
 TASKS = demo_tasks()
 TASK_IDS = [task.instance_id.split("__")[1] for task in TASKS]
 STRUTIL = next(task for task in TASKS if "strutil" in task.instance_id)
-
-
-@pytest.fixture(scope="module")
-async def backend(tmp_path_factory: pytest.TempPathFactory, run_dir: Path) -> LocalBackend:
-    backend = LocalBackend(cache_dir=tmp_path_factory.mktemp("cache"), run_dir=run_dir)
-    await backend.start()
-    return backend
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_behind(run_dir: Path) -> Iterator[None]:
-    yield
-    assert list(run_dir.iterdir()) == [], "a sandbox was left behind"
 
 
 def unfiltered_junit_statuses(task: Task, patch: str, tmp_path: Path) -> dict[str, str]:
@@ -80,8 +68,8 @@ def assert_model_failure(result: GradeResult, *outcomes: str) -> None:
 
 
 @pytest.mark.parametrize("task", TASKS, ids=TASK_IDS)
-async def test_the_gold_patch_resolves(backend: LocalBackend, task: Task) -> None:
-    result = await grade(task, task.patch, backend, timeout_s=120)
+async def test_the_gold_patch_resolves(local_backend: LocalBackend, task: Task) -> None:
+    result = await grade(task, task.patch, local_backend, timeout_s=120)
     assert (result.outcome, result.reward, result.error) == ("resolved", 1.0, None), result.log_tail
     assert (result.f2p_passed, result.p2p_passed) == (result.f2p_total, result.p2p_total) != (0, 0)
     assert set(result.tests) == {*task.fail_to_pass, *task.pass_to_pass}
@@ -90,8 +78,8 @@ async def test_the_gold_patch_resolves(backend: LocalBackend, task: Task) -> Non
 
 
 @pytest.mark.parametrize("task", TASKS, ids=TASK_IDS)
-async def test_an_empty_patch_does_not_resolve(backend: LocalBackend, task: Task) -> None:
-    result = await grade(task, "", backend, timeout_s=120)
+async def test_an_empty_patch_does_not_resolve(local_backend: LocalBackend, task: Task) -> None:
+    result = await grade(task, "", local_backend, timeout_s=120)
     assert_model_failure(result)
     assert (result.f2p_passed, result.p2p_passed) == (0, result.p2p_total)
     assert all(result.tests[test_id] == "failed" for test_id in task.fail_to_pass)
@@ -99,7 +87,9 @@ async def test_an_empty_patch_does_not_resolve(backend: LocalBackend, task: Task
 
 @pytest.mark.parametrize("cheat", [name for name in CHEATS if name != "edit_test_script"])  # needs a script
 @pytest.mark.parametrize("task", TASKS, ids=TASK_IDS)
-async def test_a_cheating_patch_does_not_resolve(backend: LocalBackend, task: Task, cheat: str, tmp_path: Path) -> None:
+async def test_a_cheating_patch_does_not_resolve(
+    local_backend: LocalBackend, task: Task, cheat: str, tmp_path: Path
+) -> None:
     edit, must_drop, works_unfiltered = CHEATS[cheat]
     patch = make_patch(task, edit)
     if works_unfiltered:
@@ -108,7 +98,7 @@ async def test_a_cheating_patch_does_not_resolve(backend: LocalBackend, task: Ta
     # With the plugins that are installed allowed to load, so that only the filter stands in the way. What
     # the filter keeps of a cheat (a plugin module without the configuration that would load it) is code
     # that reaches into pytest: the static scan names it.
-    result = await grade(task, patch, backend, timeout_s=120, plugin_autoload=True)
+    result = await grade(task, patch, local_backend, timeout_s=120, plugin_autoload=True)
     assert_model_failure(result, "unresolved", "grading_tampered")
     assert result.outcome == "unresolved" or (result.error or "").startswith("static scan: ")
     assert result.f2p_passed == 0
@@ -122,7 +112,7 @@ async def test_a_cheating_patch_does_not_resolve(backend: LocalBackend, task: Ta
 
 
 @pytest.mark.parametrize("task", TASKS, ids=TASK_IDS)
-async def test_cheats_next_to_the_fix_do_not_hide_it(backend: LocalBackend, task: Task) -> None:
+async def test_cheats_next_to_the_fix_do_not_hide_it(local_backend: LocalBackend, task: Task) -> None:
     """The filter drops only the protected paths: the fix in the same patch still counts."""
 
     def fix_and_cheat(repo: Path, task: Task) -> None:
@@ -130,7 +120,7 @@ async def test_cheats_next_to_the_fix_do_not_hide_it(backend: LocalBackend, task
         conftest_hooks(repo, task)
         delete_tests(repo, task)
 
-    result = await grade(task, make_patch(task, fix_and_cheat), backend, timeout_s=120)
+    result = await grade(task, make_patch(task, fix_and_cheat), local_backend, timeout_s=120)
     assert result.outcome == "resolved", (result.error, result.log_tail)
     assert "conftest.py" in result.dropped_paths
 
@@ -141,7 +131,7 @@ async def test_cheats_next_to_the_fix_do_not_hide_it(backend: LocalBackend, task
 LOOK = "atexit.register(lambda: print('REPORT PATH:', os.environ.get('SWE_GRPO_JUNIT_XML'), file=sys.stderr))"
 
 
-async def test_the_report_path_is_not_in_the_environment_of_the_code_under_test(backend: LocalBackend) -> None:
+async def test_the_report_path_is_not_in_the_environment_of_the_code_under_test(local_backend: LocalBackend) -> None:
     def look(repo: Path, task: Task) -> None:
         git(repo, "apply", "-", input_text=task.patch)
         append(
@@ -151,34 +141,34 @@ async def test_the_report_path_is_not_in_the_environment_of_the_code_under_test(
 
     # Naming the report's variable is what the static scan looks for; this task allows it by name.
     patch = make_patch(STRUTIL, look)
-    scanned = await grade(STRUTIL, patch, backend, timeout_s=120)
+    scanned = await grade(STRUTIL, patch, local_backend, timeout_s=120)
     assert (scanned.outcome, scanned.error) == ("grading_tampered", f"static scan: reports in strutil.py: {LOOK}")
-    result = await grade(replace(STRUTIL, tamper_allow=("reports",)), patch, backend, timeout_s=120)
+    result = await grade(replace(STRUTIL, tamper_allow=("reports",)), patch, local_backend, timeout_s=120)
     assert result.outcome == "resolved", (result.error, result.log_tail)
     assert "REPORT PATH: None" in result.log_tail
 
 
-async def test_a_patch_that_does_not_apply(backend: LocalBackend) -> None:
+async def test_a_patch_that_does_not_apply(local_backend: LocalBackend) -> None:
     stale = STRUTIL.patch.replace("-    return text[:width] + placeholder", "-    return text[:width] + suffix")
-    result = await grade(STRUTIL, stale, backend, timeout_s=120)
+    result = await grade(STRUTIL, stale, local_backend, timeout_s=120)
     assert_model_failure(result, "patch_apply_failed")
     assert "strutil.py" in (result.error or "")
-    garbage = await grade(STRUTIL, "I fixed it, trust me.", backend, timeout_s=120)
+    garbage = await grade(STRUTIL, "I fixed it, trust me.", local_backend, timeout_s=120)
     assert_model_failure(garbage, "patch_apply_failed")
 
 
-async def test_a_hanging_test_command_is_a_timeout_without_reward(backend: LocalBackend) -> None:
+async def test_a_hanging_test_command_is_a_timeout_without_reward(local_backend: LocalBackend) -> None:
     task = replace(STRUTIL, test_cmd="python3 -c 'import time; time.sleep(60)'")
-    result = await grade(task, task.patch, backend, timeout_s=2)
+    result = await grade(task, task.patch, local_backend, timeout_s=2)
     assert (result.outcome, result.reward) == ("timeout", None)
     assert "without it either" in (result.error or "")
 
 
-async def test_a_patch_that_hangs_the_tests_is_a_timeout_with_reward_0(backend: LocalBackend) -> None:
+async def test_a_patch_that_hangs_the_tests_is_a_timeout_with_reward_0(local_backend: LocalBackend) -> None:
     def hang(repo: Path, task: Task) -> None:
         append(repo / source_module(task), "\n\nimport time\n\ntime.sleep(3600)\n")
 
-    result = await grade(STRUTIL, make_patch(STRUTIL, hang), backend, timeout_s=3)
+    result = await grade(STRUTIL, make_patch(STRUTIL, hang), local_backend, timeout_s=3)
     assert_model_failure(result, "timeout")
     assert "they finish without it" in (result.error or "")
 
@@ -187,43 +177,43 @@ def kill_the_runner(repo: Path, task: Task) -> None:
     append(repo / source_module(task), "\n\nimport os\nimport signal\n\nos.kill(os.getpid(), signal.SIGKILL)\n")
 
 
-async def test_a_patch_that_kills_the_runner_is_tampering(backend: LocalBackend) -> None:
+async def test_a_patch_that_kills_the_runner_is_tampering(local_backend: LocalBackend) -> None:
     """The boot's exit record is missing: whatever ended the runner, it was not the runner."""
-    result = await grade(STRUTIL, make_patch(STRUTIL, kill_the_runner), backend, timeout_s=60)
+    result = await grade(STRUTIL, make_patch(STRUTIL, kill_the_runner), local_backend, timeout_s=60)
     assert_model_failure(result, "grading_tampered")
     assert "never reached its interpreter's exit" in (result.error or "")
 
 
-async def test_a_patch_that_kills_a_runner_without_the_boot_does_not_resolve(backend: LocalBackend) -> None:
+async def test_a_patch_that_kills_a_runner_without_the_boot_does_not_resolve(local_backend: LocalBackend) -> None:
     """A runner started by absolute path gets no boot (the probe sees that): no report, and a control run
     without the patch that has one, is the patch's fault."""
     task = replace(STRUTIL, test_cmd=DEFAULT_TEST_CMD.replace("python3", "/usr/bin/python3"))
-    result = await grade(task, make_patch(task, kill_the_runner), backend, timeout_s=60)
+    result = await grade(task, make_patch(task, kill_the_runner), local_backend, timeout_s=60)
     assert_model_failure(result)
     assert "broke the test runner" in (result.error or "")
     assert "control_s" in result.timings
 
 
-async def test_a_test_command_without_a_report_is_an_infra_error(backend: LocalBackend) -> None:
-    result = await grade(replace(STRUTIL, test_cmd="true"), STRUTIL.patch, backend, timeout_s=60)
+async def test_a_test_command_without_a_report_is_an_infra_error(local_backend: LocalBackend) -> None:
+    result = await grade(replace(STRUTIL, test_cmd="true"), STRUTIL.patch, local_backend, timeout_s=60)
     assert (result.outcome, result.reward) == ("infra_error", None)
     assert "no report" in (result.error or "")
 
 
-async def test_a_test_patch_that_does_not_apply_is_an_infra_error(backend: LocalBackend) -> None:
+async def test_a_test_patch_that_does_not_apply_is_an_infra_error(local_backend: LocalBackend) -> None:
     broken = replace(STRUTIL, test_patch=STRUTIL.test_patch.replace('truncate("hello", 2)', 'truncate("hello", 3)'))
-    result = await grade(broken, STRUTIL.patch, backend, timeout_s=60)
+    result = await grade(broken, STRUTIL.patch, local_backend, timeout_s=60)
     assert (result.outcome, result.reward) == ("infra_error", None)
     assert "test_patch does not apply" in (result.error or "")
 
 
-async def test_a_task_without_fail_to_pass_tests_is_never_resolved(backend: LocalBackend) -> None:
-    result = await grade(replace(STRUTIL, fail_to_pass=()), STRUTIL.patch, backend, timeout_s=60)
+async def test_a_task_without_fail_to_pass_tests_is_never_resolved(local_backend: LocalBackend) -> None:
+    result = await grade(replace(STRUTIL, fail_to_pass=()), STRUTIL.patch, local_backend, timeout_s=60)
     assert (result.outcome, result.reward) == ("infra_error", None)
 
 
-async def test_a_sandbox_that_cannot_be_created_is_an_infra_error(backend: LocalBackend) -> None:
-    result = await grade(replace(STRUTIL, base_commit="f" * 40), STRUTIL.patch, backend, timeout_s=60)
+async def test_a_sandbox_that_cannot_be_created_is_an_infra_error(local_backend: LocalBackend) -> None:
+    result = await grade(replace(STRUTIL, base_commit="f" * 40), STRUTIL.patch, local_backend, timeout_s=60)
     assert (result.outcome, result.reward) == ("infra_error", None)
     assert (result.error or "").startswith("sandbox: ")
 
@@ -236,22 +226,22 @@ class DestroyedOnArrival(SandboxBackend):
     def __init__(self, inner: LocalBackend) -> None:
         self.inner = inner
 
-    async def create(self, task: Task, mounts: Sequence[Mount] = (), *, network: bool = True) -> Sandbox:
+    async def create(self, task: Task, mounts: Sequence[Mount] = (), *, network: bool = False) -> Sandbox:
         sandbox = await self.inner.create(task, mounts, network=network)
         await sandbox.destroy()
         return sandbox
 
 
-async def test_a_sandbox_failing_mid_grade_is_an_infra_error(backend: LocalBackend) -> None:
-    result = await grade(STRUTIL, STRUTIL.patch, DestroyedOnArrival(backend), timeout_s=60)
+async def test_a_sandbox_failing_mid_grade_is_an_infra_error(local_backend: LocalBackend) -> None:
+    result = await grade(STRUTIL, STRUTIL.patch, DestroyedOnArrival(local_backend), timeout_s=60)
     assert (result.outcome, result.reward) == ("infra_error", None)
     assert "destroyed" in (result.error or "")
 
 
-async def test_cancelling_a_grade_destroys_its_sandbox(backend: LocalBackend, run_dir: Path) -> None:
+async def test_cancelling_a_grade_destroys_its_sandbox(local_backend: LocalBackend, run_dir: Path) -> None:
     marker = "time.sleep(61.25)"
     task = replace(STRUTIL, test_cmd=f"python3 -c '{marker}'")
-    grading = asyncio.create_task(grade(task, task.patch, backend, timeout_s=60))
+    grading = asyncio.create_task(grade(task, task.patch, local_backend, timeout_s=60))
     for _ in range(500):
         await asyncio.sleep(0.02)
         if running(marker):
@@ -279,7 +269,7 @@ def running(needle: str) -> bool:
 # --- predictions --------------------------------------------------------------------------------------
 
 
-async def test_grade_predictions_keeps_their_order(backend: LocalBackend, tmp_path: Path) -> None:
+async def test_grade_predictions_keeps_their_order(local_backend: LocalBackend, tmp_path: Path) -> None:
     predictions = [
         *({"instance_id": task.instance_id, "model_patch": task.patch} for task in TASKS),
         {"instance_id": TASKS[0].instance_id, "model_patch": None},
@@ -291,17 +281,17 @@ async def test_grade_predictions_keeps_their_order(backend: LocalBackend, tmp_pa
     path.write_text(json.dumps(predictions))
     assert load_predictions(path) == predictions
 
-    results = await grade_predictions(TASKS, predictions, backend, concurrency=3, timeout_s=120)
+    results = await grade_predictions(TASKS, predictions, local_backend, concurrency=3, timeout_s=120)
     assert [r.instance_id for r in results] == [p["instance_id"] for p in predictions]
     assert [r.outcome for r in results] == ["resolved"] * len(TASKS) + ["unresolved", "unresolved"]
 
 
-async def test_grade_predictions_checks_every_prediction_first(backend: LocalBackend) -> None:
+async def test_grade_predictions_checks_every_prediction_first(local_backend: LocalBackend) -> None:
     good = {"instance_id": STRUTIL.instance_id, "model_patch": ""}
     with pytest.raises(KeyError, match="nope"):
-        await grade_predictions(TASKS, [good, {"instance_id": "nope", "model_patch": ""}], backend)
+        await grade_predictions(TASKS, [good, {"instance_id": "nope", "model_patch": ""}], local_backend)
     with pytest.raises(ValueError, match="model_patch is not a string"):
-        await grade_predictions(TASKS, [good, {"instance_id": STRUTIL.instance_id, "model_patch": 3}], backend)
+        await grade_predictions(TASKS, [good, {"instance_id": STRUTIL.instance_id, "model_patch": 3}], local_backend)
 
 
 # --- the rules, without sandboxes -----------------------------------------------------------------------

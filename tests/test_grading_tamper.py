@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from cheats import git
+from sandbox_helpers import no_sandbox_left_in_run_dir  # noqa: F401  (autouse here; `local_backend` is conftest's)
 from tampers import PLAIN_FAILURES, TAMPERS, UNITTEST_TAMPERS, tamper_patch
 
 from swe_grpo.demo.tasks import demo_tasks
@@ -32,19 +32,6 @@ from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.tasks import Task, TaskFormatError, task_from_row
 
 INIPARSE = next(task for task in demo_tasks() if "iniparse" in task.instance_id)
-
-
-@pytest.fixture(scope="module")
-async def backend(tmp_path_factory: pytest.TempPathFactory, run_dir: Path) -> LocalBackend:
-    backend = LocalBackend(cache_dir=tmp_path_factory.mktemp("cache"), run_dir=run_dir)
-    await backend.start()
-    return backend
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_behind(run_dir: Path) -> Iterator[None]:
-    yield
-    assert list(run_dir.iterdir()) == [], "a sandbox was left behind"
 
 
 CALC = "def add(a, b):\n    return a - b\n\n\ndef sub(a, b):\n    return a - b\n"
@@ -127,10 +114,10 @@ def test_the_tampers_work_naively(name: str, which: str, unittest_task: Task, tm
 
 @pytest.mark.parametrize(("name", "which"), CASES)
 async def test_a_tampering_patch_is_never_resolved(
-    backend: LocalBackend, name: str, which: str, unittest_task: Task
+    local_backend: LocalBackend, name: str, which: str, unittest_task: Task
 ) -> None:
     task, patch = _task_and_patch(name, which, unittest_task)
-    result = await grade(task, patch, backend, timeout_s=60)
+    result = await grade(task, patch, local_backend, timeout_s=60)
     assert result.outcome != "resolved" and result.reward == 0.0, (result.outcome, result.error, result.log_tail)
     expected = "unresolved" if name in PLAIN_FAILURES else "grading_tampered"
     assert result.outcome == expected, (result.error, result.log_tail)
@@ -138,9 +125,9 @@ async def test_a_tampering_patch_is_never_resolved(
 
 
 @pytest.mark.parametrize("which", ["iniparse", "unittest"])
-async def test_the_gold_patch_still_resolves(backend: LocalBackend, which: str, unittest_task: Task) -> None:
+async def test_the_gold_patch_still_resolves(local_backend: LocalBackend, which: str, unittest_task: Task) -> None:
     task = INIPARSE if which == "iniparse" else unittest_task
-    result: GradeResult = await grade(task, task.patch, backend, timeout_s=60)
+    result: GradeResult = await grade(task, task.patch, local_backend, timeout_s=60)
     assert (result.outcome, result.reward, result.error) == ("resolved", 1.0, None), result.log_tail
 
 
@@ -172,26 +159,28 @@ EVENTS = ("os.exec", "sys.settrace", "object.__setattr__", "foreign")
         ("rewrite_junit_at_exit", EVENTS, "the run printed no test summary, which this runner prints"),
     ],
 )
-async def test_each_witness_on_its_own(backend: LocalBackend, name: str, allow: tuple[str, ...], because: str) -> None:
+async def test_each_witness_on_its_own(
+    local_backend: LocalBackend, name: str, allow: tuple[str, ...], because: str
+) -> None:
     """With the layers before it allowed for the task (the static scan's rules, then the audit's events),
     the next one still names the tamper."""
     task = replace(INIPARSE, tamper_allow=(*SCAN_RULES, *allow))
-    result = await grade(task, tamper_patch(INIPARSE, TAMPERS[name][0]), backend, timeout_s=60)
+    result = await grade(task, tamper_patch(INIPARSE, TAMPERS[name][0]), local_backend, timeout_s=60)
     assert (result.outcome, result.reward) == ("grading_tampered", 0.0), (result.error, result.log_tail)
     assert (result.error or "").startswith(because), result.error
 
 
-async def test_an_expected_xfail_recorded_for_the_task_passes(backend: LocalBackend) -> None:
+async def test_an_expected_xfail_recorded_for_the_task_passes(local_backend: LocalBackend) -> None:
     """A FAIL_TO_PASS test whose gold run is an XFAIL, recorded in the task, may pass as one; nothing else
     changes (the P2P tests, the canaries, the reports still count)."""
     patch = tamper_patch(INIPARSE, TAMPERS["xfail_on_buggy_path"][0])
-    strict = await grade(replace(INIPARSE, tamper_allow=tuple(SCAN_RULES)), patch, backend, timeout_s=60)
+    strict = await grade(replace(INIPARSE, tamper_allow=tuple(SCAN_RULES)), patch, local_backend, timeout_s=60)
     assert (strict.outcome, strict.reward) == ("unresolved", 0.0)
     assert (strict.error or "").startswith("a FAIL_TO_PASS test passes only as PASSED: tests/test_iniparse.py::")
     recorded = replace(
         INIPARSE, tamper_allow=tuple(SCAN_RULES), expected_statuses=dict.fromkeys(INIPARSE.fail_to_pass, "xfail")
     )
-    result = await grade(recorded, patch, backend, timeout_s=60)
+    result = await grade(recorded, patch, local_backend, timeout_s=60)
     assert (result.outcome, result.error) == ("resolved", None), result.log_tail
 
 
@@ -290,15 +279,15 @@ def test_the_static_scan_passes_the_gold_patches(task: Task) -> None:
     assert scan_patch(patch_adding("m.py", "if x.fail:", "skipped = [t for t in ts if t.skip]", "code = 3")) == []
 
 
-async def test_the_probe_sees_which_witnesses_a_runner_supports(backend: LocalBackend) -> None:
+async def test_the_probe_sees_which_witnesses_a_runner_supports(local_backend: LocalBackend) -> None:
     """A witness is used only where it works without the patch: a runner started by absolute path gets no
     boot (the canaries and the reports still count), a command that is no test runner gets none."""
-    witnesses = await probe_runner(backend, INIPARSE, {}, 60)
+    witnesses = await probe_runner(local_backend, INIPARSE, {}, 60)
     assert (witnesses.canaries, witnesses.summary, witnesses.audit, witnesses.audit_allow) == (True, True, True, ())
     absolute = replace(INIPARSE, test_cmd=DEFAULT_TEST_CMD.replace("python3", "/usr/bin/python3"))
-    witnesses = await probe_runner(backend, absolute, {}, 60)
+    witnesses = await probe_runner(local_backend, absolute, {}, 60)
     assert (witnesses.canaries, witnesses.summary, witnesses.audit) == (True, True, False)
-    witnesses = await probe_runner(backend, replace(INIPARSE, test_cmd="true"), {}, 60)
+    witnesses = await probe_runner(local_backend, replace(INIPARSE, test_cmd="true"), {}, 60)
     assert (witnesses.canaries, witnesses.summary, witnesses.audit) == (False, False, False)
 
 
