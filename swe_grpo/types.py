@@ -1,11 +1,13 @@
 """The records and errors that cross the layers: what an agent is given to reach its rollout
 (`RolloutEndpoint`), the policy generating now (`Policy`), a request the server could not complete
-(`RequestError`), and the worker's own failure (`RolloutWorkerError`). Imports nothing from swe_grpo.
+(`RequestError`), the worker's own failure (`RolloutWorkerError`), and what a rollout engine's output
+goes through (`RolloutOutlet`, `HostMessage`). Imports nothing from swe_grpo.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -45,3 +47,29 @@ class RequestError:
 
 class RolloutWorkerError(RuntimeError):
     """The worker crashed, stalled, or was misconfigured; raised by `check_health` and `start`."""
+
+
+HostMessage = tuple[str, Any]
+"""What a rollout engine's output becomes on its way to the trainer, in order: ("group", [RolloutSample, ...]),
+a whole group; ("metrics", {key: value}); ("traces", (step, [trackio.Trace, ...])); ("log", logging.LogRecord)."""
+
+
+class RolloutOutlet(Protocol):
+    """Where a rollout engine's output goes: the trainer's queues in its own process (`QueueOutlet`), or the
+    way out of a rollout host to them. Called from the engine's event loop: none of these may block."""
+
+    def put_group(self, samples: list[Any]) -> None:
+        """A whole group's samples (TRL `RolloutSample`s), delivered at once or not at all."""
+        ...
+
+    def put_metrics(self, metrics: dict[str, float | tuple[float, float]]) -> None:
+        """Metric increments and (sum, count) pairs for the trainer's `metrics_queue`."""
+        ...
+
+    def put_traces(self, step: int, traces: list[Any]) -> None:
+        """Agent traces (`trackio.Trace`) for the trainer's trackio run at `step`; best effort."""
+        ...
+
+    def waiting(self) -> int:
+        """Samples waiting for the trainer (the engine's backpressure)."""
+        ...

@@ -5,7 +5,8 @@ TRL 1.16's `RolloutQueueDataset.__iter__` gets ONE sample at a time and drops it
 Every sample of a group carries the group's version, but the trainer's version can move between two samples
 of one group: its batcher closes a micro-batch in the middle of a group, the trainer steps, syncs weights
 (`model_version += 1`, then `update_model_version`), and only then reads the rest of the group. At the
-staleness edge the rest was dropped, and a group with advantages (+1, +1, -1, -1) was trained as (+1, +1).
+staleness edge a plain queue lets TRL drop the rest: a group with advantages (+1, +1, -1, -1) would be
+trained as (+1, +1).
 
 No honest stamp chosen when the group is pushed can prevent that: how many syncs fall inside a group depends on
 the trainer's batching. So the decision is made once per group, when the trainer reads the group's first

@@ -1,14 +1,15 @@
 """Rollout hosts as Ray actors, for rollouts on more machines than the trainer's (the extra `swe_grpo[ray]`).
 
-`RayHost` is a `RolloutHost` (swe_grpo/worker/hosts.py) whose engine runs in a Ray actor, placed by Ray
-on a node that offers the host's resources: the user gives the nodes that hold sandboxes a custom resource
+`RayHost` is a `RolloutHost` (swe_grpo/worker/hosts.py) whose engine runs in a Ray actor, placed by Ray on
+a node that offers the host's resources: the user gives the nodes that hold sandboxes a custom resource
 (`ray start --resources '{"swe_grpo_sandboxes": 1}'`, one unit per host the node takes) and the worker
 asks for it (`WorkerConfig(rollout_hosts=N, ray_resources={"swe_grpo_sandboxes": 1})`). The actor builds
-the same engine a `ProcessHost` runs (`build_engine`): its InterceptionServer binds on the actor's own
-node, where its own sandboxes reach it (the local backend's door is a unix socket there), so only whole
-groups of samples, metrics and the policy cross nodes. The trainer stays what it is (a TRL/accelerate job)
-and joins the cluster as a Ray driver (`ray.init()` connects to the cluster the node belongs to, or to
-`RAY_ADDRESS`). Every node needs swe_grpo installed and must reach `vllm_url`.
+the same engine a `ProcessHost` runs (`build_engine`, swe_grpo/worker/host_main.py): its
+InterceptionServer binds on the actor's own node, where its own sandboxes reach it (the local backend's
+door is a unix socket there), so only whole groups of samples, metrics and the policy cross nodes. The
+trainer stays what it is (a TRL/accelerate job) and joins the cluster as a Ray driver (`ray.init()`
+connects to the cluster the node belongs to, or to `RAY_ADDRESS`). Every node needs swe_grpo installed and
+must reach `vllm_url`.
 
 What holds beyond what `RolloutHost` promises:
 - A host lost with its node (or any death of its actor: `RayActorError`) is replaced. The rollouts it had
@@ -42,8 +43,8 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
-from swe_grpo.types import Policy, RolloutWorkerError
-from swe_grpo.worker.hosts import HostMessage, HostSpec, build_engine
+from swe_grpo.types import HostMessage, Policy, RolloutWorkerError
+from swe_grpo.worker.host_main import HostSpec, build_engine
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ SANDBOX_RESOURCE = "swe_grpo_sandboxes"
 
 _ANSWER_TIMEOUT_S = 60.0  # an actor answers in milliseconds once it serves; a minute without an answer is wedged
 _KILL_AFTER_S = 10.0  # after stop's own timeout, the actor is killed
-# Metrics that end a started rollout (swe_grpo.worker): what a lost host had started less these was in flight.
+# Metrics that end a started rollout (swe_grpo/worker/engine.py): what a lost host had started less these was in flight.
 _ENDED = ("rollout/finished_total", "rollout/stale_cancelled_total", "rollout/stop_cancelled_total")
 
 
@@ -61,7 +62,7 @@ class _HostActor:
 
     def __init__(self, spec: HostSpec):
         self._spec = spec
-        self._engine: Any = None
+        self._engine: Any = None  # a RolloutEngine once started
         self._output: queue.SimpleQueue[HostMessage | None] = queue.SimpleQueue()  # None: the engine has stopped
         self._lock = threading.Lock()
         self._waiting = 0  # samples in the trainer's buffer at its latest drain

@@ -1,0 +1,305 @@
+"""The child side of a rollout host: what runs inside the host's process (swe_grpo/worker/hosts.py has the
+trainer's side).
+
+`_host_main` is the process's entry point (`ProcessHost` spawns it): it builds the host's engine
+(`build_engine`, from the `HostSpec` the trainer pickled into it), starts it, and serves the trainer's
+requests ("policy", "health", "stop") on one pipe until it asks to stop or is gone; the engine's output
+(whole groups, metrics, traces) and this process's log records go to the trainer on another pipe, from a
+thread of their own (`_Sender`), so the engine's event loop never waits on the trainer. A host stops its
+engine when the trainer dies, even by SIGKILL: it sees its command pipe close, and the kernel signals it
+(PR_SET_PDEATHSIG). An exception raised here reaches the trainer with its `__cause__` chain and each
+one's traceback (`pack_exception` here, `unpack_exception` on the trainer's side).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import itertools
+import logging
+import logging.handlers
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from swe_grpo.agents import Agent
+from swe_grpo.sandbox.base import SandboxBackend
+from swe_grpo.tasks import Task
+from swe_grpo.types import HostMessage, Policy, RolloutOutlet, RolloutWorkerError
+from swe_grpo.worker.config import WorkerConfig
+from swe_grpo.worker.engine import RolloutEngine
+
+log = logging.getLogger(__name__)
+
+_SEND_TIMEOUT_S = 60.0  # a host's last messages reach the trainer in milliseconds; past a minute it is gone
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """What one rollout engine is built from (`SWERolloutWorker`'s arguments); pickled into a host."""
+
+    tasks: list[Task]
+    tokenizer: PreTrainedTokenizerBase
+    vllm_url: str
+    model: str
+    sandbox: str | SandboxBackend
+    config: WorkerConfig
+    agent: Agent
+    vllm_api_key: str | None
+
+    def shares(self, hosts: int) -> list[EngineArgs]:
+        """The engines of `hosts` hosts: each runs in its host's own process (`rollout_hosts=0`) on its share
+        of `max_concurrent_rollouts`, drawing all tasks in its own order (seed + host index)."""
+        base, extra = divmod(self.config.max_concurrent_rollouts, hosts)
+        return [
+            dataclasses.replace(
+                self,
+                config=dataclasses.replace(
+                    self.config,
+                    rollout_hosts=0,
+                    max_concurrent_rollouts=base + (index < extra),
+                    seed=self.config.seed + index,
+                ),
+            )
+            for index in range(hosts)
+        ]
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One host: its engine, the policy it starts with, its place among the hosts (group ids), the log
+    levels it forwards, and an optional `setup` run first (picklable, e.g. logging set-up)."""
+
+    engine: EngineArgs
+    policy: Policy
+    index: int
+    count: int
+    log_levels: dict[str, int]
+    setup: Callable[[], None] | None = None
+
+
+def build_engine(spec: HostSpec, outlet: RolloutOutlet) -> RolloutEngine:
+    """The rollout engine a host runs (`spec.engine`, rollouts in its own thread): its output goes to
+    `outlet`, its group ids are its own (host i of N numbers its groups i, i + N, ...), its policy is
+    `spec.policy`."""
+    e = spec.engine
+    return RolloutEngine(
+        e.tasks,
+        e.tokenizer,
+        vllm_url=e.vllm_url,
+        model=e.model,
+        outlet=outlet,
+        group_ids=itertools.count(spec.index, spec.count),
+        sandbox=e.sandbox,
+        config=e.config,
+        agent=e.agent,
+        vllm_api_key=e.vllm_api_key,
+        policy=spec.policy,
+    )
+
+
+class _TrainerGone(BaseException):
+    """The trainer died, or asked this host to end by a signal."""
+
+
+def _host_main(
+    spec: HostSpec,
+    commands: Connection,
+    results: Connection,
+    backlog: tuple[ctypes.c_int64, ctypes.c_int64],
+    trainer_pid: int,
+) -> None:
+    """A host process: build the engine, start it, then serve the trainer's requests until it asks to stop
+    or is gone (its pipe closes, or the kernel's parent-death signal arrives); the engine is stopped either
+    way."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the trainer, which stops hosts
+    outbox = _Sender(results)
+    _forward_logs(outbox, spec.log_levels)
+    engine: RolloutEngine | None = None
+    try:
+        _die_with(trainer_pid)
+        try:
+            if spec.setup is not None:
+                spec.setup()
+            engine = build_engine(spec, _HostOutlet(outbox, *backlog))
+            engine.start()
+        except Exception as e:
+            commands.send(("error", pack_exception(e)))
+            return
+        commands.send(("ok", None))
+        _serve(engine, commands)
+    except _TrainerGone:
+        log.warning("%s: the trainer is gone; stopping", multiprocessing.current_process().name)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping now: a second signal must not cut it short
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        try:
+            if engine is not None:
+                engine.stop()  # a no-op after a "stop" request
+        finally:
+            outbox.close()
+
+
+def _serve(engine: RolloutEngine, commands: Connection) -> None:
+    """Answer the trainer's requests until it asks to stop (answered once the engine has stopped) or its
+    pipe closes."""
+    while True:
+        try:
+            request, argument = commands.recv()
+        except (EOFError, OSError):
+            raise _TrainerGone() from None
+        answer: tuple[str, Any] = ("ok", None)
+        try:
+            if request == "policy":
+                engine.set_policy(argument)
+            elif request == "health":
+                engine.check_health(argument)
+            elif request == "stop":
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                engine.stop(argument)
+            else:
+                raise ValueError(f"unknown request {request!r}")
+        except Exception as e:
+            answer = ("error", pack_exception(e))
+        commands.send(answer)
+        if request == "stop":
+            return
+
+
+class _HostOutlet:
+    """The engine's outlet inside a host: everything goes to the trainer through the output pipe."""
+
+    def __init__(self, outbox: _Sender, waiting: ctypes.c_int64, delivered: ctypes.c_int64):
+        self._outbox = outbox
+        self._waiting = waiting
+        self._delivered = delivered
+        self._sent = 0
+
+    def put_group(self, samples: list[Any]) -> None:
+        self._sent += len(samples)
+        self._outbox.put(("group", samples))
+
+    def put_metrics(self, metrics: dict[str, Any]) -> None:
+        self._outbox.put(("metrics", metrics))
+
+    def put_traces(self, step: int, traces: list[Any]) -> None:
+        self._outbox.put(("traces", (step, traces)))
+
+    def waiting(self) -> int:
+        """The samples waiting in the trainer's buffer, and this host's on their way there."""
+        delivered = int(self._delivered.value)  # read first: see ProcessHost.drain
+        return int(self._waiting.value) + self._sent - delivered
+
+
+class _Sender:
+    """Sends messages to the trainer from a thread of its own, so the engine's event loop never waits on
+    the pipe. Once the trainer is gone, messages are dropped."""
+
+    def __init__(self, connection: Connection):
+        self._connection = connection
+        self._queue: queue.SimpleQueue[HostMessage | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._send, name="swe-grpo-host-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, message: HostMessage) -> None:
+        self._queue.put(message)
+
+    def close(self) -> None:
+        """Send what is queued, then close the pipe (the trainer sees end-of-file)."""
+        self._queue.put(None)
+        self._thread.join(_SEND_TIMEOUT_S)
+        self._connection.close()
+
+    def _send(self) -> None:
+        gone = False
+        while (message := self._queue.get()) is not None:
+            if gone:
+                continue
+            try:
+                self._connection.send(message)
+            except OSError:
+                gone = True
+            except Exception as e:  # a message that does not pickle: say so, keep the others going
+                print(f"swe_grpo rollout host: cannot send a {message[0]!r} message: {e!r}", flush=True)
+
+
+def _forward_logs(outbox: _Sender, levels: dict[str, int]) -> None:
+    """Send this process's log records to the trainer, which handles them as its own."""
+
+    class Forward(logging.handlers.QueueHandler):
+        def enqueue(self, record: logging.LogRecord) -> None:
+            outbox.put(("log", record))
+
+    root = logging.getLogger()
+    root.handlers[:] = [Forward(queue.SimpleQueue())]
+    for name, level in levels.items():
+        logging.getLogger(name or None).setLevel(level)
+
+
+def _die_with(trainer_pid: int) -> None:
+    """Be signalled when the trainer dies (the pipe's end-of-file is the other way we learn of it)."""
+
+    def trainer_gone(signum: int, frame: Any) -> None:
+        # The kernel also sends the parent-death signal when the *thread* that spawned us ends while the
+        # trainer lives on; then our parent is unchanged, and we carry on.
+        if signum == signal.SIGTERM or os.getppid() != trainer_pid:
+            raise _TrainerGone()
+
+    signal.signal(signal.SIGTERM, trainer_gone)
+    signal.signal(signal.SIGUSR1, trainer_gone)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGUSR1) != 0:
+        log.warning("PR_SET_PDEATHSIG failed (errno %d): only the pipe tells the trainer died", ctypes.get_errno())
+    if os.getppid() != trainer_pid:  # it died before the signal was armed
+        raise _TrainerGone()
+
+
+# --------------------------------------------------------------------------- exceptions across the boundary
+
+PackedException = list[tuple[bytes | None, str, str]]
+
+
+def pack_exception(exc: BaseException) -> PackedException:
+    """The exception and its `__cause__` chain, outermost first: each pickled (None where it does not
+    pickle), summarised, and with its own traceback's text."""
+    chain: PackedException = []
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        try:
+            blob: bytes | None = pickle.dumps(e)
+            pickle.loads(blob)  # an exception whose __init__ does not take its args back fails only here
+        except Exception:
+            blob = None
+        text = "".join(traceback.format_exception(e, chain=False))
+        chain.append((blob, f"{type(e).__module__}.{type(e).__qualname__}: {e}", text))
+        e = e.__cause__
+    return chain
+
+
+def unpack_exception(chain: PackedException, where: str) -> BaseException:
+    """The exception chain rebuilt on this side, each with the host's traceback as a note."""
+
+    rebuilt: list[BaseException] = []
+    for blob, summary, text in chain:
+        try:
+            exception = pickle.loads(blob) if blob is not None else RolloutWorkerError(summary)
+        except Exception:  # e.g. its class cannot be imported here
+            exception = RolloutWorkerError(summary)
+        exception.add_note(f"raised in {where}:\n{text.rstrip()}")
+        rebuilt.append(exception)
+    for outer, inner in itertools.pairwise(rebuilt):
+        outer.__cause__ = inner
+    return rebuilt[0]
