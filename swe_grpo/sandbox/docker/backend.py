@@ -112,7 +112,6 @@ class DockerBackend(SandboxBackend):
         base_url: str | None = None,
         max_concurrency: int = 256,
     ) -> None:
-        self.default_image = default_image
         self.limits = limits
         self.network = network
         self.uid = uid
@@ -130,6 +129,11 @@ class DockerBackend(SandboxBackend):
         self.cgroups: CgroupLayout | None = None
         with contextlib.suppress(SandboxError):
             self.cgroups = CgroupLayout.detect()
+
+    @property
+    def default_image(self) -> str:
+        """The image of a task that has none and no SWE-Gym image on the engine (`images.py`)."""
+        return self.images.default_image
 
     def writable_paths(self) -> list[str]:
         """Where a sandbox can write: the tmpfs mounts of the disk limit (none without one)."""
