@@ -41,10 +41,10 @@ from swe_grpo.demo.warm_start import (
     SHIPPED_DIR,
     Episode,
     EpisodeBuilder,
-    _bash_command,
-    _padded,
-    _prefix_cache,
+    bash_command,
     load_capture,
+    padded,
+    prefix_cache,
     sample,
 )
 from swe_grpo.worker.task_sampling import TaskSampler
@@ -57,8 +57,8 @@ def token_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob at `temperature` of every token of each row after `prompt` under `lm` (as TRL's trainer and
     vLLM's processed log-probs compute it), and the mask of real tokens."""
-    cache = _prefix_cache(lm, prompt[:-1], len(rows))
-    ids, real = _padded([[prompt[-1], *row] for row in rows], pad)
+    cache = prefix_cache(lm, prompt[:-1], len(rows))
+    ids, real = padded([[prompt[-1], *row] for row in rows], pad)
     positions = len(prompt) - 1 + torch.arange(ids.shape[1]).expand(len(rows), -1)
     mask = torch.cat([torch.ones(len(rows), len(prompt) - 1, dtype=torch.long), real], dim=1)
     hidden = lm.model(input_ids=ids, past_key_values=cache, position_ids=positions, attention_mask=mask)
@@ -119,7 +119,7 @@ def main() -> None:
         for ids in sample(
             lm, prompt, n, max_new_tokens=2 * longest, eos_token_id=eos, generator=generator, temperature=temperature
         ):
-            command = _bash_command(builder.parser.parse(ids, prompt, "stop", tools).message)
+            command = bash_command(builder.parser.parse(ids, prompt, "stop", tools).message)
             out.append((ids, next((e for e in mine if ids[-1] == eos and command == e.command), None)))
         return out
 
@@ -151,7 +151,7 @@ def main() -> None:
             trained = [
                 [1] * len(ids) + ([0] * len(e.tool_ids) + [1] * len(e.closing_ids) if e else []) for ids, e in turns
             ]
-            batch.append((prompt, rows, _padded(trained, 0)[0].bool(), advantages[:, None]))
+            batch.append((prompt, rows, padded(trained, 0)[0].bool(), advantages[:, None]))
         tokens = sum(int(trained.sum()) for _, _, trained, _ in batch)
         optimizer.zero_grad(set_to_none=True)
         for prompt, rows, trained, advantages in batch:

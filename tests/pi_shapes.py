@@ -4,15 +4,15 @@ of text parts, the full history re-sent each turn, the assistant's tool-call `ar
 the way JavaScript's JSON.stringify does (no spaces), empty text sent as `content: null`, reasoning
 echoed back under the field it came in, tool results as `{role: tool, tool_call_id, content}`.
 
-`scripted_output` (the warm start's `completion_ids`) gives the token ids a model would produce for an
-assistant message under a template: these are SCRIPTED outputs (the template's own rendering), used where
-a random tiny model cannot act.
+`scripted_output` (`swe_grpo.testing.pi_capture.completion_ids`) gives the token ids a model would produce
+for an assistant message under a template: these are SCRIPTED outputs (the template's own rendering), used
+where a random tiny model cannot act.
 
-And the real thing: `capture_pi_run` (the one the warm start captures its requests with) runs the real
-Pi of a bundle in a sandbox behind the InterceptionServer with SCRIPTED model turns and records every
-request Pi sends (headers and body); `request_shapes` is what of them is pinned per supported version in
-`tests/pi_requests/VERSION.json` (re-pin with `python tests/pi_shapes.py VERSION...` and review the
-diff: it is what Pi changed).
+And the real thing: `capture_pi_run` (`swe_grpo.testing.pi_capture`, the one the demo's warm start captures
+its requests with) runs the real Pi of a bundle in a sandbox behind the InterceptionServer with SCRIPTED
+model turns and records every request Pi sends (headers and body); `request_shapes` is what of them is
+pinned per supported version in `tests/pi_requests/VERSION.json` (re-pin with `python tests/pi_shapes.py
+VERSION...` and review the diff: it is what Pi changed).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from swe_grpo.agents.pi import PiBundle
-from swe_grpo.demo.warm_start import PiRun, capture_pi_run, completion_ids
 from swe_grpo.sandbox.base import SandboxBackend
 from swe_grpo.tasks import Task
+from swe_grpo.testing.pi_capture import PiRun, capture_pi_run, completion_ids
 
 scripted_output = completion_ids  # the name the chain, parser and server tests script model output by
 

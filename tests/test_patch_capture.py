@@ -34,7 +34,7 @@ from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import SamplingParams
 from swe_grpo.tasks import Task
-from swe_grpo.worker import SWERolloutWorker
+from swe_grpo.worker.telemetry import rollout_metrics
 
 # Attributes that turn off every content conversion, for the host's checkout the patch is applied to.
 NEUTRAL_ATTRIBUTES = "* !text !eol !crlf !ident !filter !working-tree-encoding\n"
@@ -357,5 +357,5 @@ async def test_a_rollout_over_the_patch_limit_ends_patch_too_large(
     )
     assert trajectory.error == "the patch is larger than 100000 bytes"
     assert trajectory.summary()["outcome"] == "patch_too_large"
-    metrics = SWERolloutWorker._rollout_metrics(trajectory)
+    metrics = rollout_metrics(trajectory)
     assert metrics["rollout/outcome_patch_too_large_total"] == 1.0 and metrics["rollout/reward"] == 0.0

@@ -81,7 +81,8 @@ async def run_session(
     backend = LocalBackend(cache_dir=tmp_path / "checkouts")
     async with InterceptionServer(client, tokenizer, model_name=SERVED_NAME, sampling=sampling) as server:
         endpoint = server.open_rollout()
-        async with await backend.create(task, mounts=[pi_bundle.mount()]) as sandbox:
+        # The host's network: Pi reaches the InterceptionServer on the host's loopback (no door here).
+        async with await backend.create(task, mounts=[pi_bundle.mount()], network=True) as sandbox:
             config = AgentConfig(context_window=client.max_model_len, max_tokens=max_tokens, timeout_s=180)
             result = await run_pi(
                 sandbox,

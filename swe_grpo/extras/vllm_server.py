@@ -49,7 +49,7 @@ class VLLMServer:
     `cpu_threads` (CPU builds only): the model runs on this many threads inside vLLM's engine process
     (the uniprocess executor). vLLM's CPU default, a worker process of its own, busy-polls its queue
     for a second after every step, so under steady traffic it holds most of a core whatever else needs
-    it (on the 2-core demo box, ~57 % of a core; docs/demo.md). `None` keeps vLLM's default.
+    it (docs/demo.md). `None` keeps vLLM's default.
     `extra_args` are appended to the command line; `extra_env` to the environment. The server's output
     goes to `log_path`.
     """

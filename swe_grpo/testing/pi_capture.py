@@ -1,0 +1,158 @@
+"""Driving the real Pi with SCRIPTED model turns, for where a model cannot be trusted to act: the tests
+pin the shape of Pi's requests with it, and the demo's warm start captures the conversations it
+fine-tunes on with it.
+
+`capture_pi_run` runs Pi in a sandbox behind the InterceptionServer, answering its model calls with
+scripted assistant messages (`ScriptedGenerator`, fed the ids `completion_ids` renders), and records
+every chat request Pi sends on the way (`recording_hop`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import ClientSession, web
+from transformers import PreTrainedTokenizerBase
+
+from swe_grpo.serving.vllm_client import Generation, SamplingParams
+from swe_grpo.tokens.chain import Message, TrainingTemplate
+
+if TYPE_CHECKING:
+    from swe_grpo.agents.base import AgentResult
+    from swe_grpo.agents.pi import PiBundle
+    from swe_grpo.sandbox.base import SandboxBackend
+    from swe_grpo.serving.interception import RolloutRecord
+    from swe_grpo.tasks import Task
+
+__all__ = ["CapturedRequests", "PiRun", "ScriptedGenerator", "capture_pi_run", "completion_ids", "recording_hop"]
+
+
+def completion_ids(template: TrainingTemplate, message: Message) -> list[int]:
+    """The ids a model emits for the assistant `message`: the training template's own rendering of the
+    turn after the generation prompt, through the EOS token. ValueError when the template writes the
+    generation prompt differently from the start of an assistant turn."""
+    user = {"role": "user", "content": "."}
+    prompt = template.render([user], generation_prompt=True)
+    full = template.render([user, message])
+    if not full.startswith(prompt):
+        raise ValueError("the template writes the generation prompt differently from an assistant turn")
+    end = full.rfind(template.eos_token) + len(template.eos_token)
+    return template.encode(full[len(prompt) : end])
+
+
+class ScriptedGenerator:
+    """A SCRIPTED generation backend (no model): request k is answered with `outputs[k]`, requests past the
+    script with the last one (a caller that needs an exact count checks `requests`). For driving the real
+    Pi where a model cannot be trusted to act: capturing its requests, pinning their shapes in tests."""
+
+    max_model_len = 32768
+
+    def __init__(self, outputs: list[list[int]]):
+        self.outputs = outputs
+        self.requests = 0
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, model: str | None = None) -> Generation:
+        ids = self.outputs[min(self.requests, len(self.outputs) - 1)]
+        self.requests += 1
+        return Generation(list(ids), [0.0] * len(ids), "stop", model or "")
+
+
+@dataclass
+class CapturedRequests:
+    """The chat requests an agent sent, as they left it: each one's headers (names lower-cased) and JSON body."""
+
+    url: str = ""
+    requests: list[tuple[dict[str, str], dict[str, Any]]] = field(default_factory=list)
+
+    @property
+    def bodies(self) -> list[dict[str, Any]]:
+        return [body for _, body in self.requests]
+
+
+@contextlib.asynccontextmanager
+async def recording_hop(target: str) -> AsyncIterator[CapturedRequests]:
+    """A loopback HTTP hop in front of `target` (a base URL) that forwards every request unchanged and keeps
+    each chat request's headers and body."""
+    captured = CapturedRequests()
+    async with ClientSession() as http:
+
+        async def forward(request: web.Request) -> web.Response:
+            body = await request.read()
+            if request.path.endswith("/chat/completions"):
+                captured.requests.append(({k.lower(): v for k, v in request.headers.items()}, orjson.loads(body)))
+            headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+            async with http.request(request.method, target + request.path_qs, data=body, headers=headers) as r:
+                reply = await r.read()
+                return web.Response(body=reply, status=r.status, headers={"Content-Type": r.content_type})
+
+        app = web.Application(client_max_size=64 * 1024**2)
+        app.router.add_route("*", "/{tail:.*}", forward)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            captured.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            yield captured
+        finally:
+            await runner.cleanup()
+
+
+@dataclass
+class PiRun:
+    """One run of the real Pi with SCRIPTED model turns: how Pi ended, the InterceptionServer's record of
+    the rollout, every chat request Pi sent (headers and body), the rollout's token, the diff Pi left
+    against the base commit, and the output of each `after` command."""
+
+    result: AgentResult
+    record: RolloutRecord
+    captured: CapturedRequests
+    token: str
+    patch: str
+    after: dict[str, str]
+
+
+async def capture_pi_run(
+    bundle: PiBundle,
+    tokenizer: PreTrainedTokenizerBase,
+    backend: SandboxBackend,
+    task: Task,
+    replies: Sequence[Message],
+    after: Sequence[str] = (),
+) -> PiRun:
+    """The real Pi of `bundle` in a fresh sandbox of `backend`, on `task`, its model turns SCRIPTED to
+    `replies` (assistant messages in normalised form, see `ScriptedGenerator`), behind the
+    InterceptionServer and a `recording_hop`. `after`: shell commands run in the sandbox once Pi has
+    exited, with the rollout's token in `$TOKEN`. The sandbox is gone when this returns."""
+    from swe_grpo.agents.base import AgentConfig
+    from swe_grpo.agents.pi import run_pi
+    from swe_grpo.serving.interception import InterceptionServer
+
+    template = TrainingTemplate(tokenizer)
+    generator = ScriptedGenerator([completion_ids(template, reply) for reply in replies])
+    config = AgentConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=120, stall_timeout_s=60)
+    async with InterceptionServer(generator, tokenizer) as server, recording_hop(server.public_base_url) as hop:
+        endpoint = server.open_rollout()
+        try:
+            proxied = replace(endpoint, base_url=hop.url + endpoint.base_url.removeprefix(server.public_base_url))
+            # The host's network: Pi reaches the recording hop on the host's loopback (no door).
+            async with await backend.create(task, mounts=[bundle.mount()], network=True) as sandbox:
+                result = await run_pi(
+                    sandbox,
+                    bundle,
+                    proxied,
+                    task.problem_statement,
+                    config,
+                    lambda: server.last_activity(endpoint.rollout_id),
+                )
+                patch = await sandbox.diff(task.base_commit)
+                outputs = {}
+                for command in after:
+                    done = await sandbox.exec(command, timeout_s=60, env={"TOKEN": endpoint.token})
+                    outputs[command] = done.stdout + done.stderr
+        finally:
+            record = server.close_rollout(endpoint.rollout_id)
+    return PiRun(result, record, hop, endpoint.token, patch, outputs)
