@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import SERVED_NAME
 from sandbox_helpers import PI_PROCESS, assert_no_agent_or_sandbox_left, host_pids
@@ -149,8 +150,24 @@ async def test_stalled_agent_is_killed_and_named(vllm_server, tokenizer, pi_bund
     assert_nothing_left(backend, server)
 
 
+def own_pids(needle: str, root: int | None = None) -> list[int]:
+    """The descendants of `root` (default: this process) whose command line contains `needle`: this test's own
+    agents, not those of other test runs on the host."""
+    try:
+        children = psutil.Process(root or os.getpid()).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    pids = []
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            if needle in " ".join(child.cmdline()):
+                pids.append(child.pid)
+    return pids
+
+
 class KillsPi:
-    """The real client, but Pi is SIGKILLed from the host while its first request is being answered."""
+    """The real client, but Pi is SIGKILLed from the host while its first request is being answered (this test's
+    Pi only: other runs on the host keep theirs)."""
 
     def __init__(self, inner: VLLMClient):
         self.inner = inner
@@ -160,7 +177,7 @@ class KillsPi:
         return self.inner.max_model_len
 
     async def generate(self, *args, **kwargs):
-        for pid in host_pids(PI_PROCESS):  # Pi, and the door's forwarder whose argv names it: either may go first
+        for pid in own_pids(PI_PROCESS):  # Pi, and the door's forwarder whose argv names it: either may go first
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         return await self.inner.generate(*args, **kwargs)
@@ -262,7 +279,7 @@ def test_terminating_the_cli_mid_rollout_cleans_up_like_ctrl_c(vllm_server, tiny
         proc = subprocess.Popen(command, env={**os.environ, "TMPDIR": str(run_dir)}, stderr=stderr)
     try:
         deadline = time.monotonic() + 120
-        while not host_pids(PI_PROCESS):
+        while not own_pids(PI_PROCESS, proc.pid):  # its own agent: other runs' Pis may be about
             assert proc.poll() is None and time.monotonic() < deadline, "no agent started"
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
