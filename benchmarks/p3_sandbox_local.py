@@ -82,7 +82,7 @@ async def run(repo: Path, cache_dir: Path, iterations: int) -> list[str]:
     detected = backend.method
     assert detected is not None
     t = time.perf_counter()
-    await (await backend.create(task)).destroy()
+    await (await backend.create(task, network=True)).destroy()
     first_create = time.perf_counter() - t
 
     lines = []
@@ -98,7 +98,7 @@ async def run(repo: Path, cache_dir: Path, iterations: int) -> list[str]:
             lines += [markdown_table(["step", "p50", "p90", "max"], rows), ""]
 
     t = time.perf_counter()
-    group = await asyncio.gather(*(backend.create(task) for _ in range(8)))
+    group = await asyncio.gather(*(backend.create(task, network=True) for _ in range(8)))
     try:
         await asyncio.gather(*(s.exec("true", timeout_s=60) for s in group))
         group_ready = time.perf_counter() - t

@@ -81,7 +81,7 @@ async def run(requests: int) -> str:
             door = await server.open_door(endpoint.rollout_id)
             path = f"/rollout/{endpoint.rollout_id}/v1/models"
             try:
-                direct = await backend.create(task, mounts=[bundle.mount()])
+                direct = await backend.create(task, mounts=[bundle.mount()], network=True)
                 behind = await backend.create(task, mounts=[bundle.mount(), door.mount()], network=False)
                 async with direct, behind:
                     rows = []

@@ -35,8 +35,12 @@ class SWEArguments:
     )
     split: str = field(default="train", metadata={"help": "Dataset split (Hub datasets)."})
     instance_ids: list[str] | None = field(default=None, metadata={"help": "Train on these tasks only."})
-    sandbox: str = field(default="local", metadata={"help": "Sandbox backend: local, docker or hf."})
-    agent: str = field(default="pi", metadata={"help": "Coding-agent harness: pi or mini-swe-agent."})
+    sandbox: str = field(
+        default="local", metadata={"help": "Sandbox backend: local, docker, hf, or your own as package.module:Class."}
+    )
+    agent: str = field(
+        default="pi", metadata={"help": "Agent harness: pi, mini-swe-agent, or your own as package.module:Class."}
+    )
     served_model_name: str | None = field(
         default=None, metadata={"help": "Name vLLM serves the base model under (default: model_name_or_path)."}
     )

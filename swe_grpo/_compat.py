@@ -34,7 +34,11 @@ MOVED = {
     "swe_grpo.sandbox.seccomp": "swe_grpo.sandbox.local.seccomp",
 }
 # Names that left a module which stayed: {old module: {name: new module}}.
-MOVED_NAMES = {"swe_grpo.tasks": {"demo_tasks": "swe_grpo.demo.tasks", "demo_tasks_path": "swe_grpo.demo.tasks"}}
+_PI_CAPTURE = ("CapturedRequests", "PiRun", "ScriptedGenerator", "capture_pi_run", "completion_ids", "recording_hop")
+MOVED_NAMES = {
+    "swe_grpo.tasks": {name: "swe_grpo.demo.tasks" for name in ("demo_tasks", "demo_tasks_path")},
+    "swe_grpo.demo.warm_start": {name: "swe_grpo.testing.pi_capture" for name in _PI_CAPTURE},
+}
 
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):

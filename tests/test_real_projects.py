@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from cheats import CHEATS, files_under_test, make_patch, scripts_named
 from real_projects import PROJECTS, real_project_tasks, tasks_dir
+from sandbox_helpers import no_sandbox_left_in_run_dir  # noqa: F401  (autouse)
 from tampers import INIPARSE_ONLY, PLAIN_FAILURES, TAMPERS, tamper_patch
 
 from swe_grpo import cli
@@ -93,12 +93,6 @@ async def grades(
 
     results = await asyncio.gather(*(one(*job) for job in jobs.values()))
     return dict(zip(jobs, results, strict=True))
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_behind(run_dir: Path) -> Iterator[None]:
-    yield
-    assert list(run_dir.iterdir()) == [], "a sandbox was left behind"
 
 
 def test_the_task_set(tasks: dict[str, Task]) -> None:

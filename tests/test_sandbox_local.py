@@ -23,7 +23,7 @@ from sandbox_helpers import CALC, calc_task, git, host_pids, make_repo, marker, 
 from sandbox_helpers import assert_local_sandbox_gone as assert_gone
 
 from swe_grpo.sandbox.base import Mount, SandboxError
-from swe_grpo.sandbox.local import CGROUP_PARENT, CowMethod, LocalBackend, LocalLimits, LocalSandbox, _Cgroup
+from swe_grpo.sandbox.local import CGROUP_PARENT, Cgroup, CowMethod, LocalBackend, LocalLimits, LocalSandbox
 from swe_grpo.sandbox.process import CgroupLayout
 from swe_grpo.tasks import Task
 
@@ -279,7 +279,7 @@ def test_cgroup_v2_files_read_and_written(tmp_path: Path) -> None:
     hybrid = "32 31 0:29 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n"
     layout = CgroupLayout.parse(hybrid + f"35 31 0:34 / {root} rw - cgroup2 cgroup2 rw,nsdelegate\n")
     assert layout == CgroupLayout(2, root, root, root)
-    cgroup = _Cgroup(layout, "swe-grpo-1-x")
+    cgroup = Cgroup(layout, "swe-grpo-1-x")
     (root / CGROUP_PARENT).mkdir()
     cgroup.make(LocalLimits(memory_bytes=300 << 20, pids=77, cpus=1.5))
     assert cgroup.dirs == [root / CGROUP_PARENT / "swe-grpo-1-x"]

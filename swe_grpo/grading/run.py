@@ -22,8 +22,7 @@ from swe_grpo.grading.steps import (
     step,
 )
 from swe_grpo.grading.tamper import scan_patch
-from swe_grpo.sandbox.base import ExecResult, Sandbox, SandboxBackend, SandboxError
-from swe_grpo.sandbox.process import Exhaustion
+from swe_grpo.sandbox.base import ExecResult, Exhaustion, Sandbox, SandboxBackend, SandboxError
 from swe_grpo.tasks import Task
 
 Outcome = Literal[

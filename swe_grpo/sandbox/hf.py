@@ -23,7 +23,8 @@ there is no reaper: a sandbox whose `destroy` never ran (crash) stops by itself 
 and a failed `kill()` is only logged by huggingface_hub (it does not raise), so `idle_timeout` bounds
 that leak too.
 
-Checked only against a fake of the API (`tests/test_sandbox_hf.py`), never against HF itself. The fake
+Checked only against a fake of the API (`tests/sandbox_helpers.py`, run by `tests/test_backend_contract.py`
+and `tests/test_sandbox_hf.py`), never against HF itself. The fake
 does NOT exercise: the HTTP transport, authentication and job start-up (`start_timeout`, images pulled
 by HF); real images (the fake runs the host's /usr, as root); how the real server streams
 output (the fake delivers it when the command ends) and reports a timeout (its `exit_code`/`signal`

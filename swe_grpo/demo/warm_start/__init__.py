@@ -32,9 +32,7 @@ real Pi with scripted turns is `swe_grpo.testing.pi_capture`.
 
 from __future__ import annotations
 
-import importlib
-import warnings
-
+from swe_grpo._compat import moved_name
 from swe_grpo.demo.warm_start.build import Episode, EpisodeBuilder, bash_command
 from swe_grpo.demo.warm_start.capture import capture_pi_requests
 from swe_grpo.demo.warm_start.data import (
@@ -89,19 +87,7 @@ __all__ = [
     "ship",
 ]
 
-# The harness that drives the real Pi with scripted turns lives in `swe_grpo.testing.pi_capture`; its
-# names still import from here, with a DeprecationWarning, until 0.3.
-_MOVED = {
-    name: "swe_grpo.testing.pi_capture"
-    for name in ("CapturedRequests", "PiRun", "ScriptedGenerator", "capture_pi_run", "completion_ids", "recording_hop")
-}
 
 
 def __getattr__(name: str) -> object:
-    new = _MOVED.get(name)
-    if new is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    message = f"{__name__}.{name} moved to {new}.{name}; the old path goes in 0.3"
-    warnings.warn(message, DeprecationWarning, stacklevel=2)
-    value = globals()[name] = getattr(importlib.import_module(new), name)  # warned once
-    return value
+    return moved_name(__name__, name)  # the Pi capture harness, now in swe_grpo.testing.pi_capture

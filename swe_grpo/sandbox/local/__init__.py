@@ -30,6 +30,4 @@ from swe_grpo.sandbox.local.cow import CowMethod
 from swe_grpo.sandbox.local.limits import CGROUP_PARENT, Cgroup, LocalLimits
 from swe_grpo.sandbox.local.sandbox import LocalSandbox
 
-_Cgroup = Cgroup  # its name before the package split (tests/test_sandbox_local.py imports it)
-
 __all__ = ["CGROUP_PARENT", "Cgroup", "CowMethod", "LocalBackend", "LocalLimits", "LocalSandbox"]
