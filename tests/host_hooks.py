@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient
-from swe_grpo.worker import SWERolloutWorker
+from swe_grpo.worker.engine import RolloutEngine
 from swe_grpo.worker.groups import GroupAssembler
 
 
@@ -26,10 +26,10 @@ def break_group_assembly() -> None:
 def block_launches() -> None:
     """A defect that blocks launching without marking progress."""
 
-    async def stuck(self: SWERolloutWorker) -> None:
+    async def stuck(self: RolloutEngine) -> None:
         await asyncio.Event().wait()
 
-    SWERolloutWorker._wait_for_trainer = stuck  # type: ignore[method-assign]
+    RolloutEngine._wait_for_trainer = stuck  # type: ignore[method-assign]
 
 
 def record_vllm_requests(path: str) -> None:
