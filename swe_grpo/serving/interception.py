@@ -63,9 +63,9 @@ from swe_grpo.serving.vllm_client import Generator, SamplingParams
 from swe_grpo.tokens.chain import TokenChain, oldest_version
 from swe_grpo.tokens.responses import ResponseParser
 from swe_grpo.tokens.template import TrainingTemplate
-from swe_grpo.types import Policy, RolloutEndpoint
+from swe_grpo.types import Policy, RequestError, RolloutEndpoint
 
-__all__ = ["InterceptionServer", "RolloutRecord"]
+__all__ = ["InterceptionServer", "Policy", "RequestError", "RolloutEndpoint", "RolloutRecord"]
 
 log = logging.getLogger(__name__)
 
