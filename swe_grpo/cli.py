@@ -3,6 +3,7 @@
 swe-grpo demo              a tiny policy learns to fix the bundled tasks: GRPO on this CPU (demo/)
 swe-grpo rollout ...       run rollouts without training: one JSON line per rollout
 swe-grpo grade ...         grade SWE-bench-style predictions with the same grading code
+swe-grpo tasks synth ...   validated tasks from real projects by mutating what their tests run
 swe-grpo serve-vllm MODEL  start a vLLM server with the platform pitfalls handled
 swe-grpo build-tiny-model  build (or find in cache) the tiny test model; prints its directory
 """
@@ -373,6 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("build-tiny-model", help="build the tiny test model; prints its directory")
     tiny.add_argument("--chat-template", default="qwen3", help="a template shipped with TRL")
     tiny.set_defaults(func=cmd_build_tiny_model)
+
+    from swe_grpo.synth.cli import add_parser as add_synth_parser
+
+    tasks = sub.add_parser("tasks", help="make task sets: `tasks synth` mutates real projects into validated tasks")
+    add_synth_parser(tasks.add_subparsers(dest="tasks_command", required=True))
     return parser
 
 

@@ -6,7 +6,8 @@ FAIL_TO_PASS / PASS_TO_PASS taken by running the project's own test suite in the
 (or run) only reads that file. Building, for each project:
 
 1. `pip download --no-deps --no-binary :all: NAME==VERSION` into `cache_root()/real_projects/sdists`, and
-   the archive's sha256 checked against the pinned one (`SdistError` when it differs).
+   the archive's sha256 checked against the pinned one (`SdistError` when it differs); the
+   download, extraction and root commits are `swe_grpo.synth.source`'s, which `swe-grpo tasks synth` uses.
 2. The sdist's tree, plus `Project.adapt` (config edits that make the released tree run with what this box
    has, e.g. dropping pytest-cov options) and `Project.extra_files`, is the clean tree. Each `Bug` makes a
    buggy tree from it by replacing one snippet in one function. The buggy tree is a ROOT commit (no
@@ -31,9 +32,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
-import tarfile
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,24 +39,13 @@ from pathlib import Path
 from swe_grpo.grading import DEFAULT_TEST_CMD
 from swe_grpo.paths import cache_root
 from swe_grpo.sandbox.base import SandboxBackend
+from swe_grpo.synth.source import SynthError, commit_tree, download_sdist, extract_sdist, git
 from swe_grpo.tasks import Task, load_jsonl
 
-_GIT_ENV = {
-    **os.environ,
-    "GIT_CONFIG_GLOBAL": os.devnull,
-    "GIT_CONFIG_NOSYSTEM": "1",
-    "GIT_AUTHOR_NAME": "real-projects",
-    "GIT_AUTHOR_EMAIL": "real-projects@localhost",
-    "GIT_COMMITTER_NAME": "real-projects",
-    "GIT_COMMITTER_EMAIL": "real-projects@localhost",
-    "GIT_AUTHOR_DATE": "2024-01-01T00:00:00Z",
-    "GIT_COMMITTER_DATE": "2024-01-01T00:00:00Z",
-}
 _SUITE_TIMEOUT_S = 300.0
 
 
-class SdistError(RuntimeError):
-    """An sdist could not be downloaded, or is not the pinned one."""
+SdistError = SynthError  # an sdist could not be downloaded, or is not the pinned one
 
 
 class BuildError(RuntimeError):
@@ -249,37 +236,13 @@ PROJECTS: tuple[Project, ...] = (
 )
 
 
-def _git(repo: Path, *args: str, stdin: str | None = None, env: dict[str, str] | None = None) -> str:
-    done = subprocess.run(
-        ["git", *args], cwd=repo, input=stdin, capture_output=True, text=True, env={**_GIT_ENV, **(env or {})}
-    )
-    if done.returncode != 0:
-        raise BuildError(f"git {' '.join(args)}: {done.stderr.strip()}")
-    return done.stdout
-
-
 def sdist(project: Project, cache: Path) -> Path:
     """The project's sdist, downloaded once with pip and checked against its pinned sha256."""
-    archive = cache / "sdists" / f"{project.dist}.tar.gz"
-    if not archive.is_file():
-        spec = f"{project.name}=={project.version}"
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q"]
-        done = subprocess.run([*cmd, "-d", str(archive.parent), spec], capture_output=True, text=True, timeout=600)
-        if done.returncode != 0 or not archive.is_file():
-            raise SdistError(f"pip download {spec} did not give {archive}: {done.stderr.strip()[-2000:]}")
-    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
-    if digest != project.sha256:
-        raise SdistError(f"{archive} has sha256 {digest}, not the pinned {project.sha256}")
-    return archive
+    return download_sdist(f"{project.name}=={project.version}", cache / "sdists", project.sha256)
 
 
 def _clean_tree(project: Project, archive: Path, dest: Path) -> None:
-    with tarfile.open(archive) as tar:
-        tar.extractall(dest, filter="data")
-    (top,) = dest.iterdir()
-    for item in top.iterdir():
-        item.rename(dest / item.name)
-    top.rmdir()
+    extract_sdist(archive, dest)
     for path, old, new in project.adapt:
         _replace(dest / path, old, new)
     for path, text in project.extra_files.items():
@@ -293,15 +256,6 @@ def _replace(path: Path, old: str, new: str) -> None:
     path.write_text(text.replace(old, new))
 
 
-def _commit(repo: Path, tree_dir: Path, message: str) -> str:
-    """A root commit of `tree_dir`'s files (deterministic: fixed identity and dates)."""
-    index = {"GIT_INDEX_FILE": str(repo / "build.index"), "GIT_WORK_TREE": str(tree_dir)}
-    _git(repo, "read-tree", "--empty", env=index)
-    _git(repo, "add", "-A", "-f", ".", env=index)
-    tree = _git(repo, "write-tree", env=index).strip()
-    return _git(repo, "commit-tree", tree, "-m", message).strip()
-
-
 @dataclass
 class _Built:
     project: Project
@@ -312,21 +266,20 @@ class _Built:
 
 def _build_repo(project: Project, archive: Path, repo: Path) -> list[_Built]:
     """A bare repository holding one root commit per bug (and a branch named after it)."""
-    _git(repo.parent, "init", "-q", "--bare", str(repo))
+    git(repo.parent, "init", "-q", "--bare", str(repo))
     built = []
     with tempfile.TemporaryDirectory() as tmp:
         clean = Path(tmp) / "clean"
         _clean_tree(project, archive, clean)
-        clean_commit = _commit(repo, clean, f"{project.dist}")
+        clean_commit = commit_tree(repo, clean, f"{project.dist}")
         for bug in project.bugs:
             buggy = Path(tmp) / bug.name
             shutil.copytree(clean, buggy, symlinks=True)
             _replace(buggy / bug.path, bug.old, bug.new)
-            base = _commit(repo, buggy, f"{project.dist}")
-            _git(repo, "branch", bug.name, base)
-            patch = _git(repo, "diff", "--binary", base, clean_commit)
+            base = commit_tree(repo, buggy, f"{project.dist}")
+            git(repo, "branch", bug.name, base)
+            patch = git(repo, "diff", "--binary", base, clean_commit)
             built.append(_Built(project, bug, base, patch))
-    (repo / "build.index").unlink(missing_ok=True)
     return built
 
 

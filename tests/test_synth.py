@@ -1,0 +1,244 @@
+"""`swe-grpo tasks synth` (swe_grpo/synth) on a small real project written here (pure Python, its tests
+pytest functions), in real `local` sandboxes with the real grader: the synthesised tasks load with
+`load_tasks`, every gold patch resolves and no empty patch does in a fresh grading sandbox, the same seed
+gives the same tasks, an interrupted run resumes without redoing what it decided, and each refusal (a
+source that cannot be fetched, a suite that does not run, no covered function) says why."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from sandbox_helpers import no_sandbox_left_in_run_dir  # noqa: F401  (autouse)
+
+from swe_grpo import cli
+from swe_grpo.grading import grade
+from swe_grpo.sandbox.local import LocalBackend
+from swe_grpo.synth import SynthConfig, SynthError, mutations, synthesize
+from swe_grpo.synth.build import _ordered
+from swe_grpo.synth.source import GIT_ENV, download_sdist
+from swe_grpo.tasks import load_tasks
+
+LIMIT = 4
+
+LIBRARY = '''"""A tiny library."""
+
+
+def clamp(value, low, high):
+    if value < low:
+        return low
+    if value > high:
+        return high
+    return value
+
+
+def chunks(items, size):
+    if size <= 0:
+        raise ValueError("size must be positive")
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def mean(values):
+    if not values:
+        raise ValueError("no values")
+    return sum(values) / len(values)
+
+
+def initials(name):
+    return "".join(part[0].upper() for part in name.split() if part)
+
+
+def untested(x):
+    return x * 2
+'''
+
+TESTS = """import pytest
+
+from tinylib import chunks, clamp, initials, mean
+
+
+def test_clamp_inside():
+    assert clamp(5, 0, 10) == 5
+
+
+def test_clamp_low():
+    assert clamp(-1, 0, 10) == 0
+
+
+def test_clamp_high():
+    assert clamp(11, 0, 10) == 10
+
+
+def test_chunks():
+    assert chunks([1, 2, 3, 4, 5], 2) == [[1, 2], [3, 4], [5]]
+
+
+def test_chunks_bad_size():
+    with pytest.raises(ValueError):
+        chunks([1], 0)
+
+
+def test_mean():
+    assert mean([1, 2, 3, 6]) == 3
+
+
+def test_mean_empty():
+    with pytest.raises(ValueError):
+        mean([])
+
+
+def test_initials():
+    assert initials("ada  lovelace") == "AL"
+"""
+
+
+def write_project(root: Path, tests: str = TESTS) -> Path:
+    (root / "tinylib").mkdir(parents=True)
+    (root / "tinylib" / "__init__.py").write_text(LIBRARY)
+    (root / "tests").mkdir()
+    (root / "tests" / "test_tinylib.py").write_text(tests)
+    return root
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project as a git repository with a commit (a SOURCE that is a repository: its HEAD is taken)."""
+    root = write_project(tmp_path_factory.mktemp("project") / "tinylib-repo")
+    (root / "NOT_COMMITTED.txt").write_text("left out: only HEAD's tree counts")
+    for args in (["init", "-q"], ["add", "tinylib", "tests"], ["commit", "-q", "-m", "tinylib"]):
+        subprocess.run(["git", *args], cwd=root, check=True, env=GIT_ENV, capture_output=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+async def backend(tmp_path_factory: pytest.TempPathFactory, run_dir: Path) -> LocalBackend:
+    backend = LocalBackend(cache_dir=tmp_path_factory.mktemp("checkouts"), run_dir=run_dir)
+    await backend.start()
+    return backend
+
+
+def config(out: Path, **changes) -> SynthConfig:
+    return SynthConfig(**{"out": out, "seed": 0, "max_per_project": LIMIT, "jobs": 2, "timeout_s": 120, **changes})
+
+
+@pytest.fixture(scope="module")
+async def synthesised(project: Path, backend: LocalBackend, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("synth")
+    (report,) = await synthesize([str(project)], config(out), backend)
+    assert report.error is None, report.error
+    assert report.accepted == LIMIT, report
+    return out
+
+
+def test_the_tasks_load_and_hide_the_fix(synthesised: Path) -> None:
+    tasks = load_tasks(synthesised / "tasks.jsonl")
+    assert len(tasks) == LIMIT
+    assert len({task.instance_id for task in tasks}) == LIMIT
+    assert not list(synthesised.glob("repos/*/NOT_COMMITTED.txt"))
+    for task in tasks:
+        assert Path(task.repo) == synthesised / "repos" / Path(task.repo).name
+        assert task.fail_to_pass and task.test_patch == "" and task.patch.startswith("diff --git a/tinylib/")
+        assert not set(task.fail_to_pass) & set(task.pass_to_pass)
+        assert set(task.fail_to_pass) | set(task.pass_to_pass) <= {
+            f"tests/test_tinylib.py::{name}" for name in _test_names()
+        }
+        for test_id in task.fail_to_pass:
+            assert f"`{test_id}`" in task.problem_statement
+        changed = [line[1:].strip() for line in task.patch.splitlines() if line[:1] in "+-" and line[1:2] not in "+-"]
+        assert "@@" not in task.problem_statement and "diff --git" not in task.problem_statement
+        for line in changed:
+            if len(line) >= 10:  # a whole line of code, not a word like `pass`
+                assert line not in task.problem_statement, (line, task.problem_statement)
+        assert task.metadata["synth"]["path"] == "tinylib/__init__.py"
+        assert task.metadata["synth"]["function"] != "untested"  # no test runs it
+
+
+def _test_names() -> list[str]:
+    return [node.name for node in ast.parse(TESTS).body if isinstance(node, ast.FunctionDef)]
+
+
+async def test_gold_resolves_and_empty_does_not_in_fresh_grading_sandboxes(
+    synthesised: Path, backend: LocalBackend
+) -> None:
+    tasks = load_tasks(synthesised / "tasks.jsonl")
+    gold = await asyncio.gather(*(grade(task, task.patch, backend, timeout_s=120) for task in tasks))
+    empty = await asyncio.gather(*(grade(task, "", backend, timeout_s=120) for task in tasks))
+    assert [g.outcome for g in gold] == ["resolved"] * len(tasks), [g.error for g in gold]
+    assert [g.outcome for g in empty] == ["unresolved"] * len(tasks), [g.error for g in empty]
+    for task, result in zip(tasks, empty, strict=True):
+        assert result.f2p_passed < result.f2p_total == len(task.fail_to_pass)
+
+
+async def test_the_same_seed_gives_the_same_tasks(
+    synthesised: Path, project: Path, backend: LocalBackend, tmp_path: Path
+) -> None:
+    (report,) = await synthesize([str(project)], config(tmp_path / "again"), backend)
+    assert report.error is None
+    assert (tmp_path / "again" / "tasks.jsonl").read_bytes() == (synthesised / "tasks.jsonl").read_bytes()
+
+
+def test_the_seed_orders_the_candidates() -> None:
+    found = mutations("tinylib/__init__.py", LIBRARY.encode())
+    assert _ordered(found, 0, "p") == _ordered(found, 0, "p")
+    assert _ordered(found, 0, "p") != _ordered(found, 1, "p")
+    assert sorted(_ordered(found, 1, "p"), key=lambda m: m.start) == sorted(found, key=lambda m: m.start)
+    first = _ordered(found, 0, "p")[:4]
+    assert len({m.function for m in first}) == 4  # one mutation of each function before a second of any
+
+
+async def test_an_interrupted_run_resumes(
+    synthesised: Path, project: Path, backend: LocalBackend, tmp_path: Path
+) -> None:
+    out = tmp_path / "resumed"
+    first_decision = asyncio.Event()
+    run = asyncio.ensure_future(
+        synthesize([str(project)], config(out), backend, decided=lambda n, a, tried: tried and first_decision.set())
+    )
+    await asyncio.wait_for(first_decision.wait(), 120)
+    run.cancel()  # as Ctrl-C does
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    decided = [json.loads(line) for line in (out / ".synth" / "decisions.jsonl").read_text().splitlines()]
+    assert decided
+    kept = load_tasks(out / "tasks.jsonl")  # what was validated before the interruption is there, loadable
+    assert {task.instance_id for task in kept} == {d["instance_id"] for d in decided if d["row"]}
+
+    (report,) = await synthesize([str(project)], config(out), backend)
+    assert report.error is None
+    again = [json.loads(line) for line in (out / ".synth" / "decisions.jsonl").read_text().splitlines()]
+    assert again[: len(decided)] == decided
+    ids = [d["instance_id"] for d in again]
+    assert len(ids) == len(set(ids)), "a decided candidate was validated again"
+    assert (out / "tasks.jsonl").read_bytes() == (synthesised / "tasks.jsonl").read_bytes()
+
+
+def test_a_source_that_cannot_be_fetched_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no-such-project"
+    code = cli.main(["tasks", "synth", str(missing), "not a requirement", "--out", str(tmp_path / "out")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "no such directory, and not a pinned PyPI requirement" in err
+    with pytest.raises(SynthError, match=r"cannot fetch toolz==0\.0\.0: pip download"):
+        download_sdist("toolz==0.0.0", tmp_path / "sdists")
+
+
+async def test_a_suite_that_does_not_run_is_refused(backend: LocalBackend, tmp_path: Path) -> None:
+    broken = write_project(tmp_path / "broken", tests="import no_such_module\n\n\ndef test_x():\n    pass\n")
+    (report,) = await synthesize([str(broken)], config(tmp_path / "out"), backend)
+    assert report.error is not None and "the test suite does not run (no test passes" in report.error
+    assert "no_such_module" in report.error
+    (report,) = await synthesize([str(broken)], config(tmp_path / "out2", test_cmd="false"), backend)
+    assert report.error is not None and "the test suite does not run (it gives no test report)" in report.error
+    assert load_tasks(tmp_path / "out" / "tasks.jsonl") == []
+
+
+async def test_a_project_whose_tests_run_none_of_its_functions_is_refused(
+    backend: LocalBackend, tmp_path: Path
+) -> None:
+    idle = write_project(tmp_path / "idle", tests="def test_arithmetic():\n    assert 1 + 1 == 2\n")
+    (report,) = await synthesize([str(idle)], config(tmp_path / "out"), backend)
+    assert report.error is not None and "no covered function" in report.error
