@@ -3,6 +3,7 @@
 swe-grpo demo              a tiny policy learns to fix the bundled tasks: GRPO on this CPU (demo/)
 swe-grpo rollout ...       run rollouts without training: one JSON line per rollout
 swe-grpo grade ...         grade SWE-bench-style predictions with the same grading code
+swe-grpo eval ...          each task k times, every attempt graded: pass@k, resumable (evaluation/)
 swe-grpo tasks synth ...   validated tasks from real projects by mutating what their tests run
 swe-grpo serve-vllm MODEL  start a vLLM server with the platform pitfalls handled
 swe-grpo build-tiny-model  build (or find in cache) the tiny test model; prints its directory
@@ -29,6 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from swe_grpo.demo import DemoConfig, plot_results, run_in_terminal
+from swe_grpo.evaluation.command import add_eval_parser
 from swe_grpo.plugins import check_choice
 from swe_grpo.serving.door import check_allow
 
@@ -338,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--port", type=int, default=0)
     rollout.add_argument("--public-url", help="the InterceptionServer's address as sandboxes reach it")
     rollout.set_defaults(func=cmd_rollout)
+    add_eval_parser(sub, rollout, rollout_config)  # rollout's flags, its own outputs
 
     grade = sub.add_parser("grade", help="grade SWE-bench-style predictions (instance_id, model_patch)")
     grade.add_argument("--tasks", required=True)
@@ -391,7 +394,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.vllm_args = passthrough
-    if args.command == "rollout":
+    if args.command in ("rollout", "eval"):
         try:
             check_allow(args.allow, args.door)
         except ValueError as e:

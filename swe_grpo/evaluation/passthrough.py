@@ -1,0 +1,337 @@
+"""`swe-grpo eval --passthrough URL`: evaluate an agent against any OpenAI-compatible endpoint, no token ids.
+
+`PassthroughServer` stands where the InterceptionServer stands in `run_rollout` (`open_rollout`,
+`close_rollout`, `last_activity`): each rollout gets its own URL and secret, and the agent's chat-completion
+requests are forwarded to `{URL}/chat/completions` with the evaluation's model name and sampling
+(temperature, top_p, and max_tokens as a cap), streamed back to the agent byte for byte, and logged: one JSON
+line per call (the request body, the reply's assistant message, finish reason, usage and status) in
+`log_dir/{rollout_id}.jsonl`. A rollout's record has a `TurnRecord` per answered call (token counts from the
+reply's `usage` when the endpoint reports it) and no training rows. The upstream's failures are named as the
+InterceptionServer names vLLM's: unreachable or 5xx `server_unavailable`, a context-length refusal
+`context_overflow`, another 4xx `bad_response`, so attempts end with the same outcomes.
+
+There is no door (`swe_grpo.serving.door` belongs to the InterceptionServer): the agent reaches this server
+over the sandbox backend's network, as with `--no-door`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import aiohttp
+from aiohttp import web
+
+from swe_grpo.serving.limits import ServingLimits
+from swe_grpo.serving.openai_wire import APIError, errors_as_json, json_response, read_body
+from swe_grpo.serving.session import RolloutRecord
+from swe_grpo.serving.vllm_client import SamplingParams
+from swe_grpo.tokens.chain import TurnRecord
+from swe_grpo.types import RequestError, RolloutEndpoint
+
+log = logging.getLogger(__name__)
+
+# The context length an agent is told when the endpoint's `/models` does not say (vLLM's does).
+DEFAULT_CONTEXT_WINDOW = 32768
+_CONTEXT_MARKERS = ("maximum context length", "context length", "context_length_exceeded", "too long")
+
+
+@dataclass
+class _Rollout:
+    endpoint: RolloutEndpoint
+    turns: list[TurnRecord] = field(default_factory=list)
+    errors: list[RequestError] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    requests: int = 0
+    in_flight: int = 0
+    generation_s: float = 0.0
+    last_activity: float = field(default_factory=time.monotonic)
+
+    def error(self, kind: str, message: str) -> None:
+        self.errors.append(RequestError(kind, message[:1000], len(self.turns), time.time()))
+
+
+def reply_from_sse(data: bytes) -> dict[str, Any]:
+    """The assistant message, finish reason and usage that a chat-completion SSE stream adds up to."""
+    content, tool_calls, finish, usage = "", {}, None, None
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+            continue
+        try:
+            chunk = json.loads(line[5:])
+        except json.JSONDecodeError:
+            continue
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            content += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                slot = tool_calls.setdefault(call.get("index", 0), {"id": None, "name": "", "arguments": ""})
+                slot["id"] = call.get("id") or slot["id"]
+                function = call.get("function") or {}
+                slot["name"] += function.get("name") or ""
+                slot["arguments"] += function.get("arguments") or ""
+            finish = choice.get("finish_reason") or finish
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for _, c in sorted(tool_calls.items())
+        ]
+    return {"message": message, "finish_reason": finish, "usage": usage}
+
+
+def reply_from_json(data: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(data)
+        choice = body["choices"][0]
+        return {
+            "message": choice.get("message"),
+            "finish_reason": choice.get("finish_reason"),
+            "usage": body.get("usage"),
+        }
+    except (ValueError, KeyError, IndexError, TypeError):
+        return {"message": None, "finish_reason": None, "usage": None}
+
+
+class PassthroughServer:
+    """Forwards each rollout's chat completions to the OpenAI-compatible `upstream` (`.../v1`) as `model`."""
+
+    def __init__(
+        self,
+        upstream: str,
+        model: str,
+        *,
+        sampling: SamplingParams = SamplingParams(),  # noqa: B008  (frozen)
+        api_key: str | None = None,
+        log_dir: Path | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        public_base_url: str | None = None,
+        request_timeout_s: float = 600.0,
+        limits: ServingLimits = ServingLimits(),  # noqa: B008  (frozen)
+    ):
+        self.upstream, self.model, self.sampling = upstream.rstrip("/"), model, sampling
+        self.log_dir = log_dir
+        self.host, self.port, self._public_base_url = host, port, public_base_url
+        self.limits = limits
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+        self._rollouts: dict[str, _Rollout] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def public_base_url(self) -> str:
+        return (self._public_base_url or f"http://{self.host}:{self.port}").rstrip("/")
+
+    async def start(self) -> PassthroughServer:
+        self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
+        app = web.Application(middlewares=[errors_as_json], client_max_size=self.limits.max_request_bytes)
+        app.router.add_post("/rollout/{rollout_id}/v1/chat/completions", self._chat_completions)
+        app.router.add_get("/rollout/{rollout_id}/v1/models", self._models)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> PassthroughServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def context_window(self) -> int | None:
+        """The model's context length if the upstream's `/models` says it (vLLM does), else None."""
+        assert self._session is not None, "not started"
+        try:
+            async with self._session.get(f"{self.upstream}/models") as resp:
+                models = await resp.json(content_type=None) if resp.status < 400 else {}
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        entry = next((m for m in models.get("data", []) if m.get("id") == self.model), None)
+        length = (entry or {}).get("max_model_len")
+        return int(length) if isinstance(length, int) else None
+
+    # ----------------------------------------------------------------- rollouts, as run_rollout uses them
+
+    def open_rollout(self, rollout_id: str | None = None) -> RolloutEndpoint:
+        rollout_id = rollout_id or uuid.uuid4().hex
+        if rollout_id in self._rollouts:
+            raise ValueError(f"rollout {rollout_id!r} already exists")
+        endpoint = RolloutEndpoint(
+            rollout_id, f"{self.public_base_url}/rollout/{rollout_id}/v1", secrets.token_urlsafe(32), self.model
+        )
+        self._rollouts[rollout_id] = _Rollout(endpoint)
+        return endpoint
+
+    def close_rollout(self, rollout_id: str) -> RolloutRecord:
+        rollout = self._rollouts.pop(rollout_id)
+        return RolloutRecord(
+            rollout_id=rollout_id,
+            rows=[],
+            turns=rollout.turns,
+            errors=rollout.errors,
+            requests=rollout.requests,
+            malformed_tool_calls=0,
+            generation_s=rollout.generation_s,
+            messages=rollout.messages,
+        )
+
+    def last_activity(self, rollout_id: str) -> float:
+        rollout = self._rollouts[rollout_id]
+        return time.monotonic() if rollout.in_flight else rollout.last_activity
+
+    @property
+    def open_rollouts(self) -> int:
+        return len(self._rollouts)
+
+    # ----------------------------------------------------------------- routes
+
+    def _authorize(self, request: web.Request) -> _Rollout:
+        rollout = self._rollouts.get(request.match_info["rollout_id"])
+        if rollout is None:
+            raise APIError(404, "unknown or closed rollout", "not_found_error")
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip(), rollout.endpoint.token):
+            raise APIError(401, "missing or invalid bearer token", "authentication_error")
+        return rollout
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        return json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    def _forwarded(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The body sent upstream: the evaluation's model and sampling; the agent may ask for fewer tokens."""
+        body = {**body, "model": self.model, "temperature": self.sampling.temperature, "top_p": self.sampling.top_p}
+        asked = body.pop("max_completion_tokens", None) or body.get("max_tokens")
+        cap = self.sampling.max_tokens
+        limit = min(asked, cap) if isinstance(asked, int) and cap else (asked if isinstance(asked, int) else cap)
+        if limit:
+            body["max_tokens"] = limit
+        return body
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        rollout = self._authorize(request)
+        rollout.requests += 1
+        try:
+            body, _ = await read_body(request, self.limits.max_request_bytes, self.limits.body_timeout_s)
+        except APIError as e:
+            rollout.error("bad_request", e.message)
+            raise
+        forwarded = self._forwarded(body)
+        assert self._session is not None, "not started"
+        rollout.in_flight += 1
+        start = time.monotonic()
+        reply: dict[str, Any] = {"message": None, "finish_reason": None, "usage": None}
+        status, response = 0, cast(web.StreamResponse | None, None)
+        try:
+            async with self._session.post(f"{self.upstream}/chat/completions", json=forwarded) as upstream:
+                status = upstream.status
+                if status >= 400:
+                    text = await upstream.text()
+                    lowered = text.lower()
+                    kind = "server_unavailable" if status >= 500 else "bad_response"
+                    if status < 500 and any(marker in lowered for marker in _CONTEXT_MARKERS):
+                        kind = "context_overflow"
+                    rollout.error(kind, f"upstream HTTP {status}: {text[:500]}")
+                    return web.Response(status=status, text=text, content_type="application/json")
+                if not forwarded.get("stream"):
+                    data = await upstream.read()
+                    reply = reply_from_json(data)
+                    response = web.Response(body=data, content_type="application/json")
+                else:
+                    response = web.StreamResponse(
+                        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                    )
+                    await response.prepare(request)
+                    received = bytearray()
+                    async for data in upstream.content.iter_any():
+                        received += data
+                        try:
+                            await response.write(data)
+                        except ConnectionError:  # the agent's side (aiohttp's reset error is a ClientError too)
+                            rollout.error("client_disconnected", "the agent went away before its reply was delivered")
+                            return response
+                    await response.write_eof()
+                    reply = reply_from_sse(bytes(received))
+        except (aiohttp.ClientError, TimeoutError) as e:
+            rollout.error("server_unavailable", f"upstream: {type(e).__name__}: {e}")
+            if isinstance(response, web.StreamResponse) and response.prepared:
+                return response  # the stream just ends: the agent sees a cut-off reply
+            raise APIError(502, f"upstream unreachable: {type(e).__name__}", "server_error") from e
+        finally:
+            rollout.in_flight -= 1
+            rollout.last_activity = time.monotonic()
+            rollout.generation_s += rollout.last_activity - start
+            self._log(rollout, forwarded, reply, status)
+        usage = reply["usage"] or {}
+        rollout.turns.append(
+            TurnRecord(
+                turn=len(rollout.turns),
+                row=0,
+                kind="clean",
+                prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                new_prompt_tokens=0,
+                output_tokens=int(usage.get("completion_tokens") or 0),
+                model_version=0,
+                finish_reason=reply["finish_reason"] or "stop",
+            )
+        )
+        asked = body.get("messages") if isinstance(body.get("messages"), list) else []
+        rollout.messages = [*asked, *([reply["message"]] if reply["message"] else [])]
+        return response
+
+    def _log(self, rollout: _Rollout, body: dict[str, Any], reply: dict[str, Any], status: int) -> None:
+        if self.log_dir is None:
+            return
+        line = {"turn": len(rollout.turns), "status": status, "request": body, **reply}
+        with (self.log_dir / f"{rollout.endpoint.rollout_id}.jsonl").open("a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+@asynccontextmanager
+async def passthrough_server(
+    upstream: str,
+    model: str,
+    sampling: SamplingParams,
+    *,
+    log_dir: Path | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    public_url: str | None = None,
+) -> AsyncIterator[tuple[PassthroughServer, int]]:
+    """A started PassthroughServer to `upstream` (its key from `OPENAI_API_KEY`), and the context length."""
+    server = PassthroughServer(
+        upstream,
+        model,
+        sampling=sampling,
+        api_key=os.environ.get("OPENAI_API_KEY"),
+        log_dir=log_dir,
+        host=host,
+        port=port,
+        public_base_url=public_url,
+    )
+    async with server:
+        yield server, await server.context_window() or DEFAULT_CONTEXT_WINDOW
