@@ -216,6 +216,21 @@ async def test_an_interrupted_run_resumes(
     assert (out / "tasks.jsonl").read_bytes() == (synthesised / "tasks.jsonl").read_bytes()
 
 
+def test_the_command_line_makes_tasks_that_swe_grpo_grade_takes(project: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cli"
+    synth = ["tasks", "synth", str(project), "--out", str(out), "--max-per-project", "2", "--timeout", "120"]
+    assert cli.main(synth) == 0
+    tasks = load_tasks(out / "tasks.jsonl")
+    assert len(tasks) == 2
+    predictions = [{"instance_id": t.instance_id, "model_patch": t.patch} for t in tasks]
+    predictions.append({"instance_id": tasks[0].instance_id, "model_patch": ""})
+    (tmp_path / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in predictions))
+    graded = ["grade", "--tasks", str(out / "tasks.jsonl"), "--predictions", str(tmp_path / "predictions.jsonl")]
+    assert cli.main([*graded, "--output", str(tmp_path / "results.jsonl"), "--timeout", "120"]) == 0
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["outcome"] for r in results] == ["resolved", "resolved", "unresolved"], [r["error"] for r in results]
+
+
 def test_a_source_that_cannot_be_fetched_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "no-such-project"
     code = cli.main(["tasks", "synth", str(missing), "not a requirement", "--out", str(tmp_path / "out")])

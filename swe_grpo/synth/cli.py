@@ -44,7 +44,10 @@ def _table(reports: list[ProjectReport]) -> Table:
     for column in ("source", "tasks", "candidates tried", "stable tests", "wall s", "rejected / error"):
         table.add_column(column, justify="left" if column in ("source", "rejected / error") else "right")
     for r in reports:
-        why = r.error or ", ".join(f"{reason} {n}" for reason, n in sorted(r.rejected.items(), key=lambda kv: -kv[1]))
+        reasons = sorted(r.rejected.items(), key=lambda kv: -kv[1])
+        if r.infra_errors:
+            reasons.append(("sandbox failures (retried on a rerun)", r.infra_errors))
+        why = r.error or ", ".join(f"{reason} {n}" for reason, n in reasons)
         tried = r.accepted + sum(r.rejected.values())
         table.add_row(r.source, str(r.accepted), f"{tried}/{r.candidates}", str(r.tests), f"{r.wall_s:.0f}", why)
     return table
