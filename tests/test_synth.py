@@ -16,11 +16,12 @@ import pytest
 from sandbox_helpers import no_sandbox_left_in_run_dir  # noqa: F401  (autouse)
 
 from swe_grpo import cli
-from swe_grpo.grading import grade
+from swe_grpo.grading import DEFAULT_TEST_CMD, grade
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.synth import SynthConfig, SynthError, mutations, synthesize
 from swe_grpo.synth.build import _ordered
 from swe_grpo.synth.source import GIT_ENV, download_sdist
+from swe_grpo.synth.statement import problem_statement
 from swe_grpo.tasks import load_tasks
 
 LIMIT = 4
@@ -188,6 +189,44 @@ def test_the_seed_orders_the_candidates() -> None:
     assert sorted(_ordered(found, 1, "p"), key=lambda m: m.start) == sorted(found, key=lambda m: m.start)
     first = _ordered(found, 0, "p")[:4]
     assert len({m.function for m in first}) == 4  # one mutation of each function before a second of any
+
+
+OPERATORS_SOURCE = """
+def f(a, b, flag=True):
+    if a < b and b > 0:
+        return max(a, b) + 1
+    if a is None:
+        raise ValueError("a")
+    total = 0
+    total += a * 2
+    seen = False
+    return total if flag else seen
+"""
+
+
+def test_every_operator_changes_only_its_own_text() -> None:
+    found = mutations("m.py", OPERATORS_SOURCE.encode())
+    assert {m.operator for m in found} == {
+        "comparison", "arithmetic", "boolean", "off_by_one", "constant", "invert_if", "remove_if",
+        "drop_return", "drop_raise", "swap_args",
+    }  # fmt: skip
+    for mutation in found:
+        mutant = mutation.apply(OPERATORS_SOURCE.encode()).decode()
+        ast.parse(mutant)
+        before, after = OPERATORS_SOURCE.splitlines(), mutant.splitlines()
+        changed = [line for line in before if line not in after]
+        assert len(changed) == (2 if mutation.operator == "remove_if" else 1), (mutation, changed)
+    assert mutations("m.py", OPERATORS_SOURCE.encode(), covered=set()) == []
+    assert mutations("m.py", b"def broken(:\n") == []
+
+
+def test_the_statement_never_quotes_the_mutated_code() -> None:
+    found = mutations("m.py", OPERATORS_SOURCE.encode())
+    (mutation,) = [m for m in found if m.operator == "drop_return" and m.new == "max(a, b) + 1"]
+    messages = {"tests/test_m.py::test_f": "AssertionError: boom\n    max(a, b) + 1\nassert None == 3"}
+    text = problem_statement("m", ["tests/test_m.py::test_f"], messages, DEFAULT_TEST_CMD, mutation)
+    assert "max(a, b) + 1" not in text and "assert None == 3" in text and "`tests/test_m.py::test_f`" in text
+    assert "--junitxml" not in text
 
 
 async def test_an_interrupted_run_resumes(

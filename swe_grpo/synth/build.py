@@ -194,9 +194,10 @@ async def _validate(
     mutation: Mutation,
     covering: list[str],
     stable: list[str],
-    config: SynthConfig,
+    timeout_s: float,
 ) -> tuple[dict | None, str]:
-    """The task row of one candidate, or None and why it was rejected."""
+    """The task row of one candidate, or None and why it was rejected. `timeout_s` bounds each run: a
+    mutant that makes the tests hang costs that much, not the suite's whole `--timeout`."""
     instance_id = f"{source.name}__synth-{mutation.key}"
     original = (source.tree / mutation.path).read_bytes()
     mode = git(repo, "ls-tree", clean, "--", mutation.path).split()[0]
@@ -211,7 +212,7 @@ async def _validate(
     git(repo, "update-ref", f"refs/heads/{instance_id}", base)
     patch = git(repo, "diff", "--binary", base, clean)
     probe = Task(instance_id, str(repo), base, "synthesising", fail_to_pass=("-",), test_cmd=test_cmd)
-    run = await run_suite(backend, probe, covering, timeout_s=config.timeout_s)
+    run = await run_suite(backend, probe, covering, timeout_s=timeout_s)
     if run.statuses is None:
         return None, "the suite gives no report on the mutant" + (" (timed out)" if run.timed_out else "")
     f2p = [test_id for test_id in covering if run.statuses.get(test_id) != "passed"]
@@ -222,7 +223,7 @@ async def _validate(
     task = Task(instance_id, str(repo), base, statement, fail_to_pass=tuple(f2p), pass_to_pass=tuple(p2p))
     task = Task(**{**task.__dict__, "test_cmd": test_cmd, "patch": patch})
     gold, empty = await asyncio.gather(
-        grade(task, patch, backend, timeout_s=config.timeout_s), grade(task, "", backend, timeout_s=config.timeout_s)
+        grade(task, patch, backend, timeout_s=timeout_s), grade(task, "", backend, timeout_s=timeout_s)
     )
     if gold.outcome != "resolved":
         return None, f"the gold patch grades {gold.outcome}"
@@ -295,6 +296,8 @@ async def _project(
         return count, True
 
     semaphore = asyncio.Semaphore(config.jobs)
+    # A run on a mutant takes about what the clean suite takes; far longer means it hangs.
+    bound = min(config.timeout_s, max(60.0, 10 * baseline["suite_s"]))
 
     async def one(order: int, mutation: Mutation) -> None:
         async with semaphore:
@@ -302,7 +305,7 @@ async def _project(
                 return
             try:
                 row, why = await _validate(
-                    backend, source, repo, clean, test_cmd, mutation, covering[mutation.key], baseline["stable"], config
+                    backend, source, repo, clean, test_cmd, mutation, covering[mutation.key], baseline["stable"], bound
                 )
             except SandboxError as exc:  # the machinery's failure, not the candidate's: decided on a rerun
                 log.warning("%s: %s", ids[order], exc)

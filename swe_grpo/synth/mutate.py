@@ -214,6 +214,30 @@ def _own_nodes_and_self(function: ast.AST) -> Iterator[ast.AST]:
     yield from _own_nodes(function)
 
 
+class _Block:
+    """A function's own lines, parsed as a module of their own (an indented one under `if 1:`): a mutant
+    is checked there, not by parsing the whole file again."""
+
+    def __init__(self, function: ast.AST, source: bytes, text: _Text) -> None:
+        lines = [function.lineno, *(d.lineno for d in function.decorator_list)]  # type: ignore[attr-defined]
+        self.start, end = text.starts[min(lines) - 1], text.starts[function.end_lineno]  # type: ignore[attr-defined]
+        self.block = source[self.start : end]
+        self.pad = b"if 1:\n" if self.block[:1] in (b" ", b"\t") else b""
+        self.dump = self._dump(self.block)
+
+    def _dump(self, block: bytes) -> str | None:
+        try:
+            return ast.dump(ast.parse(self.pad + block))
+        except (SyntaxError, ValueError):
+            return None
+
+    def accepts(self, mutation: Mutation) -> bool:
+        """Whether the mutant parses and differs from the original."""
+        start, end = mutation.start - self.start, mutation.end - self.start
+        mutant = self._dump(self.block[:start] + mutation.new.encode() + self.block[end:])
+        return self.dump is not None and mutant is not None and mutant != self.dump
+
+
 def mutations(path: str, source: bytes, covered: set[int] | None = None) -> list[Mutation]:
     """Every mutation of the functions of `source` (the file `path`) whose first line is in `covered`
     (all functions when None), in file order; each mutant parses and has a different AST. A file that
@@ -223,11 +247,11 @@ def mutations(path: str, source: bytes, covered: set[int] | None = None) -> list
     except (SyntaxError, ValueError):
         return []
     text = _Text(source)
-    original = ast.dump(tree)
     found: dict[tuple[int, int, str], Mutation] = {}
     for name, function in _functions(tree):
         if covered is not None and first_line(function) not in covered:
             continue
+        block = _Block(function, source, text)
         for operator, start, end, new in _sites(text, function):
             if (start, end, new) in found:
                 continue
@@ -242,10 +266,6 @@ def mutations(path: str, source: bytes, covered: set[int] | None = None) -> list
                 old=text.text(start, end),
                 new=new,
             )
-            try:
-                mutant = ast.dump(ast.parse(mutation.apply(source)))
-            except (SyntaxError, ValueError):
-                continue
-            if mutant != original:
+            if block.accepts(mutation):
                 found[start, end, new] = mutation
     return sorted(found.values(), key=lambda m: (m.start, m.end, m.new))
