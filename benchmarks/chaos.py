@@ -499,13 +499,18 @@ def door_dirs() -> set[Path]:
     return {Path(s).parent for s in sockets if Path(s).parent.name.startswith("swe-grpo-door-")}
 
 
-def _vllm_pids() -> set[int]:
-    """vLLM's process tree (a child of this process that the leftover check must not count)."""
+def _services() -> set[int]:
+    """The long-lived services among this process's children that the leftover check must not count:
+    vLLM's process tree, and a docker engine the test suite started (dockerd and its containerd, not the
+    containers' shims, which would be a sandbox's)."""
     pids: set[int] = set()
     for p in psutil.Process().children(recursive=True):
         try:
-            if "vllm.entrypoints" in " ".join(p.cmdline()):
+            command = p.cmdline()
+            if "vllm.entrypoints" in " ".join(command):
                 pids |= {p.pid} | {c.pid for c in p.children(recursive=True)}
+            elif command and Path(command[0]).name in ("dockerd", "containerd"):
+                pids.add(p.pid)
         except psutil.Error:
             pass
     return pids
@@ -513,7 +518,7 @@ def _vllm_pids() -> set[int]:
 
 def leftovers(run_dir: Path, hosts: set[int]) -> dict[str, list[str]]:
     """What the sandboxes of this process and of its rollout hosts (`hosts`: the pid of every host the run
-    had, dead ones included) left: processes (descendants of this process but vLLM's, anything whose
+    had, dead ones included) left: processes (descendants of this process but its services, anything whose
     command line names `run_dir`, anything in one of their sandbox cgroups), mounts under `run_dir`,
     directories in it, and cgroups. A sandbox's cgroup is named for the pid of the process that made it:
     with rollout hosts (the default) that is a host's, never this process's."""
@@ -526,7 +531,7 @@ def leftovers(run_dir: Path, hosts: set[int]) -> dict[str, list[str]]:
         for d in (root / CGROUP_PARENT).glob(f"swe-grpo-{owner}-*")
     )
     procs: dict[int, str] = {}
-    skip = _vllm_pids()
+    skip = _services()
     for p in psutil.Process().children(recursive=True):
         # Python's multiprocessing resource tracker: one per process, from its first spawned child (a
         # rollout host) to its own exit; nothing of a rollout.
