@@ -101,11 +101,13 @@ class _State:
         self._file.close()
 
 
-def _write_tasks(out: Path, state: _State, projects: Sequence[str], limit: int) -> int:
-    """`out/tasks.jsonl` from the accepted decisions: per project, in candidate order, at most `limit`."""
+def _write_tasks(out: Path, state: _State, projects: dict[str, str], limit: int) -> int:
+    """`out/tasks.jsonl` from the accepted decisions: per project, in candidate order, at most `limit`.
+    `projects`: this run's projects and their clean commits (a project's decisions about an older tree
+    are left out; projects of earlier runs only are kept as they were)."""
     by_project: dict[str, list[dict]] = {name: [] for name in projects}
     for record in state.decisions.values():
-        if record.get("row") is not None:
+        if record.get("row") is not None and projects.get(record["project"], record["clean"]) == record["clean"]:
             by_project.setdefault(record["project"], []).append(record)
     rows = [r["row"] for records in by_project.values() for r in sorted(records, key=lambda r: r["order"])[:limit]]
     tmp = out / "tasks.jsonl.tmp"
@@ -259,19 +261,19 @@ async def _project(
     report: ProjectReport,
     started: Started,
     decided: Decided,
-    projects: list[str],
+    projects: dict[str, str],
 ) -> None:
     loop = asyncio.get_running_loop()
     begin = loop.time()
     source = await asyncio.to_thread(fetch_source, spec, work, config.sdist_cache or cache_root() / "synth" / "sdists")
     report.name = source.name
-    projects.append(source.name)
     repo = config.out / "repos" / f"{source.name}.git"
     if not (repo / "HEAD").is_file():
         repo.parent.mkdir(parents=True, exist_ok=True)
         git(repo.parent, "init", "-q", "--bare", repo.name)
     clean = commit_tree(repo, source.tree, source.name)
     git(repo, "update-ref", "refs/heads/clean", clean)
+    projects[source.name] = clean
     test_cmd = _test_cmd(config, source.tree)
     clean_task = Task(f"{source.name}__clean", str(repo), clean, "baseline", fail_to_pass=("-",), test_cmd=test_cmd)
     baseline = await _baseline(backend, clean_task, state.dir / f"{source.name}.baseline.json", config.timeout_s, spec)
@@ -351,7 +353,7 @@ async def synthesize(
     config.out.mkdir(parents=True, exist_ok=True)
     state = _State(config.out)
     reports = [ProjectReport(source) for source in sources]
-    projects: list[str] = []
+    projects: dict[str, str] = {}
     work = Path(tempfile.mkdtemp(prefix="work-", dir=state.dir))
     try:
         for spec, report in zip(sources, reports, strict=True):
