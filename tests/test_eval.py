@@ -198,25 +198,30 @@ def test_predictions_one_per_task_from_its_first_scored_attempt() -> None:
     ]  # C: every attempt failed on the host, no prediction
 
 
-async def test_report_of_real_grades_of_gold_and_empty_patches(tmp_path: Path, run_dir: Path) -> None:
+def test_report_of_real_grades_of_gold_and_empty_patches(tmp_path: Path, run_dir: Path) -> None:
     """The gold-patch check, without a model: per demo task, attempt 0 is its gold patch and attempt 1 an
     empty one, each graded for real in a fresh `local` sandbox; then `swe-grpo grade` of the predictions.jsonl
     eval writes resolves every task (attempt 0's patch was chosen, in SWE-bench's form)."""
     tasks = demo_tasks()
-    backend = LocalBackend(cache_dir=tmp_path / "checkouts", run_dir=run_dir)
-    await backend.start()
-    records = []
-    try:
-        for task in tasks:
-            for attempt, patch in enumerate((task.patch, "")):
-                result = await grade(task, patch, backend, timeout_s=300)
-                trajectory = Trajectory(
-                    task.instance_id, f"{task.instance_id}-{attempt}", result.outcome, result.reward, patch=patch,
-                    grade=result, timings={"sandbox_create": 0.1, "total": 2.0},
-                )  # fmt: skip
-                records.append(attempt_record(trajectory, attempt, None))
-    finally:
-        await backend.close()
+
+    async def grade_all() -> list[dict]:
+        backend = LocalBackend(cache_dir=tmp_path / "checkouts", run_dir=run_dir)
+        await backend.start()
+        records = []
+        try:
+            for task in tasks:
+                for attempt, patch in enumerate((task.patch, "")):
+                    result = await grade(task, patch, backend, timeout_s=300)
+                    trajectory = Trajectory(
+                        task.instance_id, f"{task.instance_id}-{attempt}", result.outcome, result.reward,
+                        patch=patch, grade=result, timings={"sandbox_create": 0.1, "total": 2.0},
+                    )  # fmt: skip
+                    records.append(attempt_record(trajectory, attempt, None))
+        finally:
+            await backend.close()
+        return records
+
+    records = asyncio.run(grade_all())
     out = tmp_path / "eval"
     out.mkdir()
     report = write_outputs(out, records, 2, [t.instance_id for t in tasks], "gold")
