@@ -33,6 +33,7 @@ from swe_grpo.demo import DemoConfig, plot_results, run_in_terminal
 from swe_grpo.evaluation.command import add_eval_parser
 from swe_grpo.plugins import check_choice
 from swe_grpo.serving.door import check_allow
+from swe_grpo.tasks.task import REWARD_MODES
 
 if TYPE_CHECKING:
     from swe_grpo.extras.vllm_server import VLLMServer
@@ -127,6 +128,7 @@ def rollout_config(args: argparse.Namespace, context_window: int) -> RolloutConf
         agent=agent,
         grade_timeout_s=args.grade_timeout,
         plugin_autoload=args.plugin_autoload,
+        reward_mode=args.reward_mode,
         max_patch_bytes=args.max_patch_bytes,
         door=args.door,
         allow=tuple(args.allow),
@@ -181,6 +183,7 @@ def cmd_grade(args: argparse.Namespace) -> int:
                 concurrency=args.concurrency,
                 timeout_s=args.timeout,
                 plugin_autoload=args.plugin_autoload,
+                reward_mode=args.reward_mode,
             )
         finally:
             await backend.close()
@@ -255,6 +258,12 @@ def cmd_build_tiny_model(args: argparse.Namespace) -> int:
 
 
 _AUTOLOAD_HELP = "pytest plugin autoload when grading (default: on; a task's plugin_autoload wins)"
+_REWARD_MODE = {
+    "choices": REWARD_MODES,
+    "default": "binary",
+    "help": "binary: 1.0 iff every FAIL_TO_PASS and PASS_TO_PASS test passes (default); fraction: the share of "
+    "FAIL_TO_PASS tests passing, 0.0 if a PASS_TO_PASS test fails (a task's reward_mode wins)",
+}
 
 
 def _plugin_flag(registry: Mapping[str, str], kind: str, default: str) -> dict[str, Any]:
@@ -320,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--stall-timeout", type=float, default=300.0)
     rollout.add_argument("--grade-timeout", type=float, default=1800.0)
     rollout.add_argument("--plugin-autoload", action=argparse.BooleanOptionalAction, default=True, help=_AUTOLOAD_HELP)
+    rollout.add_argument("--reward-mode", **_REWARD_MODE)
     rollout.add_argument(
         "--door",
         action=argparse.BooleanOptionalAction,
@@ -351,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--concurrency", type=int, default=4)
     grade.add_argument("--timeout", type=float, default=1800.0)
     grade.add_argument("--plugin-autoload", action=argparse.BooleanOptionalAction, default=True, help=_AUTOLOAD_HELP)
+    grade.add_argument("--reward-mode", **_REWARD_MODE)
     grade.set_defaults(func=cmd_grade)
 
     serve = sub.add_parser(

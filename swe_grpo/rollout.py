@@ -4,7 +4,10 @@ Everything a rollout creates (its sandbox, its interception session, the agent's
 however it ends, cancellation included. The result is a `Trajectory`: the training rows and per-turn
 records from the TokenChain, the reward, and an outcome with its provenance:
 
-    resolved / unresolved / patch_apply_failed   graded; reward 1.0 / 0.0 / 0.0
+    resolved / unresolved / patch_apply_failed   graded; reward 1.0 / 0.0 / 0.0 (`unresolved` earns the
+                       share of FAIL_TO_PASS tests passing under the "fraction" reward mode)
+    setup_failed       the task's `setup_cmd` failed, timed out, exhausted the sandbox or changed the
+                       repository: the task's (or the host's) failure, the agent never ran   reward None
     context_overflow   the conversation outgrew the model's context      reward None
     timeout            the agent hit its wall-clock limit or stalled, or grading timed out without a verdict
     infra_error        vLLM unreachable or unusable, a sandbox failure, the agent dying before its first
@@ -43,11 +46,21 @@ time is the agent's doing. SWE-bench fails such predictions too, and a reward of
 that floods, wipes or booby-traps the tree escape the group baseline instead of learning not to. None is
 graded: there is no patch to grade. The agent's own outcomes above (context overflow, timeout, a kill, a
 crash) take precedence, as their rollouts are not graded either.
+
+Task setup: a task's `setup_cmd` (the task author's shell command, only ever from the task row, never from
+the repository) runs in the agent's sandbox, in the repository, before the agent starts, within
+`Task.setup_timeout_s`, with the sandbox's network (none, with the door). Its output goes nowhere near the
+agent (only a failure's tail, into `error`). Before the agent starts, the agents' per-rollout directory
+(`AGENT_FILES`) is removed, so nothing setup (or repository code it ran) left there configures the agent,
+and the tree must diff empty against `base_commit` (what setup writes belongs in ignored paths or outside
+the repository: anything else would be the agent's patch). On `docker`, a background process setup leaves
+keeps running (on `local` every exec's processes end with it): a setup_cmd must not start daemons.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -56,10 +69,11 @@ from typing import Any
 
 from swe_grpo.agents.base import Agent, AgentConfig, AgentResult
 from swe_grpo.grading import DEFAULT_TIMEOUT_S, GradeResult, grade
-from swe_grpo.sandbox.base import DIFF_TIMEOUT_S, MAX_PATCH_BYTES, PatchError, SandboxBackend, SandboxError
+from swe_grpo.sandbox.base import DIFF_TIMEOUT_S, MAX_PATCH_BYTES, PatchError, Sandbox, SandboxBackend, SandboxError
 from swe_grpo.serving.door import Door, check_allow
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.tasks import Task
+from swe_grpo.tasks.task import REWARD_MODES, RewardMode
 from swe_grpo.tokens.chain import TrainingRow, TurnRecord, oldest_version
 from swe_grpo.tokens.messages import Message
 from swe_grpo.types import RequestError
@@ -67,6 +81,8 @@ from swe_grpo.types import RequestError
 _INFRA_REQUEST_ERRORS = ("server_unavailable", "bad_response", "internal")
 # An agent whose exit status is above this died of signal (status - 128): the shell's and docker's convention.
 _SIGNALLED = 128
+# Where every agent writes its per-rollout files in its sandbox's private /tmp (swe_grpo/agents/pi.py, mini_swe.py).
+AGENT_FILES = "/tmp/swe_grpo"
 
 
 @dataclass
@@ -106,6 +122,7 @@ class Trajectory:
             "instance_id": self.instance_id,
             "rollout_id": self.rollout_id,
             "reward": self.reward,
+            "reward_mode": g.reward_mode if g else None,  # the mode that produced a graded reward
             "outcome": self.outcome,
             "f2p_passed": g.f2p_passed if g else 0,
             "f2p_total": g.f2p_total if g else 0,
@@ -142,6 +159,7 @@ class RolloutConfig:
     agent: AgentConfig
     grade_timeout_s: float = DEFAULT_TIMEOUT_S
     plugin_autoload: bool = True  # pytest plugin autoload when grading; a task's own setting wins
+    reward_mode: RewardMode = "binary"  # or "fraction" (swe_grpo.grading); a task's own setting wins
     max_patch_bytes: int = MAX_PATCH_BYTES
     # How long taking the agent's patch may take before it is `diff_timeout` (the policy's); raise it for much
     # larger repositories.
@@ -155,6 +173,34 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         check_allow(self.allow, self.door)
+        if self.reward_mode not in REWARD_MODES:
+            raise ValueError(f"unknown reward_mode {self.reward_mode!r}: choose one of {', '.join(REWARD_MODES)}")
+
+
+async def run_setup(sandbox: Sandbox, task: Task, config: RolloutConfig) -> str | None:
+    """Run `task.setup_cmd` in the agent's sandbox, as the module docstring says; None when the agent may
+    start, else why not (the rollout is then `setup_failed`)."""
+    assert task.setup_cmd
+    done = await sandbox.exec(task.setup_cmd, timeout_s=task.setup_timeout_s, cwd=sandbox.workdir)
+    tail = (done.stdout + done.stderr).strip()[-1000:]
+    if done.timed_out:
+        return f"setup_cmd timed out after {task.setup_timeout_s:g}s: {tail}"
+    if done.exit_code != 0:
+        return f"setup_cmd failed (exit {done.exit_code}): {tail}"
+    exhausted = await sandbox.exhausted()  # else the agent would be blamed for it
+    if exhausted is not None:
+        return f"setup_cmd ran the sandbox out of {exhausted} (its {exhausted} limit)"
+    cleared = await sandbox.exec(["rm", "-rf", "--", AGENT_FILES], timeout_s=60)
+    if cleared.exit_code != 0:
+        return f"setup_cmd left {AGENT_FILES} that cannot be removed: {cleared.stderr.strip()[-300:]}"
+    try:
+        left = await sandbox.diff(task.base_commit, max_bytes=config.max_patch_bytes, timeout_s=config.diff_timeout_s)
+    except PatchError as e:
+        return f"setup_cmd left a tree that cannot be diffed ({e.outcome}): {e}"
+    if left:
+        changed = sorted(set(re.findall(r"^diff --git a/(\S+)", left, re.MULTILINE)))
+        return f"setup_cmd changed the repository (it would be the agent's patch): {', '.join(changed[:10])}"
+    return None
 
 
 def outcome_before_grading(
@@ -208,7 +254,7 @@ async def run_rollout(
     start = time.monotonic()
     endpoint = server.open_rollout(rollout_id)
     ran: AgentResult | None = None
-    patch, error, exhausted = "", None, None
+    patch, error, exhausted, setup_error = "", None, None, None
     unpatchable: PatchError | None = None
     door: Door | None = None
     proxy: asyncio.Server | None = None
@@ -221,23 +267,28 @@ async def run_rollout(
         sandbox = await backend.create(task, mounts=mounts, network=door is None)
         timings["sandbox_create"] = time.monotonic() - start
         try:
-            ran = await agent.run(
-                sandbox,
-                endpoint,
-                task.problem_statement,
-                config.agent,
-                lambda: server.last_activity(rollout_id),
-                door=door,
-            )
-            timings["agent"] = ran.wall_s
-            exhausted = await sandbox.exhausted()
-            if exhausted is None:
-                try:
-                    patch = await sandbox.diff(
-                        task.base_commit, max_bytes=config.max_patch_bytes, timeout_s=config.diff_timeout_s
-                    )
-                except PatchError as e:
-                    unpatchable = e
+            if task.setup_cmd:
+                setup_started = time.monotonic()
+                setup_error = await run_setup(sandbox, task, config)
+                timings["setup"] = time.monotonic() - setup_started
+            if setup_error is None:
+                ran = await agent.run(
+                    sandbox,
+                    endpoint,
+                    task.problem_statement,
+                    config.agent,
+                    lambda: server.last_activity(rollout_id),
+                    door=door,
+                )
+                timings["agent"] = ran.wall_s
+                exhausted = await sandbox.exhausted()
+                if exhausted is None:
+                    try:
+                        patch = await sandbox.diff(
+                            task.base_commit, max_bytes=config.max_patch_bytes, timeout_s=config.diff_timeout_s
+                        )
+                    except PatchError as e:
+                        unpatchable = e
         finally:
             await sandbox.destroy()
     except SandboxError as e:
@@ -270,13 +321,20 @@ async def run_rollout(
         if ran and not error
         else None
     )
-    if decided:
+    if setup_error is not None and not error:  # the task's failure, not the policy's: never trained on
+        trajectory.outcome, trajectory.reward, trajectory.error = "setup_failed", None, setup_error
+    elif decided:
         trajectory.outcome, trajectory.reward, trajectory.error = decided
     elif not error:  # a sandbox failure at any point (even after the agent ran) is infra_error, never a graded 0
         if on_grading is not None:
             on_grading(trajectory)
         result = await grade(
-            task, patch, backend, timeout_s=config.grade_timeout_s, plugin_autoload=config.plugin_autoload
+            task,
+            patch,
+            backend,
+            timeout_s=config.grade_timeout_s,
+            plugin_autoload=config.plugin_autoload,
+            reward_mode=config.reward_mode,
         )
         trajectory.grade = result
         trajectory.outcome, trajectory.reward, trajectory.error = result.outcome, result.reward, result.error

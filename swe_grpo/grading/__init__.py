@@ -9,6 +9,8 @@ repository at `base_commit`, no network) and always destroys it:
    module came from (`RunnerImports`), then once more as the graded run runs it, witnesses armed (see
    5), to learn which witnesses this runner supports (`Probe`; all kept per task base, test command,
    plugin setting and backend, so a task's later grades reuse it).
+   Then the task's `grade_setup_cmd`, if any (see "Task setup" below), in the graded sandbox and the
+   probe's alike.
 2. The patch is applied to a scratch git index holding `base_commit` (`git apply --cached`), so git's
    own parser decides what it touches (renames count as delete + add). Every touched path that is
    protected (see `is_protected`) is reset to `base_commit` in that index, and so is a source module
@@ -69,7 +71,7 @@ start-up hooks are protected. tests/test_real_projects.py grades the whole cheat
 autoload on.
 
 Outcomes and rewards (a `None` reward means "no reward: never train on this as 0"):
-    resolved 1.0 | unresolved 0.0 | patch_apply_failed 0.0 |
+    resolved 1.0 | unresolved 0.0 (a share under "fraction", below) | patch_apply_failed 0.0 |
     grading_tampered 0.0: the static scan, the audit report or an inconsistent run (6) shows the patch's
         code reaching into the test machinery; `error` says which witness and what it saw
     timeout: 0.0 when the tests finish in time without the patch (so the patch made them hang), else None
@@ -81,6 +83,20 @@ A test run that yields no report at all (and, where the boot works, ended as an 
 that did not is `grading_tampered`), or hits a limit, is re-run once without the patch (a control run)
 to find out whose fault it is: when the control run does report, the patch broke the runner:
 `unresolved`; when it stays within the limits, the patch's code exhausted the sandbox.
+
+Reward modes (`grade(..., reward_mode=)`, the run's; `Task.reward_mode` wins; `GradeResult.reward_mode`
+says which produced the reward): "binary" (the default, SWE-bench's: 1.0 iff every FAIL_TO_PASS and
+PASS_TO_PASS test passes) and "fraction" (the share of FAIL_TO_PASS tests that pass, 0.0 when any
+PASS_TO_PASS test does not pass; outcome `unresolved` below 1.0). The share counts every FAIL_TO_PASS test
+the task names: one no report names (deleted, not collected) is failed, so breaking collection or
+deleting tests never raises it. Only the verdict of a finished run is a share: every other outcome keeps
+its reward in both modes, and a partial reward must pass the same checks as a resolving run (a JUnit
+report, the reports agreeing, the canaries, the exit status), or it is `grading_tampered` / `unresolved`.
+
+Task setup: `Task.grade_setup_cmd` (the task author's shell command, only from the task row) runs in the
+repository of the grading sandbox (no network) at `base_commit`, before the patch and the test patch are
+applied, so nothing of the patch runs outside the witnessed test run; within `Task.setup_timeout_s`. A
+failure, a timeout, or a tracked file it changed is the task's: `infra_error`, reward None.
 
 Why `resource_exhausted` with reward 0.0, whatever the tests said: the tests import the patch's code, so
 a fork bomb, a memory hog or a disk filler in it runs in the grading sandbox, and that is the policy's

@@ -12,6 +12,7 @@ from swe_grpo.grading.run import GradeResult, grade
 from swe_grpo.grading.steps import DEFAULT_TIMEOUT_S
 from swe_grpo.sandbox.base import SandboxBackend
 from swe_grpo.tasks import Task
+from swe_grpo.tasks.task import RewardMode
 
 
 def load_predictions(path: str | Path) -> list[dict[str, Any]]:
@@ -30,9 +31,11 @@ async def grade_predictions(
     concurrency: int = 4,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     plugin_autoload: bool = True,
+    reward_mode: RewardMode = "binary",
 ) -> list[GradeResult]:
     """Grade SWE-bench-style predictions (`instance_id`, `model_patch`; a null patch is an empty one),
-    at most `concurrency` at a time; results in the order of `predictions`. Every prediction is checked
+    at most `concurrency` at a time, with the run's `reward_mode` (a task's own wins); results in the order
+    of `predictions`. Every prediction is checked
     before anything runs: an unknown `instance_id` raises `KeyError`, a non-string patch `ValueError`."""
     by_id = {task.instance_id: task for task in tasks}
     jobs: list[tuple[Task, str]] = []
@@ -47,7 +50,9 @@ async def grade_predictions(
 
     async def one(task: Task, patch: str) -> GradeResult:
         async with semaphore:
-            return await grade(task, patch, backend, timeout_s=timeout_s, plugin_autoload=plugin_autoload)
+            return await grade(
+                task, patch, backend, timeout_s=timeout_s, plugin_autoload=plugin_autoload, reward_mode=reward_mode
+            )
 
     async with asyncio.TaskGroup() as group:
         running = [group.create_task(one(task, patch)) for task, patch in jobs]

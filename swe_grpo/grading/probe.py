@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from swe_grpo.grading.protect import RunnerImports
 from swe_grpo.grading.reports import RunReports
-from swe_grpo.grading.steps import DEFAULT_TEST_CMD, BrokenTask, failure, in_sandbox, step
+from swe_grpo.grading.steps import DEFAULT_TEST_CMD, BrokenTask, failure, grade_setup, in_sandbox, step
 from swe_grpo.grading.tamper import BOOT_ENV, AuditReport, Canaries, boot_secret, boot_source, shim_script
 from swe_grpo.sandbox.base import ExecResult, FileTooLarge, Sandbox, SandboxBackend, SandboxError
 from swe_grpo.tasks import Task
@@ -173,9 +173,10 @@ async def probe_runner(backend: SandboxBackend, task: Task, env: dict[str, str],
     """Run the test command on one PASS_TO_PASS test (it passes, so it does not hang, without the patch;
     else the first FAIL_TO_PASS test) in a sandbox of its own, twice: with a usercustomize.py (in a HOME
     of its own) that records what every Python process imported, then as a graded run runs it (witnesses
-    armed), to see which witnesses this runner supports. What it finds depends only on the task's base
-    and environment: it is kept for the task's next grades."""
-    key = (backend.name, task.repo, task.base_commit, task.image, task.test_cmd, str(env))
+    armed), to see which witnesses this runner supports; after the task's `grade_setup_cmd`, as a graded
+    run. What it finds depends only on the task's base and environment: it is kept for the task's next
+    grades."""
+    key = (backend.name, task.repo, task.base_commit, task.image, task.test_cmd, task.grade_setup_cmd, str(env))
     if key in _PROBED:
         return _PROBED[key]
     test_id = (task.pass_to_pass or task.fail_to_pass)[0]
@@ -186,6 +187,8 @@ async def probe_runner(backend: SandboxBackend, task: Task, env: dict[str, str],
         scratch = made.stdout.strip()
         if made.exit_code != 0 or not scratch.startswith("/"):
             raise BrokenTask(failure("no scratch directory for the probe", made))
+        if task.grade_setup_cmd:  # the graded runs' environment
+            await grade_setup(sandbox, task, env)
         await sandbox.put_file(f"{scratch}/probe.py", _PROBE.encode())
         out = f"{scratch}/out"
         script = (

@@ -17,6 +17,7 @@ from swe_grpo.grading.steps import (
     STEP_TIMEOUT_S,
     BrokenTask,
     failure,
+    grade_setup,
     in_sandbox,
     nul_list,
     step,
@@ -24,6 +25,7 @@ from swe_grpo.grading.steps import (
 from swe_grpo.grading.tamper import scan_patch
 from swe_grpo.sandbox.base import ExecResult, Exhaustion, Sandbox, SandboxBackend, SandboxError
 from swe_grpo.tasks import Task
+from swe_grpo.tasks.task import REWARD_MODES, RewardMode
 
 Outcome = Literal[
     "resolved", "unresolved", "patch_apply_failed", "timeout", "resource_exhausted", "grading_tampered", "infra_error"
@@ -34,8 +36,10 @@ _LOG_TAIL_CHARS = 4000
 
 @dataclass(frozen=True)
 class GradeResult:
-    """The grade of one patch for one task. `reward` is 1.0 only for `resolved`, 0.0 for model failures
-    and None when there is no reward (infrastructure failures: never train on them as 0). `tests` maps
+    """The grade of one patch for one task. `reward` is 1.0 for `resolved`, 0.0 for model failures, None
+    when there is no reward (infrastructure failures: never train on them as 0), and under the "fraction"
+    `reward_mode` (the mode that produced it: the task's, else the run's) the share of FAIL_TO_PASS tests
+    passing for an `unresolved` run whose PASS_TO_PASS tests all pass. `tests` maps
     every F2P/P2P test id to passed|xfail|xpass|failed|error|skipped|missing (empty when no report was
     obtained); `dropped_paths` are the paths removed from the patch as protected; `timings` in seconds."""
 
@@ -51,6 +55,7 @@ class GradeResult:
     error: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     log_tail: str = ""
+    reward_mode: RewardMode = "binary"
 
 
 @dataclass
@@ -66,11 +71,6 @@ class _Run:
 
 def _test_file(test_id: str) -> str:
     return test_id.split("::", 1)[0]
-
-
-def _paths(name_status: str) -> list[str]:
-    items = nul_list(name_status)
-    return items[1::2]  # (status, path) pairs
 
 
 async def _touched(sandbox: Sandbox, base: str, patch_file: str, index: str) -> ExecResult:
@@ -143,6 +143,11 @@ async def _graded_run(
             raise BrokenTask(failure("the task's test_patch does not apply to base_commit", touched))
         explicit.update(_paths(touched.stdout))
 
+    if task.grade_setup_cmd:  # the task author's, at base_commit: nothing of the patch runs outside the tests
+        setup_started = time.monotonic()
+        await grade_setup(sandbox, task, env)
+        timings["setup_s"] = time.monotonic() - setup_started
+        started += timings["setup_s"]  # apply_s: the patch's steps only
     run = _Run(probe=probe)
     kept: list[str] = []
     if patch.strip():
@@ -255,9 +260,13 @@ def _f2p_passes(task: Task, test_id: str) -> frozenset[str]:
     return frozenset({"passed", task.expected_statuses.get(test_id, "passed")})
 
 
-def run_inconsistency(run: WitnessedRun, probe: Probe | None, test_ids: list[str]) -> str | None:
-    """Why a run whose statuses say "resolved" cannot be trusted, when it cannot: the witnesses that the
-    probe showed working for this runner disagree with the statuses or with each other."""
+def run_inconsistency(
+    run: WitnessedRun, probe: Probe | None, test_ids: list[str], all_passed: bool = True
+) -> str | None:
+    """Why a run whose statuses would earn a reward cannot be trusted, when it cannot: the witnesses that
+    the probe showed working for this runner disagree with the statuses or with each other.
+    `all_passed`: every graded test passed (a runner that prints a summary then exits 0 without
+    canaries; with a failing test, 1)."""
     reports = run.reports
     if reports is None or probe is None:
         return None
@@ -276,8 +285,9 @@ def run_inconsistency(run: WitnessedRun, probe: Probe | None, test_ids: list[str
             return f"the grader's canary tests (one must pass, one must fail) came out {got[0]} and {got[1]}"
         if run.tests.exit_code != 1:
             return f"the runner exited {run.tests.exit_code} although the grader's failing canary failed"
-    elif probe.summary and run.tests.exit_code != 0:
-        return f"the runner exited {run.tests.exit_code} although every test passed"
+    elif probe.summary and run.tests.exit_code != (0 if all_passed else 1):
+        got = "every test passed" if all_passed else "some tests failed"
+        return f"the runner exited {run.tests.exit_code} although {got}"
     return None
 
 
@@ -288,15 +298,20 @@ async def grade(
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     plugin_autoload: bool = True,
+    reward_mode: RewardMode = "binary",
 ) -> GradeResult:
     """Grade `patch` (a `git apply`-able diff against `task.base_commit`; "" for none) in a fresh sandbox;
     see the module docstring for the rules. `timeout_s` bounds the test run. `plugin_autoload` (the
     worker's setting; `task.plugin_autoload`, when set, wins) lets pytest load the plugins installed in
     the sandbox, as SWE-bench's harness does (repositories whose tests use pytest-mock's `mocker` need
-    it); a patch cannot bring a plugin in either way. Never raises for a sandbox failure
-    (`infra_error`); cancellation propagates, after the sandboxes are destroyed."""
+    it); a patch cannot bring a plugin in either way. `reward_mode` (the run's; `task.reward_mode`, when
+    set, wins) turns the statuses into a reward: "binary" or "fraction" (`swe_grpo.grading`). Never raises
+    for a sandbox failure (`infra_error`); cancellation propagates, after the sandboxes are destroyed."""
     if task.plugin_autoload is not None:
         plugin_autoload = task.plugin_autoload
+    mode = task.reward_mode or reward_mode
+    if mode not in REWARD_MODES:
+        raise ValueError(f"unknown reward mode {mode!r}: choose one of {', '.join(REWARD_MODES)}")
     started = time.monotonic()
     timings: dict[str, float] = {}
     run = _Run()
@@ -319,6 +334,7 @@ async def grade(
             error=error if outcome == "resolved" else _join(error, _plugin_hint(output, plugin_autoload)),
             timings={**timings, "total_s": time.monotonic() - started},
             log_tail=output[-_LOG_TAIL_CHARS:],
+            reward_mode=mode,
         )
 
     async def attempt(patch: str, timings: dict[str, float]) -> _Run:
@@ -359,18 +375,26 @@ async def grade(
                 return result("unresolved", 0.0, f"the patch broke the test runner: no report (exit {exit_code})")
             return result("infra_error", None, f"the test command yields no report (exit {exit_code}), patch or not")
         statuses = run.statuses or {}
-        not_passed = [t for t in task.fail_to_pass if statuses.get(t) not in _f2p_passes(task, t)]
-        not_passed += [t for t in task.pass_to_pass if statuses.get(t) not in PASS_STATUSES]
-        if not_passed:
-            strict = [f"{t} ({statuses.get(t)})" for t in not_passed if statuses.get(t) in PASS_STATUSES]
-            error = f"a FAIL_TO_PASS test passes only as PASSED: {', '.join(strict)}" if strict else None
+        f2p_failed = [t for t in task.fail_to_pass if statuses.get(t) not in _f2p_passes(task, t)]
+        p2p_failed = [t for t in task.pass_to_pass if statuses.get(t) not in PASS_STATUSES]
+        resolved = not f2p_failed and not p2p_failed
+        # A test no report names is failed: a patch that breaks collection or deletes tests earns nothing.
+        reward = 1.0 if resolved else 0.0
+        if mode == "fraction" and not p2p_failed:
+            reward = (len(task.fail_to_pass) - len(f2p_failed)) / len(task.fail_to_pass)
+        strict = [f"{t} ({statuses.get(t)})" for t in f2p_failed if statuses.get(t) in PASS_STATUSES]
+        error = f"a FAIL_TO_PASS test passes only as PASSED: {', '.join(strict)}" if strict else None
+        if reward == 0.0:
             return result("unresolved", 0.0, error)
+        # Any reward must come from a complete, consistent run, a partial one as much as a resolving one.
         if run.witnessed.junit_xml is None:
             return result("unresolved", 0.0, "no JUnit report: the terminal summary alone resolves nothing")
-        tampered = run_inconsistency(run.witnessed, run.probe, [*task.fail_to_pass, *task.pass_to_pass])
+        tampered = run_inconsistency(
+            run.witnessed, run.probe, [*task.fail_to_pass, *task.pass_to_pass], all_passed=resolved
+        )
         if tampered is not None:
             return result("grading_tampered", 0.0, tampered)
-        return result("resolved", 1.0)
+        return result("resolved", 1.0) if resolved else result("unresolved", reward, error)
     except BrokenTask as exc:
         return result("infra_error", None, str(exc))
     except SandboxError as exc:

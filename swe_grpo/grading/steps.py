@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shlex
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -38,6 +39,22 @@ async def step(sandbox: Sandbox, script: str, what: str) -> ExecResult:
 
 def failure(what: str, result: ExecResult) -> str:
     return f"{what} (exit {result.exit_code}): {result.stderr.strip()[-1000:]}"
+
+
+async def grade_setup(sandbox: Sandbox, task: Task, env: dict[str, str]) -> None:
+    """Run the task's `grade_setup_cmd` in the repository, within `task.setup_timeout_s`; it must exit 0
+    and leave every tracked file as `base_commit` has it (else the patch would be applied to another
+    tree). Its failure is the task's: `BrokenTask`."""
+    assert task.grade_setup_cmd
+    done = await sandbox.exec(task.grade_setup_cmd, timeout_s=task.setup_timeout_s, env=env, cwd=sandbox.workdir)
+    if done.timed_out:
+        raise BrokenTask(f"grade_setup_cmd timed out after {task.setup_timeout_s:g}s")
+    if done.exit_code != 0:
+        tail = (done.stdout + done.stderr).strip()[-1000:]
+        raise BrokenTask(f"grade_setup_cmd failed (exit {done.exit_code}): {tail}")
+    changed = await step(sandbox, f"git diff --name-only {shlex.quote(task.base_commit)} --", "after grade_setup_cmd")
+    if changed.exit_code != 0 or changed.stdout.strip():
+        raise BrokenTask(f"grade_setup_cmd changed tracked files: {changed.stdout.split()[:5]} {changed.stderr[-300:]}")
 
 
 async def in_sandbox(

@@ -12,11 +12,19 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 # The tasks bundled with the package (`swe_grpo.demo.tasks`), loadable by the source name "demo": read
 # as data, so loading tasks never imports the demo.
 DEMO_TASKS = Path(__file__).resolve().parents[1] / "demo" / "tasks" / "tasks.jsonl"
+
+#: How a graded run becomes a reward (`swe_grpo.grading`): "binary" (SWE-bench: 1.0 iff every FAIL_TO_PASS
+#: and PASS_TO_PASS test passes) or "fraction" (the share of FAIL_TO_PASS tests passing, 0.0 when any
+#: PASS_TO_PASS test does not pass).
+RewardMode = Literal["binary", "fraction"]
+REWARD_MODES: tuple[RewardMode, ...] = ("binary", "fraction")
+DEFAULT_SETUP_TIMEOUT_S = 600.0
+
 
 @dataclass(frozen=True)
 class Task:
@@ -28,7 +36,10 @@ class Task:
     must get the path as an argument; see `swe_grpo.grading`); `plugin_autoload` overrides the grader's
     setting for this task's pytest plugins; FAIL_TO_PASS / PASS_TO_PASS are test ids (pytest node ids);
     `expected_statuses` and `tamper_allow` relax the grader's tamper checks for this task (see
-    `swe_grpo.grading`)."""
+    `swe_grpo.grading`); `reward_mode` overrides the run's reward mode for this task (`REWARD_MODES`);
+    `setup_cmd` is a shell command run in the repository of the agent's sandbox before the agent starts,
+    `grade_setup_cmd` one run in the grading sandbox before the patch is applied (each within
+    `setup_timeout_s`; see `swe_grpo.rollout` and `swe_grpo.grading`). Only the task row sets them."""
 
     instance_id: str
     repo: str
@@ -45,6 +56,10 @@ class Task:
     expected_statuses: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
     # Grading tamper checks this project trips by being what it is (a test tool): scan rules, audit events.
     tamper_allow: tuple[str, ...] = ()
+    reward_mode: RewardMode | None = None  # None: the run's (RolloutConfig/WorkerConfig.reward_mode)
+    setup_cmd: str | None = None  # the task author's command, in the agent's sandbox before the agent
+    grade_setup_cmd: str | None = None  # the task author's command, in the grading sandbox before the patch
+    setup_timeout_s: float = DEFAULT_SETUP_TIMEOUT_S  # each of setup_cmd and grade_setup_cmd
     metadata: dict = field(default_factory=dict, compare=False, hash=False)  # the row's other fields
 
 
@@ -59,9 +74,11 @@ class TaskFormatError(ValueError):
 
 
 _COMMIT = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")  # a full SHA-1 or SHA-256 id: reproducible
-_KNOWN_FIELDS = frozenset(
-    ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "patch", "image", "test_cmd")
-) | {"FAIL_TO_PASS", "PASS_TO_PASS", "plugin_autoload", "expected_statuses", "tamper_allow"}
+_KNOWN_FIELDS = (
+    frozenset(("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "patch", "image", "test_cmd"))
+    | {"FAIL_TO_PASS", "PASS_TO_PASS", "plugin_autoload", "expected_statuses", "tamper_allow"}
+    | {"reward_mode", "setup_cmd", "grade_setup_cmd", "setup_timeout_s"}
+)
 
 
 def swe_gym_image(instance_id: str) -> str:
@@ -83,7 +100,9 @@ def task_from_row(
     Required: `instance_id`, `repo`, `base_commit` (a full commit id), `problem_statement`,
     `FAIL_TO_PASS` (non-empty). Optional: `PASS_TO_PASS`, `test_patch`, `patch`, `image`, `test_cmd`,
     `plugin_autoload` (a boolean; missing or null = default), `expected_statuses` (an object: test id ->
-    passed|xfail|xpass), `tamper_allow` (a list of names). Test-id lists may be lists or JSON strings
+    passed|xfail|xpass), `tamper_allow` (a list of names), `reward_mode` (binary|fraction; missing or
+    null = the run's), `setup_cmd` and `grade_setup_cmd` (non-empty strings), `setup_timeout_s` (a
+    positive number of seconds). Test-id lists may be lists or JSON strings
     of lists (SWE-Gym has both).
     With `base_dir` (local files), a `repo` that is a path (starts with "/", "./" or "../", ends with
     ".git" or ".bundle", or exists relative to `base_dir`) is resolved against `base_dir` to an absolute
@@ -140,6 +159,18 @@ def task_from_row(
     allow = row.get("tamper_allow") or []
     if not isinstance(allow, list) or not all(isinstance(item, str) for item in allow):
         raise fail("tamper_allow", f"expected a list of names, got {allow!r:.60}")
+    reward_mode = row.get("reward_mode")
+    if reward_mode is not None and reward_mode not in REWARD_MODES:
+        raise fail("reward_mode", f"expected {', '.join(REWARD_MODES)} or null, got {reward_mode!r:.40}")
+    setup_cmd, grade_setup_cmd = optional("setup_cmd"), optional("grade_setup_cmd")
+    for name, command in (("setup_cmd", setup_cmd), ("grade_setup_cmd", grade_setup_cmd)):
+        if command is not None and not command.strip():
+            raise fail(name, "empty: leave it out (or null) for no setup")
+    setup_timeout_s = row.get("setup_timeout_s", DEFAULT_SETUP_TIMEOUT_S)
+    if setup_timeout_s is None:
+        setup_timeout_s = DEFAULT_SETUP_TIMEOUT_S
+    if isinstance(setup_timeout_s, bool) or not isinstance(setup_timeout_s, int | float) or not setup_timeout_s > 0:
+        raise fail("setup_timeout_s", f"expected a positive number of seconds, got {setup_timeout_s!r:.40}")
     image = optional("image") or None
     if image is None and default_image is not None:
         image = default_image(instance_id)
@@ -157,6 +188,10 @@ def task_from_row(
         patch=optional("patch") or "",
         expected_statuses=dict(expected),
         tamper_allow=tuple(allow),
+        reward_mode=reward_mode,
+        setup_cmd=setup_cmd,
+        grade_setup_cmd=grade_setup_cmd,
+        setup_timeout_s=float(setup_timeout_s),
         metadata={key: value for key, value in row.items() if key not in _KNOWN_FIELDS},
     )
 

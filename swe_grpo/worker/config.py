@@ -16,10 +16,13 @@ from swe_grpo.grading import DEFAULT_TIMEOUT_S
 from swe_grpo.plugins import check_choice
 from swe_grpo.sandbox.base import MAX_PATCH_BYTES
 from swe_grpo.serving.vllm_client import SamplingParams
+from swe_grpo.tasks.task import REWARD_MODES, RewardMode
 from swe_grpo.worker.task_sampling import TASK_SAMPLING, TaskSampling
 
 if TYPE_CHECKING:
     from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    from swe_grpo.tasks import Task
 
 _SANDBOX_ALLOWANCE_S = 900.0  # creating and removing a rollout's two sandboxes (an image pull included)
 
@@ -54,6 +57,7 @@ class WorkerConfig:
     stall_timeout_s: float = 300.0
     grade_timeout_s: float = DEFAULT_TIMEOUT_S
     plugin_autoload: bool = True  # pytest plugin autoload when grading; a task's own setting wins
+    reward_mode: RewardMode = "binary"  # or "fraction" (see swe_grpo.grading); a task's own setting wins
     max_patch_bytes: int = MAX_PATCH_BYTES  # a larger patch ends the rollout patch_too_large (reward 0.0)
     door: bool = True  # the agent's only network is its own endpoint (swe_grpo.serving.door); False: the backend's
     allow: tuple[str, ...] = ()  # with the door: host:port targets the agent may also reach (HTTPS proxy)
@@ -91,12 +95,20 @@ class WorkerConfig:
         if self.task_sampling not in TASK_SAMPLING:
             raise ValueError(f"unknown task_sampling {self.task_sampling!r}: choose one of {', '.join(TASK_SAMPLING)}")
         check_choice(self.agent, AGENTS, "agent")
+        if self.reward_mode not in REWARD_MODES:
+            raise ValueError(f"unknown reward_mode {self.reward_mode!r}: choose one of {', '.join(REWARD_MODES)}")
 
     @property
     def rollout_limit_s(self) -> float:
         """The longest a rollout may take, all stages: the agent's run, grading (a test run and, without
         a verdict, a control run) and its sandboxes. Past it the worker ends the rollout as `timeout`."""
         return self.agent_timeout_s + 2 * self.grade_timeout_s + _SANDBOX_ALLOWANCE_S
+
+    def rollout_limit_for(self, task: Task) -> float:
+        """`rollout_limit_s` plus the task's setup: its `setup_cmd` before the agent, its `grade_setup_cmd`
+        in grading's probe, graded run and control run."""
+        setups = bool(task.setup_cmd) + 3 * bool(task.grade_setup_cmd)
+        return self.rollout_limit_s + setups * task.setup_timeout_s
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(

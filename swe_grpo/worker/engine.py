@@ -234,6 +234,7 @@ class RolloutEngine:
             agent=agent_config,
             grade_timeout_s=c.grade_timeout_s,
             plugin_autoload=c.plugin_autoload,
+            reward_mode=c.reward_mode,
             max_patch_bytes=c.max_patch_bytes,
             door=c.door,
             allow=c.allow,
@@ -406,7 +407,7 @@ class RolloutEngine:
         """Run the rollout once, within `rollout_limit_s`. Whatever goes wrong inside it is its outcome
         (`rollout_error`, or `timeout` past the limit); None when it was cancelled as stale."""
         self._in_flight[rollout_id] = asyncio.current_task()  # type: ignore[assignment]
-        limit = self.config.rollout_limit_s
+        limit = self.config.rollout_limit_for(task)
         deadline = asyncio.timeout(limit)
         try:
             async with deadline:
@@ -464,7 +465,7 @@ class RolloutEngine:
                 raise result
         trajectories = [r for r in results if isinstance(r, Trajectory)]
         unrunnable = trajectories and all(
-            t.sandbox_failed_to_start or t.outcome == "rollout_error" for t in trajectories
+            t.sandbox_failed_to_start or t.outcome in ("rollout_error", "setup_failed") for t in trajectories
         )
         if unrunnable and group.task.instance_id not in self._skipped:
             cause = trajectories[-1].error or "its sandbox would not start"
