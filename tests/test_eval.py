@@ -515,3 +515,38 @@ def test_passthrough_forwards_and_logs_the_agents_calls(vllm_server, tokenizer, 
         report["attempts_scored"] == 1
         and json.loads((out / "run.json").read_text())["passthrough"] == endpoint.base_url
     )
+
+
+@pytest.mark.integration
+def test_infra_failures_stay_out_of_the_numbers_and_are_retried_when_asked(
+    vllm_server, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A task whose repository is broken (an empty bundle): both attempts are infra_error (its sandbox cannot be
+    created), in no denominator, no prediction. With the bundle mended, a plain re-run keeps them; --retry-infra
+    runs them again."""
+    row = next(json.loads(line) for line in demo_tasks_path().read_text().splitlines() if STRUTIL in line)
+    bundle = tmp_path / "strutil.bundle"
+    bundle.write_bytes(b"")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({**row, "repo": str(bundle)}) + "\n")
+    out = tmp_path / "out"
+    argv = ["eval", "--tasks", str(tasks), "--vllm-url", vllm_server.url, "--model", SERVED_NAME,
+            "--tokenizer", str(tiny_model_dir), "--max-tokens", "64", "-k", "2", "--out", str(out)]  # fmt: skip
+    assert cli_main(argv) == 1  # nothing scored
+    report = json.loads((out / "report.json").read_text())
+    assert (report["attempts"], report["attempts_scored"], report["infra_failures"]) == (2, 0, 2)
+    assert report["resolved_rate"] is None and report["pass_at_k"]["1"] == {"value": None, "ci95": None, "tasks": 0}
+    assert report["outcomes"] == {"infra_error": 2} and report["cost"]["sandbox_s"] == 0.0
+    assert all(a["infra"] and "sandbox" in a["error"] for a in read_attempts(out))
+    assert (out / "predictions.jsonl").read_text() == ""
+
+    shutil.copyfile(demo_tasks_path().parent / row["repo"], bundle)
+    assert cli_main(argv) == 1  # recorded attempts are not run again
+    assert len(read_attempts(out)) == 2
+    assert cli_main([*argv, "--retry-infra"]) == 0
+    attempts = read_attempts(out)
+    assert len(attempts) == 4 and [a["infra"] for a in attempts] == [True, True, False, False]
+    report = json.loads((out / "report.json").read_text())
+    assert (report["attempts"], report["attempts_scored"], report["infra_failures"]) == (2, 2, 0)
+    assert report["outcomes"] == {"unresolved": 2} and report["pass_at_k"]["2"]["tasks"] == 1
+    assert json.loads((out / "predictions.jsonl").read_text())["attempt"] == 0
