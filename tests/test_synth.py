@@ -186,9 +186,10 @@ def test_the_seed_orders_the_candidates() -> None:
     found = mutations("tinylib/__init__.py", LIBRARY.encode())
     assert _ordered(found, 0, "p") == _ordered(found, 0, "p")
     assert _ordered(found, 0, "p") != _ordered(found, 1, "p")
-    assert sorted(_ordered(found, 1, "p"), key=lambda m: m.start) == sorted(found, key=lambda m: m.start)
+    assert sorted(_ordered(found, 1, "p"), key=lambda m: m.key) == sorted(found, key=lambda m: m.key)
     first = _ordered(found, 0, "p")[:4]
     assert len({m.function for m in first}) == 4  # one mutation of each function before a second of any
+    assert len({m.operator for m in first}) == 4  # and operators spread
 
 
 OPERATORS_SOURCE = """

@@ -55,6 +55,7 @@ class ProjectReport:
     accepted: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
     candidates: int = 0
+    tried: int = 0  # candidates decided (validated or rejected)
     tests: int = 0
     wall_s: float = 0.0
     infra_errors: int = 0  # candidates a sandbox failure left undecided (tried again on a rerun)
@@ -154,8 +155,9 @@ async def _baseline(backend: SandboxBackend, task: Task, path: Path, timeout_s: 
 
 
 def _ordered(candidates: list[Mutation], seed: int, name: str) -> list[Mutation]:
-    """A seeded order that spreads over functions: the functions shuffled, each one's mutations shuffled,
-    then one mutation of each function in turn."""
+    """A seeded order that spreads over functions and operators: the functions shuffled, each one's
+    mutations shuffled; then, round after round, one mutation of each function: of the operators it has
+    left, the one taken least so far (small functions would otherwise give mostly `drop_return`)."""
     rng = random.Random(f"{seed}:{name}")
     groups: dict[tuple[str, str], list[Mutation]] = {}
     for mutation in candidates:
@@ -164,9 +166,16 @@ def _ordered(candidates: list[Mutation], seed: int, name: str) -> list[Mutation]
     rng.shuffle(keys)
     for key in keys:
         rng.shuffle(groups[key])
+    taken: dict[str, int] = {}
     ordered = []
-    for round_ in range(max(map(len, groups.values()), default=0)):
-        ordered += [groups[key][round_] for key in keys if round_ < len(groups[key])]
+    while keys:
+        for key in keys:
+            group = groups[key]
+            pick = min(range(len(group)), key=lambda i: taken.get(group[i].operator, 0))
+            mutation = group.pop(pick)
+            taken[mutation.operator] = taken.get(mutation.operator, 0) + 1
+            ordered.append(mutation)
+        keys = [key for key in keys if groups[key]]
     return ordered
 
 
@@ -335,6 +344,7 @@ async def _project(
         record = state.decisions.get(i)
         if record is not None and i in known and record.get("row") is None:
             report.rejected[record.get("reason", "?")] = report.rejected.get(record.get("reason", "?"), 0) + 1
+    report.tried = sum(i in known for i in ids)
     report.accepted = min(sum(state.decisions.get(i, {}).get("row") is not None for i in ids), limit)
     report.wall_s = loop.time() - begin
 

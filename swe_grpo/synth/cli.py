@@ -48,8 +48,7 @@ def _table(reports: list[ProjectReport]) -> Table:
         if r.infra_errors:
             reasons.append(("sandbox failures (retried on a rerun)", r.infra_errors))
         why = r.error or ", ".join(f"{reason} {n}" for reason, n in reasons)
-        tried = r.accepted + sum(r.rejected.values())
-        table.add_row(r.source, str(r.accepted), f"{tried}/{r.candidates}", str(r.tests), f"{r.wall_s:.0f}", why)
+        table.add_row(r.source, str(r.accepted), f"{r.tried}/{r.candidates}", str(r.tests), f"{r.wall_s:.0f}", why)
     return table
 
 
