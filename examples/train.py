@@ -48,6 +48,10 @@ class SWEArguments:
     agent_timeout_s: float = field(default=1800.0, metadata={"help": "Wall-clock limit of one agent run."})
     stall_timeout_s: float = field(default=300.0, metadata={"help": "Kill an agent silent for this long."})
     grade_timeout_s: float = field(default=1800.0, metadata={"help": "Limit of one grading run."})
+    reward_mode: str = field(
+        default="binary",
+        metadata={"help": "binary (all FAIL_TO_PASS and PASS_TO_PASS pass) or fraction; a task's own mode wins."},
+    )
     interception_host: str = field(default="127.0.0.1", metadata={"help": "Bind of the InterceptionServer."})
     interception_port: int = field(default=0, metadata={"help": "Its port (0: any free one)."})
     public_base_url: str | None = field(
@@ -104,6 +108,7 @@ def worker_config(swe: SWEArguments, args: AsyncGRPOConfig) -> WorkerConfig:
         agent_timeout_s=swe.agent_timeout_s,
         stall_timeout_s=swe.stall_timeout_s,
         grade_timeout_s=swe.grade_timeout_s,
+        reward_mode=swe.reward_mode,
         host=swe.interception_host,
         port=swe.interception_port,
         public_base_url=swe.public_base_url,
