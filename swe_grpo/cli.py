@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -48,67 +47,56 @@ console = Console(stderr=True)
 async def run_rollouts(args: argparse.Namespace) -> list:
     """`swe-grpo rollout`: every task x `num_rollouts`, `concurrency` at a time; JSON lines are written
     as rollouts finish, so an interrupted run keeps what it finished."""
-    from transformers import AutoTokenizer
-
     from swe_grpo.agents import make_agent
     from swe_grpo.rollout import run_rollout
     from swe_grpo.sandbox import make_backend
-    from swe_grpo.serving.interception import InterceptionServer
-    from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient
+    from swe_grpo.serving.stack import token_exact_server
+    from swe_grpo.serving.vllm_client import SamplingParams
     from swe_grpo.tasks import load_tasks
 
     tasks = load_tasks(args.tasks, args.split, args.instance_ids)
     agent = make_agent(args.agent)
-    client = VLLMClient(args.vllm_url, args.model, api_key=os.environ.get("VLLM_API_KEY"))
     backend = make_backend(args.sandbox)
-    async with client:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or client.model_root or args.model)
-        client.stop_token_ids = [tokenizer.eos_token_id]
-        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
-        server = InterceptionServer(
-            client,
-            tokenizer,
-            model_name=args.model,
-            sampling=sampling,
-            host=args.host,
-            port=args.port,
-            public_base_url=args.public_url,
-        )
-        config = rollout_config(args, client.max_model_len)
-        await backend.start()
-        jobs = [task for task in tasks for _ in range(args.num_rollouts)]
-        semaphore = asyncio.Semaphore(args.concurrency)
-        trajectories = []
-        if args.output:
-            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        out = open(args.output, "a", encoding="utf-8") if args.output else None  # noqa: SIM115
-        save_dir = Path(args.save_trajectories) if args.save_trajectories else None
-        if save_dir:
-            save_dir.mkdir(parents=True, exist_ok=True)
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        try:
-            async with server:
-                with Progress(*columns, console=console, transient=False) as progress:
-                    bar = progress.add_task("rollouts", total=len(jobs))
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
+    jobs = [task for task in tasks for _ in range(args.num_rollouts)]
+    semaphore = asyncio.Semaphore(args.concurrency)
+    trajectories = []
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    out = open(args.output, "a", encoding="utf-8") if args.output else None  # noqa: SIM115
+    save_dir = Path(args.save_trajectories) if args.save_trajectories else None
+    if save_dir:
+        save_dir.mkdir(parents=True, exist_ok=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    serving = token_exact_server(
+        args.vllm_url, args.model, sampling, tokenizer=args.tokenizer, host=args.host, port=args.port,
+        public_url=args.public_url,
+    )  # fmt: skip
+    try:
+        async with serving as (server, context_window):
+            config = rollout_config(args, context_window)
+            await backend.start()
+            with Progress(*columns, console=console, transient=False) as progress:
+                bar = progress.add_task("rollouts", total=len(jobs))
 
-                    async def one(task):
-                        async with semaphore:
-                            trajectory = await run_rollout(task, server, backend, agent, config)
-                        trajectories.append(trajectory)
-                        if out:
-                            out.write(json.dumps(trajectory.summary()) + "\n")
-                            out.flush()
-                        if save_dir:
-                            path = save_dir / f"{trajectory.rollout_id}.json"
-                            path.write_text(json.dumps(trajectory.to_json()))
-                        resolved = sum(t.outcome == "resolved" for t in trajectories)
-                        progress.update(bar, advance=1, description=f"rollouts (resolved {resolved})")
+                async def one(task):
+                    async with semaphore:
+                        trajectory = await run_rollout(task, server, backend, agent, config)
+                    trajectories.append(trajectory)
+                    if out:
+                        out.write(json.dumps(trajectory.summary()) + "\n")
+                        out.flush()
+                    if save_dir:
+                        path = save_dir / f"{trajectory.rollout_id}.json"
+                        path.write_text(json.dumps(trajectory.to_json()))
+                    resolved = sum(t.outcome == "resolved" for t in trajectories)
+                    progress.update(bar, advance=1, description=f"rollouts (resolved {resolved})")
 
-                    await asyncio.gather(*(one(task) for task in jobs))
-        finally:
-            if out:
-                out.close()
-            await backend.close()
+                await asyncio.gather(*(one(task) for task in jobs))
+    finally:
+        if out:
+            out.close()
+        await backend.close()
     _print_summary(trajectories)
     return trajectories
 

@@ -445,7 +445,7 @@ async def test_generations_go_to_the_lora_adapter(policy_vllm, tiny_model_dir: P
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from swe_grpo.evaluation.run import token_exact_server
+    from swe_grpo.serving.stack import token_exact_server
     from swe_grpo.serving.vllm_client import SamplingParams
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

@@ -95,11 +95,13 @@ def model_name(args: argparse.Namespace) -> str:
 
 def cmd_eval(args: argparse.Namespace, make_config: MakeConfig) -> int:
     from swe_grpo.evaluation.store import EvalSetupError
+    from swe_grpo.serving.stack import AdapterNotServed
     from swe_grpo.serving.vllm_client import VLLMError
 
     try:
         report = asyncio.run(evaluate(args, make_config))
-    except EvalSetupError as e:  # settings that differ from OUT's, an adapter the server lacks and no path to it
+    # Settings that differ from OUT's; an adapter the server lacks, with no path to it.
+    except (EvalSetupError, AdapterNotServed) as e:
         console.print(str(e), style="red", markup=False)
         return 2
     except VLLMError as e:  # the server is unusable from the start (report.json covers what was done before)
@@ -140,7 +142,7 @@ async def evaluate(args: argparse.Namespace, make_config: MakeConfig) -> dict[st
 def _serving(args: argparse.Namespace) -> Any:
     """The serving stack of this run, as an async context manager of (server, context window)."""
     from swe_grpo.evaluation.passthrough import passthrough_server
-    from swe_grpo.evaluation.run import token_exact_server
+    from swe_grpo.serving.stack import token_exact_server
     from swe_grpo.serving.vllm_client import SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)

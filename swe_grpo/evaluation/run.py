@@ -1,9 +1,7 @@
-"""Running an evaluation's attempts: the token-exact serving stack and the attempt loop.
+"""Running an evaluation's attempts.
 
-`token_exact_server` is the stack `swe-grpo rollout` and training use: a `VLLMClient` (prompt ids in, ids
-and log-probs out) behind an `InterceptionServer`, with the tokenizer of the model vLLM loaded; with a LoRA
-adapter, every generation names the adapter (`Policy.model`), loaded onto the server first unless it
-serves it already. `run_attempts` runs (task, attempt) jobs through `run_rollout` (agent in a sandbox,
+The attempts are served by `swe_grpo.serving.stack.token_exact_server`, the stack `swe-grpo rollout` and
+training use. `run_attempts` runs (task, attempt) jobs through `run_rollout` (agent in a sandbox,
 grading in a fresh one), `concurrency` at a time, and appends one record per finished attempt to the
 `AttemptLog`, so a run killed at any point keeps every attempt it finished.
 """
@@ -12,74 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from swe_grpo.agents.base import Agent
 from swe_grpo.evaluation.metrics import is_infra
-from swe_grpo.evaluation.store import TRAJECTORIES, AttemptLog, EvalSetupError
+from swe_grpo.evaluation.store import TRAJECTORIES, AttemptLog
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
 from swe_grpo.sandbox.base import SandboxBackend
 from swe_grpo.serving.interception import InterceptionServer
-from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient
 from swe_grpo.tasks import Task
-from swe_grpo.types import Policy
-
-
-async def serve_adapter(client: VLLMClient, lora_path: str | None, lora_name: str | None) -> str | None:
-    """The model name generations use for the LoRA adapter at `lora_path` (named `lora_name`, default
-    `eval-<directory name>`), loaded onto the server unless it already serves that name; None: no adapter."""
-    if not lora_path and not lora_name:
-        return None
-    name = lora_name or f"eval-{Path(lora_path or '').resolve().name}"
-    if name in await client.served_models():
-        return name
-    if not lora_path:
-        raise EvalSetupError(f"the server does not serve an adapter named {name!r}, and no --lora path was given")
-    await client.load_lora_adapter(name, str(Path(lora_path).resolve()))
-    return name
-
-
-@asynccontextmanager
-async def token_exact_server(
-    vllm_url: str,
-    model: str,
-    sampling: SamplingParams,
-    *,
-    tokenizer: str | None = None,
-    lora_path: str | None = None,
-    lora_name: str | None = None,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    public_url: str | None = None,
-) -> AsyncIterator[tuple[InterceptionServer, int]]:
-    """A started InterceptionServer in front of the vLLM server at `vllm_url`, and the model's context length."""
-    from transformers import AutoTokenizer
-
-    client = VLLMClient(vllm_url, model, api_key=os.environ.get("VLLM_API_KEY"))
-    try:  # not `async with`: a start that fails must close the client's session too
-        await client.start()
-        loaded = AutoTokenizer.from_pretrained(tokenizer or client.model_root or model)
-        client.stop_token_ids = [loaded.eos_token_id]
-        adapter = await serve_adapter(client, lora_path, lora_name)
-        server = InterceptionServer(
-            client,
-            loaded,
-            model_name=model,
-            sampling=sampling,
-            host=host,
-            port=port,
-            public_base_url=public_url,
-            policy=(lambda: Policy(model=adapter)) if adapter else Policy,
-        )
-        async with server:
-            yield server, client.max_model_len
-    finally:
-        await client.close()
 
 
 def attempt_record(trajectory: Trajectory, attempt: int, trajectory_path: str | None) -> dict[str, Any]:
