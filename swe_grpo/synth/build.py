@@ -206,9 +206,10 @@ async def _validate(
     covering: list[str],
     stable: list[str],
     timeout_s: float,
-) -> tuple[dict | None, str]:
-    """The task row of one candidate, or None and why it was rejected. `timeout_s` bounds each run: a
-    mutant that makes the tests hang costs that much, not the suite's whole `--timeout`."""
+) -> tuple[dict | None, str, str]:
+    """The task row of one candidate and "validated", or None, why it was rejected and the grader's error
+    (when a grade was the reason). `timeout_s` bounds each run: a mutant that makes the tests hang costs
+    that much, not the suite's whole `--timeout`."""
     instance_id = f"{source.name}__synth-{mutation.key}"
     original = (source.tree / mutation.path).read_bytes()
     mode = git(repo, "ls-tree", clean, "--", mutation.path).split()[0]
@@ -225,10 +226,10 @@ async def _validate(
     probe = Task(instance_id, str(repo), base, "synthesising", fail_to_pass=("-",), test_cmd=test_cmd)
     run = await run_suite(backend, probe, covering, timeout_s=timeout_s)
     if run.statuses is None:
-        return None, "the suite gives no report on the mutant" + (" (timed out)" if run.timed_out else "")
+        return None, "the suite gives no report on the mutant" + (" (timed out)" if run.timed_out else ""), ""
     f2p = [test_id for test_id in covering if run.statuses.get(test_id) != "passed"]
     if not f2p:
-        return None, "no test fails on the mutant"
+        return None, "no test fails on the mutant", ""
     p2p = [test_id for test_id in stable if test_id not in set(f2p)]
     statement = problem_statement(source.name, f2p, run.messages, test_cmd, mutation)
     task = Task(instance_id, str(repo), base, statement, fail_to_pass=tuple(f2p), pass_to_pass=tuple(p2p))
@@ -237,9 +238,9 @@ async def _validate(
         grade(task, patch, backend, timeout_s=timeout_s), grade(task, "", backend, timeout_s=timeout_s)
     )
     if gold.outcome != "resolved":
-        return None, f"the gold patch grades {gold.outcome}"
+        return None, f"the gold patch grades {gold.outcome}", (gold.error or "")[:1000]
     if empty.outcome != "unresolved":
-        return None, f"the empty patch grades {empty.outcome}"
+        return None, f"the empty patch grades {empty.outcome}", (empty.error or "")[:1000]
     row = {
         "instance_id": instance_id,
         "repo": f"repos/{repo.name}",
@@ -258,7 +259,7 @@ async def _validate(
             "line": mutation.line,
         },
     }
-    return row, "validated"
+    return row, "validated", ""
 
 
 async def _project(
@@ -315,7 +316,7 @@ async def _project(
             if accepted_prefix()[0] >= limit:
                 return
             try:
-                row, why = await _validate(
+                row, why, detail = await _validate(
                     backend, source, repo, clean, test_cmd, mutation, covering[mutation.key], baseline["stable"], bound
                 )
             except SandboxError as exc:  # the machinery's failure, not the candidate's: decided on a rerun
@@ -323,7 +324,7 @@ async def _project(
                 report.infra_errors += 1
                 return
         record = {"instance_id": ids[order], "project": source.name, "clean": clean, "order": order, "row": row}
-        state.decide({**record, "reason": why})
+        state.decide({**record, "reason": why, **({"detail": detail} if detail else {})})
         known.add(ids[order])
         _write_tasks(config.out, state, projects, limit)
         done = sum(state.decisions[i].get("row") is not None for i in ids if i in known)

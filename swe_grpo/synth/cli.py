@@ -47,7 +47,7 @@ def _table(reports: list[ProjectReport]) -> Table:
         reasons = sorted(r.rejected.items(), key=lambda kv: -kv[1])
         if r.infra_errors:
             reasons.append(("sandbox failures (retried on a rerun)", r.infra_errors))
-        why = r.error or ", ".join(f"{reason} {n}" for reason, n in reasons)
+        why = (r.error or "").split("\n", 1)[0][:200] or ", ".join(f"{reason} {n}" for reason, n in reasons)
         table.add_row(r.source, str(r.accepted), f"{r.tried}/{r.candidates}", str(r.tests), f"{r.wall_s:.0f}", why)
     return table
 
