@@ -1,8 +1,9 @@
 """`swe-grpo tasks synth` (swe_grpo/synth) on a small real project written here (pure Python, its tests
-pytest functions), in real `local` sandboxes with the real grader: the synthesised tasks load with
-`load_tasks`, every gold patch resolves and no empty patch does in a fresh grading sandbox, the same seed
-gives the same tasks, an interrupted run resumes without redoing what it decided, and each refusal (a
-source that cannot be fetched, a suite that does not run, no covered function) says why."""
+pytest functions) and on a released sdist (toolz 1.0.0), in real `local` sandboxes with the real grader:
+the synthesised tasks load with `load_tasks`, every gold patch resolves and no empty patch does in a
+fresh grading sandbox (also through `swe-grpo grade`), the same seed gives the same tasks, an interrupted
+run resumes without redoing what it decided, and each refusal (a source that cannot be fetched, a suite
+that does not run, no covered function) says why."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from sandbox_helpers import no_sandbox_left_in_run_dir  # noqa: F401  (autouse)
 
 from swe_grpo import cli
 from swe_grpo.grading import DEFAULT_TEST_CMD, grade
+from swe_grpo.paths import cache_root
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.synth import SynthConfig, SynthError, mutations, synthesize
 from swe_grpo.synth.build import _ordered
@@ -269,6 +271,21 @@ def test_the_command_line_makes_tasks_that_swe_grpo_grade_takes(project: Path, t
     assert cli.main([*graded, "--output", str(tmp_path / "results.jsonl"), "--timeout", "120"]) == 0
     results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["outcome"] for r in results] == ["resolved", "resolved", "unresolved"], [r["error"] for r in results]
+
+
+async def test_a_released_sdist_from_pypi(backend: LocalBackend, tmp_path: Path) -> None:
+    """toolz 1.0.0 (its tests inside the package, toolz/tests): the sdist as tests/real_projects.py has it
+    cached (else pip downloads it), one task, graded again here."""
+    sdists = cache_root() / "real_projects" / "sdists"
+    (report,) = await synthesize(["toolz==1.0.0"], config(tmp_path, max_per_project=1, sdist_cache=sdists), backend)
+    assert report.error is None and report.accepted == 1 and report.tests > 100, report
+    (task,) = load_tasks(tmp_path / "tasks.jsonl")
+    assert task.instance_id.startswith("toolz-1.0.0__synth-") and task.patch.startswith("diff --git a/toolz/")
+    assert all(test_id.startswith("toolz/tests/") for test_id in task.fail_to_pass)
+    gold, empty = await asyncio.gather(
+        grade(task, task.patch, backend, timeout_s=300), grade(task, "", backend, timeout_s=300)
+    )
+    assert (gold.outcome, empty.outcome) == ("resolved", "unresolved"), (gold.error, empty.error)
 
 
 def test_a_source_that_cannot_be_fetched_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
