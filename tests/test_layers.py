@@ -9,8 +9,8 @@ The layers, lowest first (a room may import rooms on lower layers, never one on 
     sandbox
     serving | grading
     agents
-    rollout
-    worker
+    rollout | synth (tasks made from a project's code)
+    worker | evaluation (a checkpoint on held-out tasks)
     cli, swe_grpo/__init__ (the face)
 
 `extras`, `testing` and `demo` stand beside the data path: they may import it, it never imports them
@@ -36,8 +36,8 @@ LAYERS = [
     {"sandbox"},
     {"serving", "grading"},
     {"agents"},
-    {"rollout"},
-    {"worker"},
+    {"rollout", "synth"},
+    {"worker", "evaluation"},
     {"cli", "__init__"},
 ]
 BESIDE = {"extras", "testing", "demo"}  # not the data path
@@ -45,7 +45,7 @@ LAYER = {room: rank for rank, rooms in enumerate(LAYERS) for room in rooms}
 FACE = LAYER["cli"]
 TOP_LEVEL = {
     *("__init__.py", "py.typed", "types.py", "paths.py", "plugins.py", "_compat.py", "rollout.py", "cli.py"),
-    *("tasks", "tokens", "sandbox", "serving", "grading", "agents", "worker", *BESIDE),
+    *("tasks", "tokens", "sandbox", "serving", "grading", "agents", "worker", "synth", "evaluation", *BESIDE),
 }
 
 
@@ -193,7 +193,7 @@ def drawing() -> str:
     order = [r for rooms in LAYERS for r in sorted(rooms)] + sorted(BESIDE)
     rank = {r: i for i, r in enumerate(order)}
     return "".join(
-        f"{importer:<9}-> {', '.join(sorted(by_importer[importer], key=rank.__getitem__))}\n"
+        f"{importer:<11}-> {', '.join(sorted(by_importer[importer], key=rank.__getitem__))}\n"
         for importer in order
         if importer in by_importer
     )
