@@ -13,12 +13,11 @@ import datasets
 import pytest
 
 from swe_grpo.demo.tasks import build as demo_build
+from swe_grpo.demo.tasks import demo_tasks, demo_tasks_path
 from swe_grpo.grading import is_protected
 from swe_grpo.tasks import (
     Task,
     TaskFormatError,
-    demo_tasks,
-    demo_tasks_path,
     load_jsonl,
     load_tasks,
     swe_gym_image,
