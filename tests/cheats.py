@@ -13,8 +13,9 @@ import re
 import shlex
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from swe_grpo.grading import command_words, junit_key
 from swe_grpo.tasks import Task
@@ -26,6 +27,26 @@ def git(cwd: Path, *args: str, input_text: str | None = None) -> str:
     cmd = ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args]
     done = subprocess.run(cmd, cwd=cwd, input=input_text, check=True, capture_output=True, text=True, env=_GIT_ENV)
     return done.stdout
+
+
+def committed_task(repo: Path, files: Mapping[str, str], fixed: Mapping[str, str] | None = None, **fields: Any) -> Task:
+    """A task on a new repository at `repo` whose base commit holds `files` (path -> text). `fixed`: the files
+    the gold patch changes, as it leaves them (the patch is their diff). `fields`: the rest of the `Task`."""
+    git(repo, "init", "-q")
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "base")
+    base = git(repo, "rev-parse", "HEAD").strip()
+    patch = ""
+    if fixed:
+        for name, text in fixed.items():
+            (repo / name).write_text(text)
+        patch = git(repo, "diff")
+        git(repo, "checkout", "-q", "--", ".")
+    os.chmod(repo, 0o755)  # the sandbox user clones it
+    return Task(repo=str(repo), base_commit=base, patch=patch, **fields)
 
 
 # --- patches, made the way a rollout makes them: edit a checkout, diff it ---------------------------

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from cheats import git
+from cheats import committed_task, git
 from sandbox_helpers import no_sandbox_left_in_run_dir  # noqa: F401  (autouse here; `local_backend` is conftest's)
 from tampers import PLAIN_FAILURES, TAMPERS, UNITTEST_TAMPERS, tamper_patch
 
@@ -53,26 +53,14 @@ class CalcTest(unittest.TestCase):
 @pytest.fixture(scope="module")
 def unittest_task(tmp_path_factory: pytest.TempPathFactory) -> Task:
     """A task whose tests are unittest classes, run by pytest: `add` subtracts."""
-    repo = tmp_path_factory.mktemp("calc")
-    git(repo, "init", "-q")
-    (repo / "calc.py").write_text(CALC)
-    (repo / "tests").mkdir()
-    (repo / "tests" / "test_calc.py").write_text(CALC_TESTS)
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "calc")
-    base = git(repo, "rev-parse", "HEAD").strip()
-    (repo / "calc.py").write_text(CALC.replace("return a - b", "return a + b", 1))
-    patch = git(repo, "diff")
-    git(repo, "checkout", "-q", "--", ".")
-    os.chmod(repo, 0o755)  # the sandbox user clones it
-    return Task(
+    return committed_task(
+        tmp_path_factory.mktemp("calc"),
+        {"calc.py": CALC, "tests/test_calc.py": CALC_TESTS},
+        fixed={"calc.py": CALC.replace("return a - b", "return a + b", 1)},
         instance_id="local__calc-1",
-        repo=str(repo),
-        base_commit=base,
         problem_statement="add subtracts",
         fail_to_pass=("tests/test_calc.py::CalcTest::test_add",),
         pass_to_pass=("tests/test_calc.py::CalcTest::test_sub",),
-        patch=patch,
     )
 
 

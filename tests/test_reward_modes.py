@@ -6,12 +6,11 @@ still fails, keeping the PASS_TO_PASS tests from running, forging a pass for one
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from cheats import append, git, make_patch, source_module
+from cheats import append, committed_task, make_patch, source_module
 from sandbox_helpers import no_sandbox_left_in_run_dir  # noqa: F401  (autouse here; `local_backend` is conftest's)
 from tampers import NO_CALL_PHASE
 
@@ -113,30 +112,22 @@ async def test_a_run_that_times_out_stays_timeout_under_fraction(local_backend: 
 def two_files_task(tmp_path_factory: pytest.TempPathFactory) -> Task:
     """A task whose FAIL_TO_PASS tests (tests/test_fix.py) and PASS_TO_PASS tests (tests/test_keep.py)
     live in different files, each importing its own function from the package `calc`."""
-    repo = tmp_path_factory.mktemp("twofiles")
-    git(repo, "init", "-q")
-    (repo / "calc").mkdir()
-    (repo / "calc" / "__init__.py").write_text("from calc.ops import add, double, sub\n")
-    (repo / "calc" / "ops.py").write_text(
-        "def add(a, b):\n    return a - b\n\n\ndef double(a):\n    return a - a\n\n\ndef sub(a, b):\n    return a - b\n"
+    ops = (
+        "def add(a, b):\n    return a - b\n\n\ndef double(a):\n    return a - a\n\n\n"
+        "def sub(a, b):\n    return a - b\n"
     )
-    (repo / "tests").mkdir()
-    (repo / "tests" / "test_fix.py").write_text(
-        "from calc import add, double\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
-        "def test_double():\n    assert double(2) == 4\n"
-    )
-    (repo / "tests" / "test_keep.py").write_text(
-        "from calc import sub\n\n\ndef test_sub():\n    assert sub(2, 3) == -1\n\n\n"
-        "def test_sub_zero():\n    assert sub(2, 0) == 2\n"
-    )
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "calc")
-    base = git(repo, "rev-parse", "HEAD").strip()
-    os.chmod(repo, 0o755)  # the sandbox user clones it
-    return Task(
+    files = {
+        "calc/__init__.py": "from calc.ops import add, double, sub\n",
+        "calc/ops.py": ops,
+        "tests/test_fix.py": "from calc import add, double\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
+        "def test_double():\n    assert double(2) == 4\n",
+        "tests/test_keep.py": "from calc import sub\n\n\ndef test_sub():\n    assert sub(2, 3) == -1\n\n\n"
+        "def test_sub_zero():\n    assert sub(2, 0) == 2\n",
+    }
+    return committed_task(
+        tmp_path_factory.mktemp("twofiles"),
+        files,
         instance_id="local__twofiles-1",
-        repo=str(repo),
-        base_commit=base,
         problem_statement="add and double subtract",
         fail_to_pass=("tests/test_fix.py::test_add", "tests/test_fix.py::test_double"),
         pass_to_pass=("tests/test_keep.py::test_sub", "tests/test_keep.py::test_sub_zero"),

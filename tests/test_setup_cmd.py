@@ -7,7 +7,6 @@ agent's process sees of setup, what a failing setup ends as) needs no model writ
 
 from __future__ import annotations
 
-import os
 import re
 import tempfile
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from cheats import git
+from cheats import committed_task
 from conftest import tiny_tokenizer
 from sandbox_helpers import assert_no_local_sandbox_left, host_pids
 
@@ -181,26 +180,14 @@ def test_setup_ran_before_the_patch():
 def setup_task(tmp_path_factory: pytest.TempPathFactory) -> Task:
     """A task whose PASS_TO_PASS test needs what `grade_setup_cmd` makes: a copy of `calc.py` as the
     grading sandbox had it when setup ran (before the patch: the bug still in it)."""
-    repo = tmp_path_factory.mktemp("setupcalc")
-    git(repo, "init", "-q")
-    (repo / "calc.py").write_text(CALC)
-    (repo / "tests").mkdir()
-    (repo / "tests" / "test_calc.py").write_text(CALC_TESTS)
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "calc")
-    base = git(repo, "rev-parse", "HEAD").strip()
-    (repo / "calc.py").write_text(CALC.replace("a - b", "a + b"))
-    patch = git(repo, "diff")
-    git(repo, "checkout", "-q", "--", ".")
-    os.chmod(repo, 0o755)  # the sandbox user clones it
-    return Task(
+    return committed_task(
+        tmp_path_factory.mktemp("setupcalc"),
+        {"calc.py": CALC, "tests/test_calc.py": CALC_TESTS},
+        fixed={"calc.py": CALC.replace("a - b", "a + b")},
         instance_id="local__setupcalc-1",
-        repo=str(repo),
-        base_commit=base,
         problem_statement="add subtracts",
         fail_to_pass=("tests/test_calc.py::test_add",),
         pass_to_pass=("tests/test_calc.py::test_setup_ran_before_the_patch",),
-        patch=patch,
     )
 
 
