@@ -10,7 +10,8 @@ The layers, lowest first (a room may import rooms on lower layers, never one on 
     serving | grading
     agents
     rollout | synth (tasks made from a project's code)
-    worker | evaluation (a checkpoint on held-out tasks)
+    evaluation (a checkpoint on held-out tasks)
+    worker (its held-out eval while training reuses evaluation's arithmetic)
     cli, swe_grpo/__init__ (the face)
 
 `extras`, `testing` and `demo` stand beside the data path: they may import it, it never imports them
@@ -37,7 +38,8 @@ LAYERS = [
     {"serving", "grading"},
     {"agents"},
     {"rollout", "synth"},
-    {"worker", "evaluation"},
+    {"evaluation"},
+    {"worker"},
     {"cli", "__init__"},
 ]
 BESIDE = {"extras", "testing", "demo"}  # not the data path
