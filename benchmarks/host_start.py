@@ -1,0 +1,163 @@
+"""Host start: how long a rollout host takes from spawning to serving, and the memory it holds then.
+
+What. One `ProcessHost` (the child process `WorkerConfig.rollout_hosts` spawns) is started as the worker
+starts it, on the demo tasks, the tiny Qwen3 tokenizer and the `local` sandbox backend, against a STUB of
+vLLM's OpenAI server (`_agent_farm.stub_vllm`: the host asks it for `/v1/models` while it starts). The
+trainer's buffer is reported full from the start (backpressure), so the host launches no rollout: what
+is measured is the host before its first rollout. Per start: the wall time from `ProcessHost.start()` to
+`wait_started()` returning (the engine's InterceptionServer serves), then the child's RSS and PSS
+(`/proc/<pid>/smaps_rollup`), and whether torch's library is mapped into it (`/proc/<pid>/maps`).
+Beside it, figures of a bare `import swe_grpo.worker.host_main` in a fresh
+interpreter: wall time, peak RSS, modules loaded, and whether torch and TRL are among them.
+
+This script's own top level imports only the standard library: a spawned child re-imports the parent's
+main module, so anything imported here would be counted as the host's.
+
+Run: `SWE_GRPO_CACHE=/tmp/swecache .venv/bin/python benchmarks/host_start.py --label after` (about a
+minute); the result is merged into benchmarks/results/host_start.json under the label.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "host_start.json"
+MIB = 1024 * 1024
+
+_IMPORT_PROBE = """
+import resource, sys, time
+t0 = time.perf_counter()
+import swe_grpo.worker.host_main
+wall = time.perf_counter() - t0
+names = set(sys.modules)
+print(wall, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, len(names),
+      "torch" in names, any(n == "trl" or n.startswith("trl.") for n in names))
+"""
+
+
+def smaps_rollup(pid: int) -> dict[str, int]:
+    """The process's memory totals in bytes (`Rss`, `Pss`, ...)."""
+    totals = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        key, value, *_ = line.split()
+        totals[key.rstrip(":")] = int(value) * 1024
+    return totals
+
+
+def torch_mapped(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def import_probe() -> dict[str, float | int | bool]:
+    """A bare import of the host's entry module in a fresh interpreter."""
+    repo = str(HERE.parent)
+    env = {**os.environ, "PYTHONPATH": repo, "TRL_EXPERIMENTAL_SILENCE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _IMPORT_PROBE], capture_output=True, text=True, env=env, check=True
+    ).stdout.split()
+    wall, rss, modules, torch, trl = out[-5:]
+    return {
+        "import_s": float(wall),
+        "import_peak_rss_mib": int(rss) / MIB,
+        "modules": int(modules),
+        "torch": torch == "True",
+        "trl": trl == "True",
+    }
+
+
+def start_once(url: str, model: str) -> dict[str, float | bool]:
+    """Start one host until it serves, measure it, stop it."""
+    from _pi_agent import load_tokenizer
+
+    from swe_grpo.agents import make_agent
+    from swe_grpo.demo.tasks import demo_tasks
+    from swe_grpo.types import Policy
+    from swe_grpo.worker.config import WorkerConfig
+    from swe_grpo.worker.hosts import EngineArgs, HostSpec, ProcessHost
+
+    config = WorkerConfig(rollout_hosts=0, queue_maxsize=1)
+    engine = EngineArgs(demo_tasks(), load_tokenizer(), url, model, "local", config, make_agent(config.agent), None)
+    host = ProcessHost(HostSpec(engine, Policy(0, None), 0, 1, {}))
+    host._waiting.value = 1 << 40  # the trainer's buffer is full: the host launches no rollout
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    host.start()
+    try:
+        host.wait_started(600.0)
+        ready_s = time.perf_counter() - t0
+        assert host.pid is not None
+        memory = smaps_rollup(host.pid)
+        torch = torch_mapped(host.pid)
+    finally:
+        host.stop(60.0)
+    return {
+        "ready_s": ready_s,
+        "rss_mib": memory["Rss"] / MIB,
+        "pss_mib": memory["Pss"] / MIB,
+        "torch_mapped": torch,
+        "load_1min_before": load,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--label", required=True, help="key of this run in the JSON (e.g. before, after)")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    sys.path.insert(0, str(HERE))
+    import multiprocessing
+
+    from _agent_farm import STUB_MODEL, stub_vllm
+
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    stub = ctx.Process(target=stub_vllm, args=(child, set(os.sched_getaffinity(0)), 1, 0.05), daemon=True)
+    stub.start()
+    url = conn.recv()
+    try:
+        load_before = os.getloadavg()
+        probes = [import_probe() for _ in range(args.repeats)]
+        starts = [start_once(url, STUB_MODEL) for _ in range(args.repeats)]
+    finally:
+        conn.send("stop")
+        stub.join(10)
+    run = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{os.cpu_count()} CPUs, {_cpu_model()}",
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "git_head": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
+        ).stdout.strip(),
+        "import_host_main": probes,
+        "host_start": starts,
+        "summary": {
+            "ready_s_median": sorted(s["ready_s"] for s in starts)[len(starts) // 2],
+            "rss_mib_median": sorted(s["rss_mib"] for s in starts)[len(starts) // 2],
+            "pss_mib_median": sorted(s["pss_mib"] for s in starts)[len(starts) // 2],
+        },
+    }
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results[args.label] = run
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(run, indent=2))
+    return 0
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
