@@ -4,18 +4,25 @@ cannot be made to show on demand (5xx bursts, non-JSON replies, a wrong prompt e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from collections.abc import AsyncIterator
 
+import aiohttp
 import psutil
 import pytest
 import torch
 from aiohttp import web
 from conftest import SERVED_NAME
+from multidict import CIMultiDict
 from transformers import AutoModelForCausalLM
 
+from swe_grpo.extras.vllm_router import VLLMRouter, router_binary
+from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import (
+    DEFAULT_ROUTING_HEADER,
+    ROUTING_KEY,
     BadResponseError,
     ContextOverflowError,
     SamplingParams,
@@ -179,10 +186,12 @@ class FakeVLLM:
         self.script = list(script)
         self.echo = echo
         self.calls = 0
+        self.requests: list[tuple[CIMultiDict[str], dict]] = []  # (headers, body) of each completion request
 
     async def completions(self, request: web.Request) -> web.Response:
         self.calls += 1
         body = await request.json()
+        self.requests.append((request.headers.copy(), body))  # case-insensitive, as HTTP headers are
         if self.script:
             status, text = self.script.pop(0)
             return web.Response(status=status, text=text, content_type="application/json")
@@ -194,20 +203,38 @@ class FakeVLLM:
         }
         return web.json_response({"model": body["model"], "choices": [choice]})
 
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m", "max_model_len": 100}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    def routing_keys(self, header: str = DEFAULT_ROUTING_HEADER) -> list[str | None]:
+        """The routing header of each completion request received (None: it had none)."""
+        return [headers.get(header) for headers, _ in self.requests]
+
+
+@contextlib.asynccontextmanager
+async def serving(fake: FakeVLLM) -> AsyncIterator[str]:
+    """`fake` served on a loopback port; yields its URL."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", fake.completions)
+    app.router.add_get("/v1/models", fake.models)
+    app.router.add_get("/health", fake.health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
 
 @pytest.fixture
 async def fake() -> AsyncIterator[tuple[FakeVLLM, VLLMClient]]:
     fake = FakeVLLM([])
-    app = web.Application()
-    app.router.add_post("/v1/completions", fake.completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    async with VLLMClient(f"http://127.0.0.1:{port}", "m", max_model_len=100, backoff_s=0.01) as client:
+    async with serving(fake) as url, VLLMClient(url, "m", max_model_len=100, backoff_s=0.01) as client:
         yield fake, client
-    await runner.cleanup()
 
 
 async def test_5xx_is_retried_then_succeeds(fake) -> None:
@@ -249,3 +276,78 @@ async def test_prompt_echo_mismatch_is_detected(fake) -> None:
     server.echo = [1, 2, 99]
     with pytest.raises(BadResponseError, match="echoed prompt"):
         await client.generate([1, 2, 3], SamplingParams())
+
+
+# --------------------------------------------------------------------------- the routing key (docs/scale.md)
+
+
+async def test_every_generation_request_carries_the_routing_key_retries_included(fake) -> None:
+    server, client = fake
+    server.script = [(503, "{}"), (500, "{}")]
+    ROUTING_KEY.set("rollout-7")  # this test's task only
+    await client.generate([1, 2], SamplingParams())
+    assert server.routing_keys() == ["rollout-7"] * 3
+
+
+async def test_no_routing_key_no_header(fake) -> None:
+    server, client = fake
+    await client.generate([1, 2], SamplingParams())
+    assert server.routing_keys() == [None]
+
+
+async def test_the_routing_header_is_configurable_and_can_be_turned_off() -> None:
+    fake = FakeVLLM([])
+    ROUTING_KEY.set("rollout-8")
+    async with serving(fake) as url:
+        for header in ("X-Rollout", None):
+            async with VLLMClient(url, "m", max_model_len=100, routing_header=header) as client:
+                await client.generate([1], SamplingParams())
+    assert fake.routing_keys("X-Rollout") == ["rollout-8", None]
+    assert fake.routing_keys() == [None, None]
+    with pytest.raises(ValueError, match="not an HTTP header name"):
+        VLLMClient(url, "m", routing_header="X Session: 1")
+
+
+async def test_a_rollouts_turns_carry_its_id(tokenizer) -> None:
+    """The turn sets the key (swe_grpo.serving.turn): a chat request to a rollout's endpoint reaches vLLM with
+    the rollout's id, never its token."""
+    fake = FakeVLLM([])
+    async with (
+        serving(fake) as url,
+        VLLMClient(url, "m", max_model_len=100) as client,
+        InterceptionServer(client, tokenizer, model_name="m") as server,
+        aiohttp.ClientSession() as http,
+    ):
+        endpoints = [server.open_rollout(rollout_id) for rollout_id in ("rollout-a", "rollout-b")]
+        for endpoint in endpoints * 2:
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            headers = {"Authorization": f"Bearer {endpoint.token}"}
+            async with http.post(f"{endpoint.base_url}/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+    assert fake.routing_keys() == ["rollout-a", "rollout-b", "rollout-a", "rollout-b"]
+
+
+@pytest.mark.skipif(router_binary() is None, reason="vllm-router not installed (extra swe_grpo[router])")
+async def test_vllm_router_keeps_a_rollout_on_one_replica_and_forwards_the_request_whole() -> None:
+    """The real vllm-router 0.1.17 (consistent_hash) in front of two FAKE replicas: every turn of a rollout
+    reaches the same replica, and the router, which re-serialises the body, keeps every field we send
+    (token-id prompt, log-probs, returned token ids, special tokens kept)."""
+    replicas = [FakeVLLM([]), FakeVLLM([])]
+    async with serving(replicas[0]) as one, serving(replicas[1]) as two:
+        router = VLLMRouter([one, two], policy="consistent_hash")
+        try:
+            await asyncio.to_thread(router.start)  # the replicas answer its health checks on this loop
+            async with VLLMClient(router.url, "m", stop_token_ids=[3]) as client:
+                for turn in range(2):
+                    for rollout in range(16):
+                        ROUTING_KEY.set(f"rollout-{rollout}")
+                        await client.generate([1, 2, turn], SamplingParams(temperature=0.7, max_tokens=4))
+        finally:
+            router.stop()
+    placed = {key: i for i, replica in enumerate(replicas) for key in replica.routing_keys()}
+    seen = [set(replica.routing_keys()) for replica in replicas]
+    assert seen[0].isdisjoint(seen[1]) and len(placed) == 16  # each rollout on one replica
+    assert all(seen), f"16 rollouts all hashed to one replica: {placed}"
+    _, body = replicas[placed["rollout-0"]].requests[-1]
+    sent = client.request_body([1, 2, 1], SamplingParams(temperature=0.7, max_tokens=4), None, 4)
+    assert {k: body[k] for k in sent} == sent

@@ -42,6 +42,7 @@ from aiohttp import web
 from swe_grpo.serving.openai_wire import Answer, APIError
 from swe_grpo.serving.session import RolloutSession
 from swe_grpo.serving.vllm_client import (
+    ROUTING_KEY,
     ContextOverflowError,
     Generation,
     Generator,
@@ -138,6 +139,7 @@ class TurnTransaction:
         rollout = self.rollout
         turn_index = len(rollout.chain.turns)
         started = time.monotonic()
+        ROUTING_KEY.set(rollout.endpoint.rollout_id)  # the generation task inherits it (VLLMClient.routing_header)
         generating = asyncio.ensure_future(self.generator.generate(turn.prompt_ids, params, model))
         try:
             while not (await asyncio.wait({generating}, timeout=self.keepalive_s))[0]:

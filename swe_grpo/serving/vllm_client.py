@@ -10,12 +10,19 @@ bounded retries with backoff), `BadResponseError` (a reply we cannot use, or a r
 Cancelling the awaiting task closes the HTTP connection, which makes vLLM abort the request.
 `served_models` and `load_lora_adapter` let a caller check for, and restore, a policy adapter a
 restarted server lost.
+
+Every generation request, retries included, carries its rollout's id in the `routing_header` (default
+`X-Session-ID`, the first header vllm-router's `consistent_hash` and `sticky_least_loaded` policies read), so a
+router in front of several vLLM replicas keeps a rollout on one replica, whose prefix cache holds the history
+each turn re-sends (docs/scale.md). The id comes from `ROUTING_KEY`, which the turn sets (swe_grpo.serving.turn).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,6 +34,15 @@ log = logging.getLogger(__name__)
 # vLLM closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE). aiohttp keeps idle ones for 15 s, so a
 # loop busy past 5 s would send its next request on a connection the server already closed.
 _KEEPALIVE_S = 2.0
+
+# The header vllm-router (0.1.17) reads first for session affinity (`consistent_hash`, `sticky_least_loaded`).
+DEFAULT_ROUTING_HEADER = "X-Session-ID"
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP token (RFC 9110)
+
+# The routing key of the generation being made: the rollout id, set by the turn before it generates. A context
+# variable rather than an argument of `Generator.generate`, so that every Generator keeps its signature; the
+# generation task inherits the value from the task that starts it.
+ROUTING_KEY: ContextVar[str | None] = ContextVar("swe_grpo_routing_key", default=None)
 
 
 class VLLMError(Exception):
@@ -86,10 +102,12 @@ _CONTEXT_MARKERS = ("maximum context length", "context length", "max_model_len",
 
 
 class VLLMClient:
-    """Client for one vLLM server. Call `await start()` (or use `async with`) before `generate`.
+    """Client for one vLLM server (or a router in front of several). Call `await start()` (or use `async with`)
+    before `generate`.
 
     `stop_token_ids` are passed on every request (the tokenizer's EOS ids), so generation ends where
     the chat template ends an assistant turn even if the server's generation config differs.
+    `routing_header`: the header each generation request carries `ROUTING_KEY` in, when that is set (None: none).
     """
 
     def __init__(
@@ -103,7 +121,10 @@ class VLLMClient:
         backoff_s: float = 0.5,
         request_timeout_s: float | None = 600.0,
         api_key: str | None = None,
+        routing_header: str | None = DEFAULT_ROUTING_HEADER,
     ):
+        if routing_header is not None and not _HEADER_NAME.fullmatch(routing_header):
+            raise ValueError(f"routing_header {routing_header!r} is not an HTTP header name")
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.stop_token_ids = list(stop_token_ids or [])
@@ -112,6 +133,7 @@ class VLLMClient:
         self.backoff_s = backoff_s
         self.request_timeout_s = request_timeout_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.routing_header = routing_header
         self.model_root: str | None = None  # where the server loaded the model from (from /v1/models)
         self._session: aiohttp.ClientSession | None = None
 
@@ -166,7 +188,9 @@ class VLLMClient:
                 f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len}"
             )
         body = self.request_body(prompt_ids, params, model, max_tokens=min(params.max_tokens or room, room))
-        reply = await self._request("POST", "/v1/completions", body)
+        key = ROUTING_KEY.get()
+        routing = {self.routing_header: key} if key and self.routing_header else {}
+        reply = await self._request("POST", "/v1/completions", body, headers=routing)
         return self._generation(reply, prompt_ids)
 
     def request_body(
@@ -207,17 +231,25 @@ class VLLMClient:
         return Generation(token_ids, log_probs, "length" if finish == "length" else "stop", reply.get("model", ""))
 
     async def _request(
-        self, method: str, path: str, body: dict[str, Any] | None = None, *, json_reply: bool = True
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        json_reply: bool = True,
+        headers: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        """The reply's JSON ({} when `json_reply` is off: a route that answers in plain text)."""
+        """The reply's JSON ({} when `json_reply` is off: a route that answers in plain text). `headers` go
+        with every attempt."""
         if self._session is None:
             raise RuntimeError("VLLMClient not started")
         url = self.base_url + path
+        headers = {**_JSON, **headers} if headers else _JSON
         for attempt in range(self.max_retries + 1):
             try:
                 # orjson: the body carries every prompt id, and the reply echoes them back.
                 data = None if body is None else orjson.dumps(body)
-                async with self._session.request(method, url, data=data, headers=_JSON) as resp:
+                async with self._session.request(method, url, data=data, headers=headers) as resp:
                     if resp.status < 400:
                         if not json_reply:
                             return {}
