@@ -3,7 +3,9 @@
 Which image. `task.image` if set; else the SWE-Gym image of the task (`xingyaoww/sweb.eval.x86_64.<id>`)
 when it exists on the engine; else the backend's default image (`DEFAULT_IMAGE`: an offline Debian with git,
 python3 and pytest; see `tests/docker_env.py`), into which the task's local repository (a path or a git
-bundle) is put. Images are never pulled: pull them first.
+bundle) is put. A `task.image` labelled `swe_grpo.environment=1` (`ENVIRONMENT_LABEL`: an environment image,
+the project's dependencies without its code, as `swe-grpo tasks synth` builds them) gets the task's local
+repository put in the same way. Images are never pulled: pull them first.
 
 Prepared images. Before its first sandbox, each (source image, base commit, sandbox uid) becomes a
 "prepared" image, built once and kept (`swe-grpo-sandbox:<key>`, label `swe_grpo.image=1`): the repository
@@ -40,6 +42,8 @@ from swe_grpo.tasks import Task, swe_gym_image
 #: The image used when a task has none: Debian bookworm minbase + git, python3, pytest, procps.
 DEFAULT_IMAGE = "swe-grpo-base:bookworm"
 IMAGE_LABEL = "swe_grpo.image"
+#: On an image that holds a project's environment but not its code: the task's repository is put into it.
+ENVIRONMENT_LABEL = "swe_grpo.environment"
 PREPARED_REPOSITORY = "swe-grpo-sandbox"
 #: A hard-linked twin of /testbed in every prepared image: what a disk-limited sandbox copies into its tmpfs.
 TWIN = "/var/lib/swe-grpo/testbed"
@@ -92,6 +96,10 @@ class PreparedImages:
             raise SandboxError(f"task {task.instance_id}: image {source} is not on this engine (pull it)") from e
         except ENGINE_ERRORS as e:
             raise SandboxError(f"cannot inspect image {source}: {e}") from e
+        if task.image and (image.labels or {}).get(ENVIRONMENT_LABEL) == "1":
+            repo = local_repo(task)
+            if repo is None:
+                raise SandboxError(f"task {task.instance_id}: {source} holds no code, and {task.repo!r} is not local")
         parts = [_PREPARE_VERSION, image.id or "", task.base_commit, str(repo is not None), str(self.uid)]
         key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
         tag = f"{PREPARED_REPOSITORY}:{key}"
