@@ -15,7 +15,7 @@ from swe_grpo.agents import AGENTS
 from swe_grpo.grading import DEFAULT_TIMEOUT_S
 from swe_grpo.plugins import check_choice
 from swe_grpo.sandbox.base import MAX_PATCH_BYTES
-from swe_grpo.serving.vllm_client import SamplingParams
+from swe_grpo.serving.vllm_client import DEFAULT_ROUTING_HEADER, SamplingParams
 from swe_grpo.tasks.task import REWARD_MODES, RewardMode
 from swe_grpo.worker.task_sampling import TASK_SAMPLING, TaskSampling
 
@@ -80,6 +80,8 @@ class WorkerConfig:
     # The rollout hosts as Ray actors (worker/ray_hosts.py, extra swe_grpo[ray]) on nodes offering these resources
     # each, e.g. {"swe_grpo_sandboxes": 1}; None: child processes of the trainer. Unused with rollout_hosts=0.
     ray_resources: Mapping[str, float] | None = None
+    # The header each generation request carries its rollout's id in, for a router's session affinity (docs/scale.md).
+    routing_header: str | None = DEFAULT_ROUTING_HEADER  # None: none sent
 
     def __post_init__(self) -> None:
         if self.num_generations < 2:

@@ -209,7 +209,11 @@ class RolloutEngine:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         self._client = client = VLLMClient(
-            self.vllm_url, self.model, stop_token_ids=[self.tokenizer.eos_token_id], api_key=self._api_key
+            self.vllm_url,
+            self.model,
+            stop_token_ids=[self.tokenizer.eos_token_id],
+            api_key=self._api_key,
+            routing_header=self.config.routing_header,
         )
         await client.start()
         c = self.config
