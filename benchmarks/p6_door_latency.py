@@ -4,12 +4,15 @@ What. A client inside a real `local` sandbox sends `GET /rollout/<id>/v1/models`
 generation, so the time is transport and aiohttp) to a real InterceptionServer, one request after another,
 two ways: direct (a sandbox sharing the host's network, to the server's TCP port on 127.0.0.1, as before
 the door) and through the door (a sandbox with no network, to 127.0.0.1:DOOR_PORT in its own namespace,
-the forwarder `door.cjs`, the rollout's unix socket). Each way with one kept-alive connection (as Pi's
+the forwarder `door_forwarder.c`, the rollout's unix socket). Each way with one kept-alive connection (as Pi's
 HTTP client does) and with a new connection per request. The added latency is door minus direct, per
 percentile. The client is Python's http.client in both arms, timing each request with perf_counter.
+Behind the door the client, after its requests, also reads the memory of its parent process, the
+forwarder (`/proc/PPID/status` and `smaps_rollup`: RSS, its peak, PSS): the door's cost per rollout.
 
-Run as root: `.venv/bin/python benchmarks/p6_door_latency.py [--requests 2000] [--output FILE]`. Under a
-minute; the sandboxes and the door are removed at the end.
+Run as root: `.venv/bin/python benchmarks/p6_door_latency.py [--requests 2000] [--output FILE.json]`.
+Under a minute; the sandboxes and the door are removed at the end. The JSON holds the rows, the
+forwarder's memory, the date, the CPU count and the load average before and after.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,16 +32,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _pi_agent import load_tokenizer, markdown_table, percentile
 from sandbox_helpers import calc_task, make_repo
 
-from swe_grpo.agents.pi import NODE_PATH, PI_MOUNT, PiBundle
+from swe_grpo.agents.pi import PiBundle
 from swe_grpo.sandbox.base import Sandbox
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.serving.door import DOOR_PORT
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import VLLMClient
 
-# argv: port, path, token, requests, "keep" or "new"; prints the latencies in seconds as JSON.
+# argv: port, path, token, requests, "keep" or "new"; prints {"times": latencies in seconds, "parent": the
+# parent process's memory in KiB (behind the door: the forwarder)} as JSON.
 CLIENT = r"""
-import http.client, json, sys, time
+import http.client, json, os, re, sys, time
 port, path, token, n, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 headers = {"Authorization": f"Bearer {token}"}
 conn, out = None, []
@@ -53,19 +58,24 @@ for i in range(n + 50):  # the first 50 warm up
         conn.close()
     if i >= 50:
         out.append(time.perf_counter() - start)
-print(json.dumps(out))
+def kib(name, *fields):
+    try:
+        text = open(f"/proc/{os.getppid()}/{name}").read()
+    except OSError:
+        return {}
+    return {f: int(m.group(1)) for f in fields if (m := re.search(rf"^{f}:\s+(\d+) kB", text, re.M))}
+print(json.dumps({"times": out, "parent": kib("status", "VmRSS", "VmHWM") | kib("smaps_rollup", "Pss")}))
 """
 CLIENT_ARGV = ["python3", "-c", CLIENT]
-NODE = f"{PI_MOUNT}/{NODE_PATH}"
 
 
-async def latencies(sandbox: Sandbox, argv: list[str]) -> list[float]:
+async def measure(sandbox: Sandbox, argv: list[str]) -> dict:
     result = await sandbox.exec(argv, timeout_s=300)
     assert result.exit_code == 0, result
     return json.loads(result.stdout)
 
 
-async def run(requests: int) -> str:
+async def run(requests: int) -> dict:
     tokenizer = load_tokenizer()
     bundle = PiBundle.default()
     with tempfile.TemporaryDirectory() as work:
@@ -84,23 +94,24 @@ async def run(requests: int) -> str:
                 direct = await backend.create(task, mounts=[bundle.mount()], network=True)
                 behind = await backend.create(task, mounts=[bundle.mount(), door.mount()], network=False)
                 async with direct, behind:
-                    rows = []
+                    rows, memory = [], {}
                     for mode in ("keep", "new"):
                         args = [path, endpoint.token, str(requests), mode]
-                        times = {
-                            "direct": await latencies(direct, [*CLIENT_ARGV, str(server.port), *args]),
-                            "door": await latencies(behind, door.wrap(NODE, [*CLIENT_ARGV, str(DOOR_PORT), *args])),
-                        }
+                        direct_run = await measure(direct, [*CLIENT_ARGV, str(server.port), *args])
+                        door_run = await measure(behind, door.wrap([*CLIENT_ARGV, str(DOOR_PORT), *args]))
+                        memory[mode] = door_run["parent"]
                         label = "kept-alive connection" if mode == "keep" else "new connection per request"
                         for q in (50, 90, 99):
-                            d, o = percentile(times["direct"], q) * 1e3, percentile(times["door"], q) * 1e3
-                            rows.append([label, f"p{q}", f"{d:.3f}", f"{o:.3f}", f"{o - d:+.3f}"])
+                            d = percentile(direct_run["times"], q) * 1e3
+                            o = percentile(door_run["times"], q) * 1e3
+                            rows.append({"connection": label, "percentile": q, "direct_ms": d, "door_ms": o})
             finally:
                 await server.close_door(door)
                 server.close_rollout(endpoint.rollout_id)
-    table = markdown_table(["connection", "percentile", "direct (ms)", "door (ms)", "added (ms)"], rows)
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return f"P6: door latency, {requests} sequential GET /v1/models per row (load average {load})\n\n{table}"
+    for row in rows:
+        row["added_ms"] = row["door_ms"] - row["direct_ms"]
+    forwarder = Path(door.wrap([])[0]).name  # what runs as the forwarder in the sandbox
+    return {"requests": requests, "forwarder": forwarder, "rows": rows, "forwarder_kib": memory}
 
 
 def main() -> None:
@@ -108,10 +119,33 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
-    text = asyncio.run(run(args.requests))
-    print(text)
+    load_before = os.getloadavg()
+    result = asyncio.run(run(args.requests))
+    meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count()}
+    meta["cpu"] = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if "model name" in line
+        ),
+        "",
+    )
+    result = meta | result | {"load_before": load_before, "load_after": os.getloadavg()}
+    rows = [
+        [
+            r["connection"],
+            f"p{r['percentile']}",
+            *(f"{r[k]:.3f}" for k in ("direct_ms", "door_ms")),
+            f"{r['added_ms']:+.3f}",
+        ]
+        for r in result["rows"]
+    ]
+    load = ", ".join(f"{x:.1f}" for x in result["load_after"])
+    print(f"P6: door latency, {args.requests} sequential GET /v1/models per row (load average {load})\n")
+    print(markdown_table(["connection", "percentile", "direct (ms)", "door (ms)", "added (ms)"], rows))
+    print(f"\nthe forwarder's memory (KiB): {result['forwarder_kib']}")
     if args.output:
-        args.output.write_text(text + "\n")
+        args.output.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

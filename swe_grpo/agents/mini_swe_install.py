@@ -1,13 +1,13 @@
 """Builds the mini-swe-agent bundle: a Python that runs in any x86-64 Linux sandbox, with mini-swe-agent.
 
-`python -m swe_grpo.agents.mini_swe_install DIR` (run by `scripts/setup.sh`, which also puts the portable
-Node for the door into DIR) copies the running interpreter's CPython (its binary, its standard library but
-the test suite and Tk, and every shared library they and the installed packages load, the dynamic loader
-and glibc included) into DIR, then installs the pinned mini-swe-agent requirements into its
-site-packages and byte-compiles everything (the bundle is mounted read-only). Nothing comes from outside
-the package registries: the portable CPython builds on npm download their binaries from elsewhere at
-install time. Inside a sandbox the Python runs through the bundle's own loader (`mini_swe.python_argv`),
-so it does not depend on what the task image has; the commands the agent runs use the image's own tools.
+`python -m swe_grpo.agents.mini_swe_install DIR` (run by `scripts/setup.sh`) copies the running interpreter's
+CPython (its binary, its standard library but the test suite and Tk, and every shared library they and the
+installed packages load, the dynamic loader and glibc included) into DIR, then installs the pinned
+mini-swe-agent requirements into its site-packages and byte-compiles everything (the bundle is mounted
+read-only). Nothing comes from outside the package registries: the portable CPython builds on npm download
+their binaries from elsewhere at install time. Inside a sandbox the Python runs through the bundle's own
+loader (`mini_swe.python_argv`), so it does not depend on what the task image has; the commands the agent
+runs use the image's own tools.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _shared_libraries(binaries: list[Path], inside: Path) -> dict[str, Path]:
 
 
 def build(dest: Path) -> None:
-    """Build the bundle in `dest` (replaced whole; `dest/node_modules` is kept)."""
+    """Build the bundle in `dest` (its `python/` and `lib/` replaced whole)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     python_dir, lib_dir = dest / "python", dest / "lib"
     for part in (python_dir, lib_dir):

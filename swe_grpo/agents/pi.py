@@ -223,6 +223,5 @@ async def run_pi(
         env={"PI_CODING_AGENT_DIR": _AGENT_DIR, "PI_OFFLINE": "1"},
         files={**files, _TASK_FILE: task_text.encode()},
         secret_env=API_KEY_ENV,
-        node=f"{PI_MOUNT}/{NODE_PATH}",
     )
     return await run_agent(sandbox, launch, endpoint.token, config, last_activity, door)

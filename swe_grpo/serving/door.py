@@ -4,14 +4,21 @@ An agent sandbox (`local`, `docker`) is created with `network=False`: a network 
 only its own loopback, no route anywhere. The door is how its agent still reaches its model:
 
 - host side: `InterceptionServer.open_door(rollout_id)` serves that rollout on a unix socket of its own
-  (`Door.socket`, in a fresh host directory with the forwarder script beside it). A request that arrives
+  (`Door.socket`, in a fresh host directory with the forwarder beside it). A request that arrives
   on a door socket is served only if its path names the door's rollout (its two routes); anything else
   (`/health`, another rollout, an unknown path) gets 403. The rollout's token is checked as over TCP.
-- sandbox side: the directory is mounted at `DOOR_MOUNT`, and the agent runs under `door.cjs` (run by the
-  Pi bundle's Node, which every agent sandbox mounts: nothing is installed), which listens on
-  `127.0.0.1:DOOR_PORT` inside the sandbox's namespace, pipes each connection to the socket, and starts
-  the agent once listening. The agent's `base_url` is `Door.base_url`. The forwarder lives exactly as
-  long as the agent's exec (it exits with the agent; the sandbox's pid namespace ends both).
+- sandbox side: the directory is mounted at `DOOR_MOUNT`, and the agent runs under the forwarder
+  (`door_forwarder.c`: a static binary, so it runs in any image and needs nothing from the agent's bundle),
+  which listens on `127.0.0.1:DOOR_PORT` inside the sandbox's namespace, pipes each connection to the
+  socket, and starts the agent once listening. The agent's `base_url` is `Door.base_url`. The forwarder
+  lives exactly as long as the agent (it passes signals on to it and exits with its status; the sandbox's
+  pid namespace ends both). One process with an epoll loop: a few hundred KiB per rollout
+  (`tests/test_door.py` holds it under 5 MiB; Node running the same forwarder took ~50 MiB).
+
+The forwarder is built from its source with the host's C compiler the first time a door is opened (or by
+`scripts/setup.sh`), into `swe_grpo.paths.cache_root()`, under a lock, named by a hash of the source and
+the build command: `forwarder()`. Without a compiler that links statically, opening a door raises
+`ForwarderBuildError` saying what to install; there is no second implementation to fall back on.
 
 So from inside, 127.0.0.1 is the sandbox's own loopback: vLLM, the trainer, the InterceptionServer's TCP
 port and every other host service are unreachable, as is anything beyond the host. A unix socket is
@@ -30,19 +37,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import hashlib
 import logging
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from swe_grpo.paths import cache_root
 from swe_grpo.sandbox.base import Mount, owner_gone
 
-#: Where a door's directory (the socket `s` and `door.cjs`) is mounted inside the sandbox.
+#: Where a door's directory (the socket `s` and the forwarder) is mounted inside the sandbox.
 DOOR_MOUNT = "/run/swe-grpo-door"
 #: The loopback port the forwarder listens on inside the sandbox (its own namespace: any free port works).
 DOOR_PORT = 18080
@@ -51,7 +62,10 @@ PROXY_PORT = 18081
 log = logging.getLogger(__name__)
 
 _DIR_PREFIX = "swe-grpo-door-"  # then the pid of the process serving it
-_SCRIPT = Path(__file__).with_name("door.cjs")
+_SOURCE = Path(__file__).with_name("door_forwarder.c")
+_FORWARDER = "door-forwarder"  # its name in a door's directory
+# -static: the binary runs in any sandbox image, whatever its C library; -Os: small and plenty fast.
+_CFLAGS = ("-static", "-Os", "-s", "-Wall", "-Wextra", "-Werror")
 _UNIX_PATH_MAX = 107  # sun_path holds 108 bytes, NUL included
 _PROXY_TIMEOUT_S = 30.0
 _FORBIDDEN = b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
@@ -61,7 +75,7 @@ _BAD_GATEWAY = b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: cl
 @dataclass(frozen=True)
 class Door:
     """One rollout's door: `host_dir` holds the unix socket the InterceptionServer serves the rollout on,
-    and the forwarder script; `allow`: the `host:port`s the allowlist proxy admits (none: no proxy)."""
+    and the forwarder; `allow`: the `host:port`s the allowlist proxy admits (none: no proxy)."""
 
     rollout_id: str
     host_dir: Path
@@ -73,15 +87,17 @@ class Door:
     @classmethod
     def make(cls, rollout_id: str) -> Door:
         """A fresh directory (in the system's temporary directory, which the unprivileged sandbox user can
-        traverse: it opens the mount) with the forwarder script in it."""
+        traverse: it opens the mount) with the forwarder in it. Raises `ForwarderBuildError` if the
+        forwarder cannot be built."""
+        binary = forwarder()
         host_dir = Path(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-"))
         host_dir.chmod(0o711)
         door = cls(rollout_id, host_dir)
         if len(str(door.socket)) > _UNIX_PATH_MAX:
             door.remove()
             raise ValueError(f"the door socket path {door.socket} is too long for a unix socket; set TMPDIR shorter")
-        shutil.copyfile(_SCRIPT, host_dir / _SCRIPT.name)
-        (host_dir / _SCRIPT.name).chmod(0o644)
+        shutil.copyfile(binary, host_dir / _FORWARDER)
+        (host_dir / _FORWARDER).chmod(0o755)
         return door
 
     @property
@@ -100,12 +116,12 @@ class Door:
     def proxy_socket(self) -> Path:
         return self.host_dir / "p"
 
-    def wrap(self, node: str, argv: Sequence[str]) -> list[str]:
-        """`argv` run behind the door: `node` (a path inside the sandbox) runs the forwarder, which runs `argv`."""
+    def wrap(self, argv: Sequence[str]) -> list[str]:
+        """`argv` run behind the door: the forwarder listens, then runs `argv` and exits with its status."""
         listen = [str(DOOR_PORT), f"{DOOR_MOUNT}/{self.socket.name}"]
         if self.allow:
             listen += [str(PROXY_PORT), f"{DOOR_MOUNT}/{self.proxy_socket.name}"]
-        return [node, f"{DOOR_MOUNT}/{_SCRIPT.name}", *listen, "--", *argv]
+        return [f"{DOOR_MOUNT}/{_FORWARDER}", *listen, "--", *argv]
 
     async def serve_allowlist(self) -> asyncio.Server:
         """Serve the allowlist proxy on `proxy_socket` until the returned server is closed."""
@@ -141,6 +157,51 @@ class Door:
 
     def remove(self) -> None:
         shutil.rmtree(self.host_dir, ignore_errors=True)
+
+
+class ForwarderBuildError(RuntimeError):
+    """The door's forwarder could not be built (no C compiler, or none that links statically)."""
+
+
+def forwarder() -> Path:
+    """The door's forwarder, built from `door_forwarder.c` by `$CC` (default `cc`) the first time any
+    process asks, into `cache_root()/door/` under a lock (concurrent first uses build it once), and named
+    by a hash of the source and the build command, so an edited source is rebuilt. Raises
+    `ForwarderBuildError` saying what to install when it cannot be built."""
+    compiler = os.environ.get("CC", "cc")
+    command = (compiler, *_CFLAGS)
+    digest = hashlib.sha256(_SOURCE.read_bytes() + "\0".join(command).encode()).hexdigest()[:16]
+    directory = cache_root() / "door"
+    binary = directory / f"{_FORWARDER}-{digest}"
+    if binary.exists():
+        return binary
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if binary.exists():  # another process built it while this one waited
+            return binary
+        partial = directory / f".{binary.name}.{os.getpid()}"
+        try:
+            built = subprocess.run([*command, "-o", str(partial), str(_SOURCE)], capture_output=True, text=True)
+        except OSError as e:
+            raise ForwarderBuildError(
+                f"cannot run the C compiler {compiler!r} to build the door's forwarder: {e}; {_INSTALL_HINT}"
+            ) from e
+        if built.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise ForwarderBuildError(
+                f"{' '.join(command)} could not build the door's forwarder from {_SOURCE}:\n"
+                f"{built.stderr.strip()}\n{_INSTALL_HINT}"
+            )
+        partial.replace(binary)
+    log.info("built the door's forwarder %s", binary)
+    return binary
+
+
+_INSTALL_HINT = (
+    "the door needs a C compiler with a static C library (Debian/Ubuntu: apt-get install gcc libc6-dev; "
+    "Fedora: gcc glibc-static; or set CC), which scripts/setup.sh installs; or run without the door (--no-door)"
+)
 
 
 def check_allow(allow: Iterable[str], door: bool = True) -> None:
