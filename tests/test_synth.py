@@ -13,6 +13,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import docker.errors
 import pytest
 from sandbox_helpers import no_sandbox_left_in_run_dir  # noqa: F401  (autouse)
 
@@ -20,7 +21,7 @@ from swe_grpo import cli
 from swe_grpo.grading import DEFAULT_TEST_CMD, grade
 from swe_grpo.paths import cache_root
 from swe_grpo.sandbox.local import LocalBackend
-from swe_grpo.synth import SynthConfig, SynthError, mutations, synthesize
+from swe_grpo.synth import ProjectReport, SynthConfig, SynthError, mutations, synthesize
 from swe_grpo.synth.build import _ordered
 from swe_grpo.synth.source import GIT_ENV, download_sdist
 from swe_grpo.synth.statement import problem_statement
@@ -256,6 +257,103 @@ async def test_an_interrupted_run_resumes(
     ids = [d["instance_id"] for d in again]
     assert len(ids) == len(set(ids)), "a decided candidate was validated again"
     assert (out / "tasks.jsonl").read_bytes() == (synthesised / "tasks.jsonl").read_bytes()
+
+
+PARITY = """def is_even(n):
+    return n % 2 == 0
+"""
+# unittest, not pytest: `assertTrue` says only "False is not true", whichever way is_even breaks.
+PARITY_TESTS = """import unittest
+
+from parity import is_even
+
+
+class TestParity(unittest.TestCase):
+    def test_four_is_even(self):
+        self.assertTrue(is_even(4))
+
+    def test_three_is_odd(self):
+        self.assertFalse(is_even(3))
+"""
+
+
+@pytest.fixture(scope="module")
+async def parity(backend: LocalBackend, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ProjectReport]:
+    """A project with a unittest suite whose pytest configuration asks for an option no plugin here has
+    (as a project with `--cov` in its addopts does without pytest-cov)."""
+    root = tmp_path_factory.mktemp("parity") / "parity"
+    (root / "tests").mkdir(parents=True)
+    (root / "parity.py").write_text(PARITY)
+    (root / "tests" / "test_parity.py").write_text(PARITY_TESTS)
+    (root / "setup.cfg").write_text("[tool:pytest]\naddopts = --no-such-plugin-option\n")
+    out = tmp_path_factory.mktemp("parity-out")
+    (report,) = await synthesize([str(root)], config(out, max_per_project=10), backend)
+    return out, report
+
+
+async def test_a_unittest_suite_whose_addopts_fail_runs_without_them(
+    parity: tuple[Path, ProjectReport], backend: LocalBackend
+) -> None:
+    out, report = parity
+    assert report.error is None and report.tests == 2, report
+    tasks = load_tasks(out / "tasks.jsonl")
+    assert tasks and all(task.test_cmd == DEFAULT_TEST_CMD + " -o addopts=" for task in tasks)
+    assert all(test_id.startswith("tests/test_parity.py::TestParity::") for t in tasks for test_id in t.fail_to_pass)
+    gold, empty = await asyncio.gather(grade(tasks[0], tasks[0].patch, backend), grade(tasks[0], "", backend))
+    assert (gold.outcome, empty.outcome) == ("resolved", "unresolved"), (gold.error, empty.error)
+
+
+def test_mutants_that_fail_the_same_way_make_one_task(parity: tuple[Path, ProjectReport]) -> None:
+    out, report = parity
+    tasks = load_tasks(out / "tasks.jsonl")
+    statements = [task.problem_statement for task in tasks]
+    assert len(statements) == len(set(statements)) >= 2
+    # `== 0` -> `!= 0`, `% 2` -> `// 2`, `2` -> `3`, `0` -> `1`: each fails both tests with the same messages.
+    assert report.rejected.get("same failure as an earlier task", 0) >= 2, report
+    assert report.accepted == len(tasks)
+
+
+MOCKED_TESTS = """from tinylib import clamp, mean
+
+
+def test_clamp(mocker):  # pytest-mock's fixture: not in the docker backend's default image
+    assert clamp(-1, 0, 10) == 0 and clamp(11, 0, 10) == 10 and clamp(5, 0, 10) == 5
+
+
+def test_mean(mocker):
+    assert mean([1, 2, 3]) == 2
+"""
+
+
+async def test_on_docker_a_project_gets_an_image_with_its_test_requirements(docker_url: str, tmp_path: Path) -> None:
+    """`docker`: the project's declared test extra (pytest-mock, from PyPI) is installed into its environment
+    image, the rows name that image, and `swe-grpo grade`'s grader resolves the gold patch on docker."""
+    from swe_grpo.sandbox.docker import DockerBackend
+    from swe_grpo.sandbox.docker.images import ENVIRONMENT_LABEL
+
+    root = write_project(tmp_path / "mocked", tests=MOCKED_TESTS)
+    pyproject = '[project]\nname = "tinylib"\nversion = "1"\n[project.optional-dependencies]\ntest = ["pytest-mock"]\n'
+    (root / "pyproject.toml").write_text(pyproject)
+    backend = DockerBackend(base_url=docker_url)
+    await backend.start()
+    try:
+        (report,) = await synthesize([str(root)], config(tmp_path / "out", max_per_project=1, timeout_s=300), backend)
+        assert report.error is None and report.accepted == 1 and report.tests == 2, report
+        (task,) = load_tasks(tmp_path / "out" / "tasks.jsonl")
+        assert task.image and task.image.startswith("swe-grpo-synth-env:mocked-")
+        assert task.metadata["synth"]["requirements"] == ["pytest-mock"]
+        image = backend.client.images.get(task.image)
+        assert image.labels[ENVIRONMENT_LABEL] == "1"
+        check = ["python3", "-c", "import pytest_mock"]
+        backend.client.containers.run(task.image, check, remove=True, network_mode="none")
+        with pytest.raises(docker.errors.ContainerError):  # the default image has no pytest-mock
+            backend.client.containers.run(backend.default_image, check, remove=True, network_mode="none")
+        gold, empty = await asyncio.gather(
+            grade(task, task.patch, backend, timeout_s=300), grade(task, "", backend, timeout_s=300)
+        )
+        assert (gold.outcome, empty.outcome) == ("resolved", "unresolved"), (gold.error, empty.error)
+    finally:
+        await backend.close()
 
 
 def test_the_command_line_makes_tasks_that_swe_grpo_grade_takes(project: Path, tmp_path: Path) -> None:

@@ -15,12 +15,14 @@ import random
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from swe_grpo.grading import DEFAULT_TEST_CMD, grade, is_protected
 from swe_grpo.paths import cache_root
 from swe_grpo.sandbox.base import SandboxBackend, SandboxError
+from swe_grpo.sandbox.docker import DockerBackend
+from swe_grpo.synth.environment import environment_image, requirements
 from swe_grpo.synth.mutate import Mutation, mutations
 from swe_grpo.synth.source import Source, SynthError, commit_tree, fetch_source, git
 from swe_grpo.synth.statement import problem_statement
@@ -28,6 +30,10 @@ from swe_grpo.synth.suite import run_suite
 from swe_grpo.tasks import Task
 
 _STATE = ".synth"
+#: Appended to the default test command when the project's own pytest configuration makes it fail.
+NO_ADDOPTS = "-o addopts="
+# What pytest says when the configuration's `addopts` name an option or plugin that is not installed.
+_USAGE_ERRORS = ("error: unrecognized arguments:", "Error importing plugin")
 log = logging.getLogger(__name__)
 
 
@@ -102,6 +108,19 @@ class _State:
         self._file.close()
 
 
+def _kept(records: list[dict]) -> list[dict]:
+    """The validated of `records` (decisions in candidate order) that are tasks: without those that fail the
+    same tests with the same problem statement as an earlier one (to an agent, the same task)."""
+    seen: set[str] = set()
+    kept = []
+    for record in records:
+        row = record.get("row")
+        if row is not None and row["problem_statement"] not in seen:
+            seen.add(row["problem_statement"])
+            kept.append(record)
+    return kept
+
+
 def _write_tasks(out: Path, state: _State, projects: dict[str, str], limit: int) -> int:
     """`out/tasks.jsonl` from the accepted decisions: per project, in candidate order, at most `limit`.
     `projects`: this run's projects and their clean commits (a project's decisions about an older tree
@@ -110,7 +129,9 @@ def _write_tasks(out: Path, state: _State, projects: dict[str, str], limit: int)
     for record in state.decisions.values():
         if record.get("row") is not None and projects.get(record["project"], record["clean"]) == record["clean"]:
             by_project.setdefault(record["project"], []).append(record)
-    rows = [r["row"] for records in by_project.values() for r in sorted(records, key=lambda r: r["order"])[:limit]]
+    rows = [
+        r["row"] for records in by_project.values() for r in _kept(sorted(records, key=lambda r: r["order"]))[:limit]
+    ]
     tmp = out / "tasks.jsonl.tmp"
     tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
     tmp.rename(out / "tasks.jsonl")
@@ -122,7 +143,11 @@ async def _baseline(backend: SandboxBackend, task: Task, path: Path, timeout_s: 
     traced), then the tests that passed both times run again as the grader runs them (only them)."""
     if path.is_file():
         saved = json.loads(path.read_text())
-        if saved.get("clean") == task.base_commit and saved.get("test_cmd") == task.test_cmd:
+        if (saved.get("clean"), saved.get("test_cmd"), saved.get("image")) == (
+            task.base_commit,
+            task.test_cmd,
+            task.image,
+        ):
             return saved
     traced, plain = await asyncio.gather(
         run_suite(backend, task, trace=True, timeout_s=timeout_s), run_suite(backend, task, timeout_s=timeout_s)
@@ -144,6 +169,7 @@ async def _baseline(backend: SandboxBackend, task: Task, path: Path, timeout_s: 
     saved = {
         "clean": task.base_commit,
         "test_cmd": task.test_cmd,
+        "image": task.image,
         "stable": stable,
         "flaky": flaky,
         "order_dependent": sorted(set(passing) - set(stable)),
@@ -206,10 +232,13 @@ async def _validate(
     covering: list[str],
     stable: list[str],
     timeout_s: float,
+    environment: tuple[str | None, list[str]],
 ) -> tuple[dict | None, str, str]:
     """The task row of one candidate and "validated", or None, why it was rejected and the grader's error
     (when a grade was the reason). `timeout_s` bounds each run: a mutant that makes the tests hang costs
-    that much, not the suite's whole `--timeout`."""
+    that much, not the suite's whole `--timeout`. `environment`: the project's image (None: `local`) and
+    requirements."""
+    image, wanted = environment
     instance_id = f"{source.name}__synth-{mutation.key}"
     original = (source.tree / mutation.path).read_bytes()
     mode = git(repo, "ls-tree", clean, "--", mutation.path).split()[0]
@@ -223,7 +252,7 @@ async def _validate(
     base = git(repo, "commit-tree", tree, "-m", source.name).strip()
     git(repo, "update-ref", f"refs/heads/{instance_id}", base)
     patch = git(repo, "diff", "--binary", base, clean)
-    probe = Task(instance_id, str(repo), base, "synthesising", fail_to_pass=("-",), test_cmd=test_cmd)
+    probe = Task(instance_id, str(repo), base, "synthesising", fail_to_pass=("-",), test_cmd=test_cmd, image=image)
     run = await run_suite(backend, probe, covering, timeout_s=timeout_s)
     if run.statuses is None:
         return None, "the suite gives no report on the mutant" + (" (timed out)" if run.timed_out else ""), ""
@@ -233,7 +262,7 @@ async def _validate(
     p2p = [test_id for test_id in stable if test_id not in set(f2p)]
     statement = problem_statement(source.name, f2p, run.messages, test_cmd, mutation)
     task = Task(instance_id, str(repo), base, statement, fail_to_pass=tuple(f2p), pass_to_pass=tuple(p2p))
-    task = Task(**{**task.__dict__, "test_cmd": test_cmd, "patch": patch})
+    task = Task(**{**task.__dict__, "test_cmd": test_cmd, "patch": patch, "image": image})
     gold, empty = await asyncio.gather(
         grade(task, patch, backend, timeout_s=timeout_s), grade(task, "", backend, timeout_s=timeout_s)
     )
@@ -251,12 +280,14 @@ async def _validate(
         "FAIL_TO_PASS": f2p,
         "PASS_TO_PASS": p2p,
         "test_cmd": test_cmd if test_cmd != DEFAULT_TEST_CMD else None,
+        **({"image": image} if image else {}),
         "synth": {
             "source": source.spec,
             "operator": mutation.operator,
             "path": mutation.path,
             "function": mutation.function,
             "line": mutation.line,
+            "requirements": wanted,
         },
     }
     return row, "validated", ""
@@ -285,8 +316,23 @@ async def _project(
     git(repo, "update-ref", "refs/heads/clean", clean)
     projects[source.name] = clean
     test_cmd = _test_cmd(config, source.tree)
-    clean_task = Task(f"{source.name}__clean", str(repo), clean, "baseline", fail_to_pass=("-",), test_cmd=test_cmd)
-    baseline = await _baseline(backend, clean_task, state.dir / f"{source.name}.baseline.json", config.timeout_s, spec)
+    wanted = requirements(source.tree)
+    # `docker`: an image with the project's requirements installed; `local`: the host's python3 as it is.
+    image = await environment_image(backend, source.name, wanted) if isinstance(backend, DockerBackend) else None
+    baseline_path = state.dir / f"{source.name}.baseline.json"
+    clean_task = Task(
+        f"{source.name}__clean", str(repo), clean, "baseline", fail_to_pass=("-",), test_cmd=test_cmd, image=image
+    )
+    try:
+        baseline = await _baseline(backend, clean_task, baseline_path, config.timeout_s, spec)
+    except SynthError as exc:
+        # The project's configuration asks pytest for options of a plugin this Python lacks (`--cov` in
+        # `addopts`, say): run without its addopts, as a maintainer without the plugin would.
+        if config.test_cmd or not any(sign in str(exc) for sign in _USAGE_ERRORS):
+            raise
+        test_cmd += " " + NO_ADDOPTS
+        clean_task = replace(clean_task, test_cmd=test_cmd)
+        baseline = await _baseline(backend, clean_task, baseline_path, config.timeout_s, spec)
     report.tests = len(baseline["stable"])
     candidates, covering = _candidates(source.tree, baseline)
     if not candidates:
@@ -300,12 +346,12 @@ async def _project(
 
     def accepted_prefix() -> tuple[int, bool]:
         """Accepted candidates in the decided prefix of the order, and whether that prefix is everything."""
-        count = 0
+        prefix = []
         for i in ids:
             if i not in known:
-                return count, False
-            count += state.decisions[i].get("row") is not None
-        return count, True
+                return len(_kept(prefix)), False
+            prefix.append(state.decisions[i])
+        return len(_kept(prefix)), True
 
     semaphore = asyncio.Semaphore(config.jobs)
     # A run on a mutant takes about what the clean suite takes; far longer means it hangs.
@@ -317,7 +363,16 @@ async def _project(
                 return
             try:
                 row, why, detail = await _validate(
-                    backend, source, repo, clean, test_cmd, mutation, covering[mutation.key], baseline["stable"], bound
+                    backend,
+                    source,
+                    repo,
+                    clean,
+                    test_cmd,
+                    mutation,
+                    covering[mutation.key],
+                    baseline["stable"],
+                    bound,
+                    (image, wanted),
                 )
             except SandboxError as exc:  # the machinery's failure, not the candidate's: decided on a rerun
                 log.warning("%s: %s", ids[order], exc)
@@ -327,7 +382,7 @@ async def _project(
         state.decide({**record, "reason": why, **({"detail": detail} if detail else {})})
         known.add(ids[order])
         _write_tasks(config.out, state, projects, limit)
-        done = sum(state.decisions[i].get("row") is not None for i in ids if i in known)
+        done = len(_kept([state.decisions[i] for i in ids if i in known]))
         decided(source.name, min(done, limit), len(known))
 
     # Once the first `limit` of the order are in, the candidates not started return at once; those in
@@ -341,12 +396,14 @@ async def _project(
         for future in pending:
             future.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-    for i in ids:
-        record = state.decisions.get(i)
-        if record is not None and i in known and record.get("row") is None:
-            report.rejected[record.get("reason", "?")] = report.rejected.get(record.get("reason", "?"), 0) + 1
-    report.tried = sum(i in known for i in ids)
-    report.accepted = min(sum(state.decisions.get(i, {}).get("row") is not None for i in ids), limit)
+    decisions = [state.decisions[i] for i in ids if i in known]
+    kept = {record["instance_id"] for record in _kept(decisions)}
+    for record in decisions:
+        if record.get("row") is None or record["instance_id"] not in kept:
+            why = record.get("reason", "?") if record.get("row") is None else "same failure as an earlier task"
+            report.rejected[why] = report.rejected.get(why, 0) + 1
+    report.tried = len(decisions)
+    report.accepted = min(len(kept), limit)
     report.wall_s = loop.time() - begin
 
 

@@ -35,6 +35,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--test-cmd",
         help="the test command of every source (default: the grader's pytest command, PYTHONPATH=src for src/)",
     )
+    synth.add_argument(
+        "--sandbox",
+        choices=("local", "docker"),
+        default="local",
+        help="where suites run; docker: each project gets an image with its test requirements (the rows' image)",
+    )
     synth.set_defaults(func=main)
     return synth
 
@@ -53,7 +59,7 @@ def _table(reports: list[ProjectReport]) -> Table:
 
 
 def main(args: argparse.Namespace) -> int:
-    from swe_grpo.sandbox.local import LocalBackend
+    from swe_grpo.sandbox import make_backend
 
     config = SynthConfig(
         out=args.out,
@@ -66,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
 
     async def run() -> list[ProjectReport]:
-        backend = LocalBackend()
+        backend = make_backend(args.sandbox)
         await backend.start()
         try:
             with Progress(*columns, console=console) as progress:
