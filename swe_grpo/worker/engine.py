@@ -208,15 +208,11 @@ class RolloutEngine:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        c, eos = self.config, [self.tokenizer.eos_token_id]
         self._client = client = VLLMClient(
-            self.vllm_url,
-            self.model,
-            stop_token_ids=[self.tokenizer.eos_token_id],
-            api_key=self._api_key,
-            routing_header=self.config.routing_header,
+            self.vllm_url, self.model, stop_token_ids=eos, api_key=self._api_key, routing_header=c.routing_header
         )
         await client.start()
-        c = self.config
         server = InterceptionServer(
             client,
             self.tokenizer,
