@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from swe_grpo.agents import AGENTS
@@ -16,13 +16,11 @@ from swe_grpo.grading import DEFAULT_TIMEOUT_S
 from swe_grpo.plugins import check_choice
 from swe_grpo.sandbox.base import MAX_PATCH_BYTES
 from swe_grpo.serving.vllm_client import DEFAULT_ROUTING_HEADER, SamplingParams
-from swe_grpo.tasks.task import REWARD_MODES, RewardMode
+from swe_grpo.tasks.task import REWARD_MODES, RewardMode, Task
 from swe_grpo.worker.task_sampling import TASK_SAMPLING, TaskSampling
 
 if TYPE_CHECKING:
     from trl.experimental.async_grpo import AsyncGRPOConfig
-
-    from swe_grpo.tasks import Task
 
 _SANDBOX_ALLOWANCE_S = 900.0  # creating and removing a rollout's two sandboxes (an image pull included)
 
@@ -82,6 +80,14 @@ class WorkerConfig:
     ray_resources: Mapping[str, float] | None = None
     # The header each generation request carries its rollout's id in, for a router's session affinity (docs/scale.md).
     routing_header: str | None = DEFAULT_ROUTING_HEADER  # None: none sent
+    # Held-out evaluation while training (swe_grpo/worker/heldout.py): every `eval_every` policy versions (0: off),
+    # each of `eval_tasks` (never trained on) is attempted `eval_k` times at `eval_temperature` (None: the
+    # trainer's), `eval_concurrency` at a time on slots of their own, on top of `max_concurrent_rollouts`.
+    eval_tasks: tuple[Task, ...] = ()
+    eval_every: int = 0
+    eval_k: int = 1
+    eval_temperature: float | None = None
+    eval_concurrency: int = 2
 
     def __post_init__(self) -> None:
         if self.num_generations < 2:
@@ -99,6 +105,26 @@ class WorkerConfig:
         check_choice(self.agent, AGENTS, "agent")
         if self.reward_mode not in REWARD_MODES:
             raise ValueError(f"unknown reward_mode {self.reward_mode!r}: choose one of {', '.join(REWARD_MODES)}")
+        self._check_eval()
+
+    def _check_eval(self) -> None:
+        object.__setattr__(self, "eval_tasks", tuple(self.eval_tasks))  # a list is accepted, kept as a tuple
+        if not all(isinstance(task, Task) for task in self.eval_tasks):
+            raise TypeError("eval_tasks must be Tasks (swe_grpo.load_tasks or tasks_from_dataset make them)")
+        if self.eval_every < 0 or self.eval_k < 1 or self.eval_concurrency < 1:
+            raise ValueError("eval_every must be >= 0 (0: no held-out eval), eval_k and eval_concurrency >= 1")
+        if self.eval_every and not self.eval_tasks:
+            raise ValueError(f"eval_every={self.eval_every} needs eval_tasks: the held-out tasks to evaluate on")
+        if self.eval_tasks and not self.eval_every:
+            raise ValueError("eval_tasks are given but eval_every is 0: set eval_every (policy versions) to run them")
+        ids = [task.instance_id for task in self.eval_tasks]
+        if len(set(ids)) < len(ids):
+            raise ValueError(f"eval_tasks repeat an instance_id: {sorted({i for i in ids if ids.count(i) > 1})}")
+
+    def eval_sampling_params(self) -> SamplingParams:
+        """The held-out eval's sampling: the trainer's, at `eval_temperature` when it is set."""
+        params = self.sampling_params()
+        return params if self.eval_temperature is None else replace(params, temperature=self.eval_temperature)
 
     @property
     def rollout_limit_s(self) -> float:

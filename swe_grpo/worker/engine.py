@@ -47,6 +47,7 @@ from swe_grpo.tasks import Task
 from swe_grpo.types import Policy, RolloutOutlet, RolloutWorkerError
 from swe_grpo.worker.config import WorkerConfig
 from swe_grpo.worker.groups import GroupAssembler
+from swe_grpo.worker.heldout import HeldOutEval
 from swe_grpo.worker.task_sampling import TaskSampler
 from swe_grpo.worker.telemetry import Metrics, group_traces, rollout_metrics
 
@@ -107,7 +108,6 @@ class RolloutEngine:
         self.agent = agent or make_agent(self.config.agent)
         self._api_key = vllm_api_key
         self._policy = policy or Policy(0, None)
-
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -127,6 +127,7 @@ class RolloutEngine:
         self._generation_failing: _Failing | None = None
         self._traced_version = -1
         self._groups = GroupAssembler(tokenizer, self.config)
+        self._heldout = HeldOutEval(self.tasks, self.config, outlet, self.backend, self.agent)  # refuses trained tasks
 
     # ----------------------------------------------------------------- control, from any thread
 
@@ -264,6 +265,7 @@ class RolloutEngine:
         slots = asyncio.Semaphore(self.config.max_concurrent_rollouts)
         try:
             async with asyncio.TaskGroup() as groups:
+                groups.create_task(self._heldout.run(self._server, rollout_config, lambda: self._policy))
                 for task in self._task_stream():
                     await self._wait_for_trainer()
                     await slots.acquire()

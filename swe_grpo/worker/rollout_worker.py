@@ -55,6 +55,10 @@ What it guarantees:
   whose every member could not run is skipped from then on (counted), and when no task is left
   `check_health` raises with the last cause. Only a defect in the worker's own loop is re-raised by
   `check_health`, with its original traceback.
+- Held-out eval while training (swe_grpo/worker/heldout.py). With `eval_every` and `eval_tasks`, the
+  policy attempts the held-out tasks every `eval_every` versions, on slots of its own; those rollouts are
+  never trained on (a task also trained on is refused), and `eval/*` metrics join `rollout/*` in
+  `metrics_queue`.
 - Nothing lost, nothing hung. Every rollout started (`rollout/started_total`) ends exactly once as a
   named outcome counted in `metrics_queue` (`rollout/outcome_<outcome>_total`), or cancelled as stale
   (`rollout/stale_cancelled_total`) or by `stop()` (`rollout/stop_cancelled_total`); `stop()` cancels
@@ -81,6 +85,7 @@ import logging
 import queue
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import requests
@@ -280,9 +285,11 @@ class SWERolloutWorker:
         )
         levels = {name: logging.getLogger(name).getEffectiveLevel() for name in ("", "swe_grpo")}
         count = self.config.rollout_hosts
+        shares = engine.shares(count)
+        # Host 0 alone runs the held-out eval (one report a round), on eval slots beyond its share of the rollouts.
+        shares[1:] = [replace(s, config=replace(s.config, eval_every=0, eval_tasks=())) for s in shares[1:]]
         return [
-            HostSpec(share, self._policy, index, count, levels, self._host_setup)
-            for index, share in enumerate(engine.shares(count))
+            HostSpec(share, self._policy, index, count, levels, self._host_setup) for index, share in enumerate(shares)
         ]
 
     # ----------------------------------------------------------------- policy discovery

@@ -3,13 +3,17 @@
 `rollout_metrics` turns one finished rollout into the metric dict the engine puts out (counters end in
 `_total`; `(sum, count)` pairs are averaged by the trainer). `group_traces` turns one group into the
 `trackio.Trace`s logged to the trainer's trackio run: every member's whole conversation with its agent,
-its diff, outcome, grade and advantage, so attempts at one task can be read side by side.
+its diff, outcome, grade and advantage, so attempts at one task can be read side by side. `round_metrics`
+turns one round of the held-out eval (swe_grpo/worker/heldout.py) into its `eval/*` metrics.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from swe_grpo.evaluation.metrics import build_report, pass_at_k
+from swe_grpo.evaluation.run import attempt_record
 from swe_grpo.rollout import Trajectory
 from swe_grpo.worker.groups import group_advantages
 
@@ -67,3 +71,26 @@ def group_traces(group_id: int, trajectories: list[Trajectory], dropped: str | N
         )
         for t in trajectories
     ]
+
+
+def round_metrics(trajectories: Sequence[Trajectory], instance_ids: Sequence[str], k: int) -> Metrics:
+    """The metrics of one round from its finished attempts (`k` per task of `instance_ids`), computed as
+    `swe-grpo eval` reports them (see the module docstring)."""
+    by_task: dict[str, int] = {}
+    records = []
+    for trajectory in trajectories:
+        attempt = by_task[trajectory.instance_id] = by_task.get(trajectory.instance_id, -1) + 1
+        records.append(attempt_record(trajectory, attempt, None))
+    report = build_report(records, k, instance_ids)
+    metrics: Metrics = {
+        "eval/rounds_total": 1.0,
+        "eval/attempts_total": float(report["attempts"]),
+        "eval/infra_failures_total": float(report["infra_failures"]),
+        "eval/resolved_rate": (float(report["resolved"]), float(report["attempts_scored"])),
+    }
+    for j in range(1, k + 1):
+        values = [pass_at_k(t["scored"], t["resolved"], j) for t in report["per_task"] if t["scored"] >= j]
+        metrics[f"eval/pass@{j}"] = (sum(values), float(len(values)))
+    for outcome, count in report["outcomes"].items():
+        metrics[f"eval/outcome_{outcome}_total"] = float(count)
+    return metrics
