@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from swe_grpo.extras.vllm_server import free_port
+from swe_grpo.extras.vllm_server import free_port, stop_process_group, wait_until_healthy
 
 POLICIES = (
     "round_robin",
@@ -87,39 +83,17 @@ class VLLMRouter:
                 start_new_session=True,
             )
         try:
-            self._wait_healthy()
+            wait_until_healthy("vllm-router", self.url, self._proc, self.startup_timeout_s, self.log_path)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited with code {self._proc.returncode}; log: {self.log_path}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"vllm-router not healthy after {self.startup_timeout_s}s; log: {self.log_path}")
-
     def stop(self, timeout_s: float = 10.0) -> None:
         """Terminate the router; idempotent."""
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            pass
+        if proc is not None:
+            stop_process_group(proc, timeout_s)
 
     def __enter__(self) -> VLLMRouter:
         return self.start()

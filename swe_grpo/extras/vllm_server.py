@@ -31,6 +31,46 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def file_tail(path: Path | None, lines: int = 30) -> str:
+    """The last `lines` lines of the text file at `path` ("" when there is none)."""
+    if path is None or not path.exists():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def wait_until_healthy(name: str, url: str, proc: subprocess.Popen, timeout_s: float, log: Path | None) -> None:
+    """Poll `url`/health until it answers 200. Raises RuntimeError, with the tail of `log`, if `proc` (the server
+    `name`) exits first, TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"{name} exited with code {proc.returncode} during start-up; last log lines:\n{file_tail(log)}"
+            )
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{name} not healthy after {timeout_s}s; log:\n{file_tail(log)}")
+
+
+def stop_process_group(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM the process group `proc` leads (started with `start_new_session`), SIGKILL it after `timeout_s`."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
 def is_cpu_build() -> bool:
     import torch
 
@@ -153,45 +193,20 @@ class VLLMServer:
                 start_new_session=True,  # so stop() can signal the engine's child processes too
             )
         try:
-            self._wait_healthy()
+            wait_until_healthy("vLLM", self.url, self._proc, self.startup_timeout_s, self._log)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM exited with code {self._proc.returncode} during start-up; last log lines:\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"vLLM not healthy after {self.startup_timeout_s}s; log:\n{self.log_tail()}")
-
     def log_tail(self, lines: int = 30) -> str:
-        if self._log is None or not self._log.exists():
-            return ""
-        return "\n".join(self._log.read_text(errors="replace").splitlines()[-lines:])
+        return file_tail(self._log, lines)
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """Terminate the server and its process group; idempotent."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            except ProcessLookupError:
-                pass
+        if proc is not None:
+            stop_process_group(proc, timeout_s)
         if self._private_dir is not None:
             self._private_dir.cleanup()
             self._private_dir = None
