@@ -58,7 +58,7 @@ async def measure(args: argparse.Namespace, out: Path, write: Callable[..., None
 
     projects: list[dict] = []
     try:
-        for source in PROJECTS:
+        for source in args.projects:
             config = SynthConfig(
                 out=out, seed=0, max_per_project=args.per_project, jobs=args.jobs, timeout_s=args.timeout
             )
@@ -86,6 +86,33 @@ async def measure(args: argparse.Namespace, out: Path, write: Callable[..., None
     write(projects, complete=True)
 
 
+def merge(parts: list[Path], output: Path) -> None:
+    """One result from several runs over disjoint projects (run side by side to finish sooner): the projects
+    in `PROJECTS` order, the totals summed, and each run's date, load, wall time and settings under `runs`."""
+    runs = [json.loads(path.read_text()) for path in parts]
+    projects = sorted((p for run in runs for p in run["projects"]), key=lambda p: PROJECTS.index(p["source"]))
+    names = [p["source"] for p in projects]
+    if len(names) != len(set(names)):
+        raise SystemExit(f"a project is in more than one of {parts}")
+    total = Counter()
+    for run in runs:
+        total.update(run["regrade"])
+    result = {
+        "complete": all(run["complete"] for run in runs),
+        "projects": projects,
+        "tasks": sum(p["accepted"] for p in projects),
+        "projects_with_tasks": sum(p["accepted"] > 0 for p in projects),
+        "regrade": dict(total),
+        "cpus": os.cpu_count(),
+        "runs": [
+            {"file": str(path), **{k: v for k, v in run.items() if k not in ("projects", "regrade", "tasks")}}
+            for path, run in zip(parts, runs, strict=True)
+        ],
+    }
+    output.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "projects"}, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--per-project", type=int, default=18)
@@ -93,7 +120,19 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/synth_tasks.json"))
     parser.add_argument("--out", type=Path, help="keep the tasks here (default: a temporary directory)")
+    parser.add_argument(
+        "--projects", type=lambda text: text.split(","), default=PROJECTS, help="a comma-separated subset"
+    )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        help="measure nothing: write --output from these result files (runs of disjoint --projects at once)",
+    )
     args = parser.parse_args()
+    if args.merge:
+        merge(args.merge, args.output)
+        return
     load_before = os.getloadavg()
     begin = time.monotonic()
 
@@ -113,6 +152,7 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "load_average": {"before": load_before, "after": os.getloadavg()},
             "settings": {"per_project": args.per_project, "jobs": args.jobs, "timeout_s": args.timeout, "seed": 0},
+            "projects_asked": args.projects,
         }
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(result, indent=1) + "\n")
