@@ -2,13 +2,14 @@
 
 What. The real `SWERolloutWorker` with one rollout host (`rollout_hosts=1`: the InterceptionServer, the
 real `VLLMClient` and the rollout engine in a child process), real Pi agents (or mini-swe-agent,
-`--agent mini`) in real `local` sandboxes behind their doors, graded in fresh sandboxes by the bundled
+`--agent mini-swe-agent`) in real `local` sandboxes behind their doors, graded in fresh sandboxes by the bundled
 demo tasks' tests. Only generation is a STUB (`scripted_vllm`, no model: the box has no GPU): vLLM's
 `/v1/completions` answering after `--latency` seconds with the token ids of a Qwen3 tool call (the tiny
 model's chat template, so the InterceptionServer parses it into a real tool call of Pi's `bash` tool):
-`sleep S` with S uniform in `--sleep` (2-5 s: tools that take seconds), `--turns` times per rollout, then a
-final answer without a tool call (Pi's run ends, the rollout is graded, the worker starts the next). The stub
-knows each rollout by a marker in its tool calls (`# p8 s<session>`), which it finds in the next prompt.
+`sleep S` with S uniform in `--sleep` (2-5 s: tools that take seconds), `--turns` times per rollout,
+then a last answer (Pi: no tool call; mini-swe-agent: its submit command) that ends the agent's run; the
+rollout is graded and the worker starts the next. The stub knows each rollout by a marker in its tool calls
+(`# p8 s<session>`), which it finds in the next prompt.
 
 Ramp: for each concurrency in `--steps` (4, 8, 16, ...) a fresh worker with `max_concurrent_rollouts` = N;
 once N rollouts are in flight and `--settle-s` passed, a `--window-s` window is measured. The ramp stops at
@@ -53,6 +54,7 @@ import os
 import platform
 import random
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -72,6 +74,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _agent_farm import STUB_MODEL, _serve_forever
 from _pi_agent import load_tokenizer, markdown_table, percentile
 
+from swe_grpo.agents.mini_swe import MINI_MOUNT
+from swe_grpo.agents.pi import PI_MOUNT
 from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend
 from swe_grpo.sandbox.process import CgroupLayout
@@ -92,16 +96,24 @@ _MARKER = re.compile(r"# p8 s(\d+)")
 # --------------------------------------------------------------------------- the stub vLLM
 
 
-def _answer(session: int | None, sleep_s: float | None) -> str:
-    """A Qwen3 answer in thinking mode: one `bash` call running `sleep`, or (sleep_s None) the final text."""
-    if sleep_s is None:
+def _answer(session: int | None, sleep_s: float | None, submit: bool) -> str:
+    """A Qwen3 answer in thinking mode: one `bash` call running `sleep`, or (sleep_s None) the last answer:
+    plain text (Pi ends its run on an answer without tool calls) or, with `submit`, mini-swe-agent's
+    submit command (mini ends its run on it)."""
+    if sleep_s is None and not submit:
         return "<think>\nThe change is in place.\n</think>\n\nI made the change and the tests pass.<|im_end|>"
-    call = {"name": "bash", "arguments": {"command": f"sleep {sleep_s:.1f} # p8 s{session}"}}
+    command = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" if sleep_s is None else f"sleep {sleep_s:.1f}"
+    call = {"name": "bash", "arguments": {"command": f"{command} # p8 s{session}"}}
     return f"<think>\nRun the next check.\n</think>\n\n<tool_call>\n{json.dumps(call)}\n</tool_call><|im_end|>"
 
 
 def scripted_vllm(
-    conn: Connection, cpus: set[int], turns: int, latency: tuple[float, float], sleep: tuple[float, float]
+    conn: Connection,
+    cpus: set[int],
+    turns: int,
+    latency: tuple[float, float],
+    sleep: tuple[float, float],
+    submit: bool,
 ) -> None:
     """Process entry: a STUB of vLLM's OpenAI server scripted as above, until `conn` receives anything.
     `GET /stats` returns (and with `?reset=1` clears) the completions served, the added latency of each
@@ -134,7 +146,7 @@ def scripted_vllm(
             turn = state["turns"][session] = state["turns"].get(session, 0) + 1
             sleep_s = round(rng.uniform(*sleep), 1) if turn <= turns else None
             await asyncio.sleep(rng.uniform(*latency))
-            ids = tokenizer.encode(_answer(session, sleep_s), add_special_tokens=False)
+            ids = tokenizer.encode(_answer(session, sleep_s, submit), add_special_tokens=False)
             if sleep_s is None:
                 stats["finished"] += 1
                 state["turns"].pop(session, None)
@@ -437,8 +449,7 @@ def run_step(n: int, args: argparse.Namespace, stub: str, sampler: Sampler) -> S
         after = totals.counters()
     finally:
         worker.stop()
-        with contextlib.suppress(OSError):
-            os.rmdir(run_dir)
+        shutil.rmtree(run_dir, ignore_errors=True)
     step.load_after = os.getloadavg()
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     step.outcomes = {
@@ -495,6 +506,36 @@ def limit_hit(step: Step, first: Step, next_n: int | None, reserve_gib: float) -
         if left < reserve_gib:
             return f"memory: {next_n} rollouts would leave {left:.1f} GiB available (< {reserve_gib} GiB reserve)"
     return None
+
+
+def summary(steps: list[Step], machine: dict[str, Any]) -> dict[str, Any]:
+    """The figures to publish, from the largest step that hit no limit but memory's projection (its own
+    measurement was clean): PSS per rollout by component, the host process's growth per rollout (its PSS
+    slope from the first step), CPU cores per rollout, and from them rollouts per GiB and per core."""
+    clean = [s for s in steps if s.stopped_by is None or s.stopped_by.startswith("memory")]
+    if not clean or not clean[-1].agents_mean:
+        return {}
+    top, first = clean[-1], steps[0]
+    agents = top.agents_mean
+    per = {k: round(top.pss_mib.get(k, 0.0) / agents, 1) for k in ("agent", "tools", "door", "sandbox", "commands")}
+    growth = (top.pss_mib.get("host", 0.0) - first.pss_mib.get("host", 0.0)) / max(agents - first.agents_mean, 1e-9)
+    per["host_growth"] = round(growth if top is not first else 0.0, 2)
+    total_mib = sum(per.values())
+    host_side = sum(per[k] for k in ("door", "sandbox", "commands", "host_growth"))
+    busy = sum(v for k, v in top.cpu_s.items() if k in COMPONENTS and k != "trainer")
+    cores_per_rollout = busy / top.window_s / agents
+    return {
+        "from_step": top.concurrency,
+        "agents_live": round(agents, 1),
+        "pss_mib_per_rollout": per,
+        "pss_mib_per_rollout_total": round(total_mib, 1),
+        "host_side_pss_mib_per_rollout_excluding_agent": round(host_side, 1),
+        "fixed_pss_mib": {"host": top.pss_mib.get("host", 0.0), "trainer": top.pss_mib.get("trainer", 0.0)},
+        "rollouts_per_gib": round(1024 / total_mib, 1),
+        "cpu_cores_per_rollout": round(cores_per_rollout, 4),
+        "rollouts_per_core": round(1 / cores_per_rollout, 1) if cores_per_rollout else None,
+        "box": f"{machine['cores']} x {machine['cpu_model']}, {machine['memory_gib']} GiB",
+    }
 
 
 def box() -> dict[str, Any]:
@@ -554,6 +595,10 @@ def report(steps: list[Step], args: argparse.Namespace, machine: dict[str, Any])
     )
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM cleans up as Ctrl-C does: every `finally` stops what it started
+
+
 def _pair(text: str) -> tuple[float, float]:
     low, high = (float(x) for x in text.split(","))
     return low, high
@@ -561,7 +606,7 @@ def _pair(text: str) -> tuple[float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--agent", default="pi", choices=("pi", "mini"))
+    parser.add_argument("--agent", default="pi", choices=("pi", "mini-swe-agent"))
     parser.add_argument("--steps", default="4,8,16,32,64,128")
     parser.add_argument("--turns", type=int, default=15, help="tool calls per rollout before the final answer")
     parser.add_argument("--latency", type=_pair, default=(1.0, 3.0), help="stub generation time, s (low,high)")
@@ -573,15 +618,16 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # clean up as on Ctrl-C
+    signal.signal(signal.SIGTERM, _interrupt)
     machine = box()
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_start = os.getloadavg()
     cpus = set(os.sched_getaffinity(0))
     steps: list[Step] = []
     stopped = "all steps ran"
-    marks = ("/opt/swe_grpo/pi/",) if args.agent == "pi" else ("/opt/swe_grpo/mini/",)
-    with process(scripted_vllm, cpus, args.turns, args.latency, args.sleep) as (stub, stub_pid):
+    marks = (f"{PI_MOUNT}/",) if args.agent == "pi" else (f"{MINI_MOUNT}/",)
+    submit = args.agent == "mini-swe-agent"
+    with process(scripted_vllm, cpus, args.turns, args.latency, args.sleep, submit) as (stub, stub_pid):
         sampler = Sampler(Census(os.getpid(), stub_pid, marks))
         sampler.start()
         try:
@@ -608,9 +654,11 @@ def main() -> int:
         "stopped_by": stopped,
         "sampler_cpu_s": round(sampler.sampling_cpu_s, 1),
         "leftover_processes": leftovers,
+        "summary": summary(steps, machine),
         "steps": [asdict(s) for s in steps],
     }
     print(report(steps, args, machine))
+    print(json.dumps(result["summary"], indent=1))
     print(f"\nstopped by: {stopped}; load {load_start[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
