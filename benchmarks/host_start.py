@@ -31,14 +31,15 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "host_start.json"
 MIB = 1024 * 1024
 
+# VmHWM, not ru_maxrss: the latter keeps the forking parent's high-water mark across exec.
 _IMPORT_PROBE = """
-import resource, sys, time
+import sys, time
 t0 = time.perf_counter()
 import swe_grpo.worker.host_main
 wall = time.perf_counter() - t0
 names = set(sys.modules)
-print(wall, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, len(names),
-      "torch" in names, any(n == "trl" or n.startswith("trl.") for n in names))
+hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print(wall, hwm * 1024, len(names), "torch" in names, any(n == "trl" or n.startswith("trl.") for n in names))
 """
 
 

@@ -56,3 +56,13 @@ def fail_to_start() -> None:
         {}["missing"]
     except KeyError as e:
         raise ValueError("injected: the host cannot start") from e
+
+
+def refuse_training_imports() -> None:
+    """A host must not have loaded torch or any of TRL by now (its spec unpickled, its entry module imported):
+    fail its start, naming what was loaded."""
+    import sys
+
+    loaded = sorted(n for n in sys.modules if n.split(".")[0] in ("torch", "trl"))
+    if loaded:
+        raise ImportError(f"a rollout host loaded {len(loaded)} training modules: {loaded[:10]}")

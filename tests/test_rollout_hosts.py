@@ -9,7 +9,9 @@ process models (in the trainer's process; two hosts) and a killed host there."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import queue
 import subprocess
 import sys
 import textwrap
@@ -19,16 +21,19 @@ from pathlib import Path
 
 import pytest
 from conftest import SERVED_NAME
-from host_hooks import fail_to_start
+from host_hooks import fail_to_start, refuse_training_imports
 from sandbox_helpers import PI_PROCESS
-from test_worker import FAST
+from test_worker import FAST, Drain
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from swe_grpo.demo.tasks import demo_tasks
-from swe_grpo.sandbox.local import CGROUP_PARENT
+from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend
 from swe_grpo.sandbox.process import CgroupLayout
 from swe_grpo.types import RolloutWorkerError
 from swe_grpo.worker import SWERolloutWorker
 from swe_grpo.worker.config import WorkerConfig
+from swe_grpo.worker.group_queue import GroupQueue
+from swe_grpo.worker.groups import Sample
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,6 +49,53 @@ def test_a_host_that_cannot_start_raises_its_cause_with_the_hosts_traceback(toke
     assert isinstance(cause.__cause__, KeyError)  # the chain crosses the boundary
     assert "in fail_to_start" in "".join(traceback.format_exception(cause))  # the host's own frames
     worker.stop()
+
+
+def test_a_host_loads_neither_torch_nor_trl_and_the_trainer_gets_trls_samples(
+    tokenizer, vllm_server, run_dir: Path, tmp_path: Path
+) -> None:
+    """A rollout host runs no training, so it loads neither torch nor TRL (each costs seconds and hundreds of
+    MB per host: benchmarks/results/host_start.json): not by unpickling what the trainer hands it (its
+    setup hook fails its start otherwise), nor later, serving and running its first group (torch's library
+    never mapped into it). The trainer's buffer still holds TRL's own `RolloutSample`s."""
+    worker = SWERolloutWorker(
+        demo_tasks(),
+        tokenizer,
+        vllm_url=vllm_server.url,
+        model=SERVED_NAME,
+        sandbox=LocalBackend(cache_dir=tmp_path / "checkouts", run_dir=run_dir),
+        config=FAST,
+        host_setup=refuse_training_imports,
+    )
+    worker.update_model_version(1)
+    try:
+        worker.start()
+        (host,) = worker._hosts.hosts  # type: ignore[union-attr]
+        assert not _torch_mapped(host.pid), "torch is loaded in a rollout host that serves"
+        drain = Drain(worker)
+        drain.until(lambda: bool(drain.samples), timeout_s=300)
+        assert all(type(sample) is RolloutSample for sample in drain.samples)
+        assert not _torch_mapped(host.pid), "torch is loaded in a rollout host that ran a group"
+    finally:
+        worker.stop()
+
+
+def _torch_mapped(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_hosts_samples_are_trls_field_for_field() -> None:
+    """What a host builds (`Sample`) has TRL's `RolloutSample`'s fields in its order, and the trainer's
+    buffer turns it into TRL's class with every field kept."""
+    assert [f.name for f in dataclasses.fields(Sample)] == [f.name for f in dataclasses.fields(RolloutSample)]
+    ours = Sample([{"role": "user", "content": "p"}], [], *[[1, 2]] * 3, 0.5, 3, 7, {"reward": 1.0}, 12.0)
+    buffer = GroupQueue(queue.Queue())
+    buffer.put_group([ours])
+    theirs = buffer.get_nowait()
+    assert type(theirs) is RolloutSample
+    assert [getattr(theirs, f.name) for f in dataclasses.fields(Sample)] == [
+        getattr(ours, f.name) for f in dataclasses.fields(Sample)
+    ]
 
 
 TRAINER = textwrap.dedent(

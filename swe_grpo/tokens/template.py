@@ -8,6 +8,11 @@ renders and tokenises whole conversations (`prompt_ids`: a first turn or a fork)
 two-message context so that its cost grows with the new messages, not with the history). `check_reply` tells
 whether the template renders an assistant reply at all. Messages are normalised first (`swe_grpo.tokens.messages`);
 a template that raises on a conversation is reported as `TemplateRefusedError`, a `MessageFormatError`.
+
+TRL's template utilities import torch (through `transformers.PreTrainedModel`): ~0.5 GB and seconds of
+start-up. They are imported only when a process first meets a chat template, and the verdict is remembered
+per template (`training_chat_template`); a process handed the verdicts (`remember_training_chat_templates`,
+as every rollout host is, by the trainer) never imports them.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ import copy
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
-from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
 
 from swe_grpo.tokens.messages import Message, MessageFormatError
+
+TemplateKey = tuple[str, str, int]  # (chat template, tokenizer's name or path, vocabulary size)
+_VERIFIED: dict[TemplateKey, str] = {}  # this process's verdicts: TemplateKey -> the training template
 
 # Stands in for the history before the last assistant message when rendering an interstitial. Templates
 # that require a user turn somewhere in the conversation (Qwen3.5+) are satisfied by it.
@@ -34,6 +41,46 @@ class TemplateRefusedError(MessageFormatError):
     assistant message with two tool calls)."""
 
 
+def _key(tokenizer: PreTrainedTokenizerBase) -> TemplateKey:
+    return (repr(tokenizer.chat_template), tokenizer.name_or_path, len(tokenizer))
+
+
+def training_chat_template(tokenizer: PreTrainedTokenizerBase) -> str:
+    """`tokenizer`'s chat template made prefix-preserving: TRL's training variant of it, or the template as
+    it is, checked with TRL's `is_chat_template_prefix_preserving`; `TemplateNotPrefixPreservingError` when
+    neither is. The verdict is remembered for this process (see the module docstring)."""
+    key = _key(tokenizer)
+    if (known := _VERIFIED.get(key)) is not None:
+        return known
+    from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
+
+    probe = copy.deepcopy(tokenizer)  # the caller's tokenizer is never modified, not even for a moment
+    try:
+        template = get_training_chat_template(probe) or probe.chat_template
+    except ValueError:
+        template = probe.chat_template  # TRL has no training variant; the template may still be usable as it is
+    probe.chat_template = template
+    if not is_chat_template_prefix_preserving(probe):
+        raise TemplateNotPrefixPreservingError(
+            "the chat template is not prefix-preserving (rendering [user, assistant] and then "
+            "[user, assistant, tool] changes the earlier tokens) and TRL has no training variant for "
+            "it; bridge-exact prompts are impossible. Use a template TRL supports "
+            "(trl.chat_template_utils.get_training_chat_template) or fix the template."
+        )
+    _VERIFIED[key] = template
+    return template
+
+
+def known_training_chat_templates() -> dict[TemplateKey, str]:
+    """The verdicts this process has reached (`training_chat_template`), to hand to another process."""
+    return dict(_VERIFIED)
+
+
+def remember_training_chat_templates(known: dict[TemplateKey, str]) -> None:
+    """Take verdicts another process reached with the same TRL (`known_training_chat_templates`)."""
+    _VERIFIED.update(known)
+
+
 class TrainingTemplate:
     """A tokenizer with TRL's prefix-preserving training chat template installed.
 
@@ -46,19 +93,7 @@ class TrainingTemplate:
         if not tokenizer.chat_template:
             raise TemplateNotPrefixPreservingError("the tokenizer has no chat template")
         self.tokenizer = copy.deepcopy(tokenizer)
-        try:
-            patched = get_training_chat_template(self.tokenizer)
-        except ValueError:
-            patched = None  # TRL has no training variant; the template may still be usable as it is
-        if patched is not None:
-            self.tokenizer.chat_template = patched
-        if not is_chat_template_prefix_preserving(self.tokenizer):
-            raise TemplateNotPrefixPreservingError(
-                "the chat template is not prefix-preserving (rendering [user, assistant] and then "
-                "[user, assistant, tool] changes the earlier tokens) and TRL has no training variant for "
-                "it; bridge-exact prompts are impossible. Use a template TRL supports "
-                "(trl.chat_template_utils.get_training_chat_template) or fix the template."
-            )
+        self.tokenizer.chat_template = training_chat_template(self.tokenizer)
         self.template_kwargs = template_kwargs
         # The Rust tokenizer directly: the same ids as `tokenizer.encode` without its Python overhead.
         self._backend = self.tokenizer.backend_tokenizer

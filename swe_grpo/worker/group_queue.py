@@ -15,6 +15,9 @@ the trainer's thread, before its next read). A sample of the group read after th
 handed over with `model_version + k`: TRL then sees the staleness the group had when its first sample was
 read, and keeps or drops it as it did that one. The true staleness of such samples is reported in metrics
 (`groups/read_after_sync_*`), so what was trained past `max_staleness` is counted, never hidden.
+
+Groups arrive as `swe_grpo.worker.groups.Sample`s (what a rollout host can build without TRL) and are
+stored as TRL's own `RolloutSample`s, the class its `RolloutQueueDataset` reads.
 """
 
 from __future__ import annotations
@@ -26,7 +29,18 @@ from collections.abc import Sequence
 
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
+from swe_grpo.worker.groups import Sample
+
 Metrics = dict[str, float | tuple[float, float]]
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Sample))  # RolloutSample's, in its order
+
+
+def _trl_sample(sample: Sample | RolloutSample) -> RolloutSample:
+    if isinstance(sample, RolloutSample):
+        return sample
+    return RolloutSample(*(getattr(sample, name) for name in _FIELDS))
 
 
 class GroupQueue(queue.Queue):
@@ -72,11 +86,11 @@ class GroupQueue(queue.Queue):
         )
         return dataclasses.replace(sample, model_version=sample.model_version + moved)
 
-    def put_group(self, samples: Sequence[RolloutSample]) -> None:
-        """Enqueue a group's samples as one item: the trainer reads them one after another, never interleaved
-        with another group's."""
+    def put_group(self, samples: Sequence[Sample | RolloutSample]) -> None:
+        """Enqueue a group's samples as one item, as `RolloutSample`s: the trainer reads them one after
+        another, never interleaved with another group's."""
         if samples:
-            self.put(list(samples))
+            self.put([_trl_sample(s) for s in samples])
 
     def set_version(self, version: int) -> None:
         """The trainer's version moved to `version` (call it before anything else at a weight sync)."""

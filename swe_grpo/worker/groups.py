@@ -1,26 +1,46 @@
 """GRPO groups: one task's graded attempts, as the samples `AsyncGRPOTrainer` trains on.
 
-`GroupAssembler.assemble` takes a finished group's trajectories and returns either its samples or the
-reason the whole group is dropped (`DropReason`). It keeps the worker's "Groups" and "One honest version
-per group" guarantees, stated once in swe_grpo/worker/rollout_worker.py's docstring: advantages over the valid members
-only, a group pushed or dropped whole, one sample per training row, the group's oldest version on each,
-and no row the trainer's `token_budget` would drop alone.
+`GroupAssembler.assemble` takes a finished group's trajectories and returns either its samples or the reason
+the whole group is dropped (`DropReason`). A sample is a `Sample`: TRL's `RolloutSample` field for field,
+built without importing TRL's trainer (which pulls in torch), so a rollout host never loads it; the trainer's
+`rollout_buffer` (`GroupQueue.put_group`) turns each into TRL's own class. It keeps the worker's "Groups" and
+"One honest version per group" guarantees, stated once in swe_grpo/worker/rollout_worker.py's docstring:
+advantages over the valid members only, a group pushed or dropped whole, one sample per training row, the
+group's oldest version on each, and no row the trainer's `token_budget` would drop alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
-from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from swe_grpo.rollout import Trajectory
 from swe_grpo.tasks import Task
 from swe_grpo.worker.config import WorkerConfig
 
 DropReason = Literal["too_few_valid", "zero_variance", "stale", "oversize"]
+
+
+@dataclass(slots=True)
+class Sample:
+    """One training row, with the fields of TRL's `RolloutSample` in its order (tests/test_groups.py keeps
+    them equal): what crosses from a rollout host to the trainer, where `GroupQueue` makes it a
+    `RolloutSample`."""
+
+    prompt: list[dict[str, Any]]
+    completion: list[dict[str, Any]]
+    input_ids: np.ndarray
+    completion_mask: np.ndarray
+    old_log_probs: np.ndarray
+    advantage: float
+    model_version: int
+    group_id: int
+    metrics: dict[str, float]
+    enqueued_at: float | None = None
 
 
 def group_advantages(trajectories: Sequence[Trajectory], eps: float) -> tuple[dict[str, float], float]:
@@ -45,7 +65,7 @@ class GroupAssembler:
 
     def assemble(
         self, group_id: int, task: Task, trajectories: Sequence[Trajectory], policy_version: int
-    ) -> tuple[list[RolloutSample], DropReason | None]:
+    ) -> tuple[list[Sample], DropReason | None]:
         """The group's samples at the trainer's `policy_version`, or the reason it is dropped."""
         c = self.config
         advantages, std = group_advantages(trajectories, c.advantage_eps)
@@ -75,7 +95,7 @@ class GroupAssembler:
                 first = int(mask.argmax())
                 completion = [{"role": "assistant", "content": self.tokenizer.decode(row.input_ids[first:].tolist())}]
                 samples.append(
-                    RolloutSample(
+                    Sample(
                         prompt=prompt,
                         completion=completion,
                         input_ids=np.asarray(row.input_ids, dtype=np.int64),

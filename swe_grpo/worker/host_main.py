@@ -26,7 +26,7 @@ import signal
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -35,6 +35,7 @@ from transformers import PreTrainedTokenizerBase
 from swe_grpo.agents import Agent
 from swe_grpo.sandbox.base import SandboxBackend
 from swe_grpo.tasks import Task
+from swe_grpo.tokens.template import TemplateKey, remember_training_chat_templates
 from swe_grpo.types import HostMessage, Policy, RolloutOutlet, RolloutWorkerError
 from swe_grpo.worker.config import WorkerConfig
 from swe_grpo.worker.engine import RolloutEngine
@@ -79,7 +80,9 @@ class EngineArgs:
 @dataclass(frozen=True)
 class HostSpec:
     """One host: its engine, the policy it starts with, its place among the hosts (group ids), the log
-    levels it forwards, and an optional `setup` run first (picklable, e.g. logging set-up)."""
+    levels it forwards, an optional `setup` run first (picklable, e.g. logging set-up), and the training
+    chat templates the trainer verified (`swe_grpo.tokens.template`: with them the host never imports
+    TRL's template utilities, nor torch through them)."""
 
     engine: EngineArgs
     policy: Policy
@@ -87,6 +90,7 @@ class HostSpec:
     count: int
     log_levels: dict[str, int]
     setup: Callable[[], None] | None = None
+    chat_templates: dict[TemplateKey, str] = field(default_factory=dict)
 
 
 def build_engine(spec: HostSpec, outlet: RolloutOutlet) -> RolloutEngine:
@@ -130,6 +134,7 @@ def _host_main(
     try:
         _die_with(trainer_pid)
         try:
+            remember_training_chat_templates(spec.chat_templates)
             if spec.setup is not None:
                 spec.setup()
             engine = build_engine(spec, _HostOutlet(outbox, *backlog))
