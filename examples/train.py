@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
 from swe_grpo import SWERolloutWorker, WorkerConfig, load_tasks, use_cpu_fallbacks
 from swe_grpo.serving.door import check_allow
+from swe_grpo.tasks import Task
 
 
 @dataclass
@@ -88,6 +90,27 @@ class SWEArguments:
         },
     )
 
+    # Held-out evaluation while training (docs/training.md): the policy attempts these tasks, never trained on,
+    # every eval_every policy versions; eval/resolved_rate and eval/pass@k join the training metrics.
+    eval_tasks: str | None = field(
+        default=None,
+        metadata={"help": "Held-out tasks, as for tasks (JSONL, Hub dataset, saved dir, 'demo'); none: no eval."},
+    )
+    eval_split: str = field(
+        default="train", metadata={"help": "Their split (Hub datasets), e.g. train[200:] beside split train[:200]."}
+    )
+    eval_instance_ids: list[str] | None = field(default=None, metadata={"help": "Evaluate on these tasks only."})
+    eval_every: int = field(
+        default=0, metadata={"help": "Evaluate at the first policy and every this many policy versions (0: never)."}
+    )
+    eval_k: int = field(default=1, metadata={"help": "Attempts per held-out task and round (pass@1..k)."})
+    eval_temperature: float | None = field(
+        default=None, metadata={"help": "Sampling temperature of the eval (default: the training temperature)."}
+    )
+    eval_concurrency: int = field(
+        default=2, metadata={"help": "Eval rollouts at once, on top of max_concurrent_rollouts."}
+    )
+
     def __post_init__(self) -> None:
         check_allow(self.allow, self.door)  # a bad entry fails the command line, not the worker's start
 
@@ -100,8 +123,9 @@ class ModelArguments(ModelConfig):
     dtype: str | None = field(default=None, init=False)
 
 
-def worker_config(swe: SWEArguments, args: AsyncGRPOConfig) -> WorkerConfig:
-    """The rollout worker's settings: the trainer's where they must agree (`from_trainer_args`), else `swe`'s."""
+def worker_config(swe: SWEArguments, args: AsyncGRPOConfig, eval_tasks: Sequence[Task] = ()) -> WorkerConfig:
+    """The rollout worker's settings: the trainer's where they must agree (`from_trainer_args`), else `swe`'s;
+    `eval_tasks`: the held-out tasks (`swe.eval_tasks`, loaded)."""
     return WorkerConfig.from_trainer_args(
         args,
         max_concurrent_rollouts=swe.max_concurrent_rollouts,
@@ -118,6 +142,11 @@ def worker_config(swe: SWEArguments, args: AsyncGRPOConfig) -> WorkerConfig:
         door=swe.door,
         allow=tuple(swe.allow),
         agent=swe.agent,
+        eval_tasks=tuple(eval_tasks),
+        eval_every=swe.eval_every,
+        eval_k=swe.eval_k,
+        eval_temperature=swe.eval_temperature,
+        eval_concurrency=swe.eval_concurrency,
     )
 
 
@@ -125,6 +154,7 @@ def build_trainer(swe: SWEArguments, args: AsyncGRPOConfig, model_args: ModelCon
     """The trainer with its rollout worker, from the three argument groups."""
     use_cpu_fallbacks()  # no-op where CUDA is available
     tasks = load_tasks(swe.tasks, swe.split, swe.instance_ids)
+    eval_tasks = load_tasks(swe.eval_tasks, swe.eval_split, swe.eval_instance_ids) if swe.eval_tasks else []
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     worker = SWERolloutWorker(
         tasks,
@@ -132,7 +162,7 @@ def build_trainer(swe: SWEArguments, args: AsyncGRPOConfig, model_args: ModelCon
         vllm_url=args.vllm_server_base_url,
         model=swe.served_model_name or model_args.model_name_or_path,
         sandbox=swe.sandbox,
-        config=worker_config(swe, args),
+        config=worker_config(swe, args, eval_tasks),
     )
     return AsyncGRPOTrainer(
         model=model_args.model_name_or_path,

@@ -73,6 +73,8 @@ SWE_GYM_ROWS = [
         "PASS_TO_PASS": "[]",
     },
 ]
+# The GPU configs train on the first 200 rows and hold the rest out: a third row stands for those.
+HELD_OUT_ROWS = [{**SWE_GYM_ROWS[0], "instance_id": "getmoto__moto-held-out"}]
 
 
 # ---------------------------------------------------------------- reading the recipes
@@ -297,8 +299,8 @@ def built(
     def fake_load_tasks(source: str, split: str = "train", instance_ids: list[str] | None = None) -> list:
         if source == "demo":
             return load_tasks(source, split, instance_ids)
-        assert (source, split, instance_ids) == ("SWE-Gym/SWE-Gym-Lite", "train", None)
-        return tasks_from_dataset(SWE_GYM_ROWS, source=source)
+        assert (source, instance_ids) == ("SWE-Gym/SWE-Gym-Lite", None)
+        return tasks_from_dataset({"train[:200]": SWE_GYM_ROWS, "train[200:]": HELD_OUT_ROWS}[split], source=source)
 
     class FakeAutoTokenizer:
         @staticmethod
@@ -341,6 +343,10 @@ def test_build_trainer_gives_the_worker_the_trainers_sampling_and_staleness(
     assert list(trainer.kwargs["train_dataset"]["instance_id"]) == ids
     if swe.tasks != "demo":  # SWE-Gym rows run in their prebuilt evaluation images
         assert [task.image for task in worker.tasks] == [swe_gym_image(row["instance_id"]) for row in SWE_GYM_ROWS]
+        # A held-out split, evaluated while training and never trained on.
+        assert [task.instance_id for task in c.eval_tasks] == [row["instance_id"] for row in HELD_OUT_ROWS]
+        assert (c.eval_every, c.eval_k, c.eval_concurrency) == (swe.eval_every, swe.eval_k, swe.eval_concurrency)
+        assert c.eval_every > 0 and (swe.split, swe.eval_split) == ("train[:200]", "train[200:]")
     assert trainer.kwargs["args"] is args
     assert trainer.kwargs["model"] == model_args.model_name_or_path
     assert trainer.kwargs["peft_config"] == get_peft_config(model_args)

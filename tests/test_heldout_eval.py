@@ -23,6 +23,7 @@ from conftest import SERVED_NAME
 from heldout_agent import GoldOrNothing
 from host_hooks import record_vllm_requests, recorded_vllm_requests
 from sandbox_helpers import assert_no_local_sandbox_left
+from test_examples import load_train_module, parse
 from test_worker import Drain
 
 from swe_grpo.demo.tasks import demo_tasks
@@ -80,6 +81,22 @@ def test_an_eval_task_that_is_also_trained_on_is_refused_by_name(tokenizer) -> N
     config = dataclasses.replace(BASE, eval_tasks=(GOLD, TRAIN))
     with pytest.raises(HeldOutTaskTrainedOn, match=rf"would be trained on: \['{TRAIN.instance_id}'\]"):
         SWERolloutWorker([TRAIN], tokenizer, vllm_url="http://127.0.0.1:9", model=SERVED_NAME, config=config)
+
+
+def test_train_py_flags_hold_tasks_out_and_refuse_evaluating_a_trained_one(tiny_model_dir: Path) -> None:
+    train = load_train_module()
+    held_out = ["--eval_tasks", "demo", "--eval_instance_ids", GOLD.instance_id]
+    flags = ["--instance_ids", TRAIN.instance_id, *held_out, "--eval_every", "3", "--eval_k", "2"]
+    swe, args, _ = parse(train, "cpu_tiny.yaml", *flags, "--eval_temperature", "0.7", "--eval_concurrency", "1")
+    config = train.worker_config(swe, args, train.load_tasks(swe.eval_tasks, swe.eval_split, swe.eval_instance_ids))
+    assert [task.instance_id for task in config.eval_tasks] == [GOLD.instance_id]
+    assert (config.eval_every, config.eval_k, config.eval_temperature, config.eval_concurrency) == (3, 2, 0.7, 1)
+    model = ["--model_name_or_path", str(tiny_model_dir)]
+    with pytest.raises(ValueError, match="eval_every is 0"):  # held-out tasks that would never run
+        train.build_trainer(*parse(train, "cpu_tiny.yaml", *model, *held_out))
+    every_demo_task = ["--eval_tasks", "demo", "--eval_every", "1"]  # and the training tasks are every demo task
+    with pytest.raises(HeldOutTaskTrainedOn, match=r"3 eval task.*would be trained on"):
+        train.build_trainer(*parse(train, "cpu_tiny.yaml", *model, *every_demo_task))
 
 
 # --------------------------------------------------------------------------- a round's arithmetic
