@@ -56,6 +56,7 @@ import random
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -374,6 +375,7 @@ class Step:
     load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
     stopped_by: str | None = None
+    latency_limit: bool = False  # added p99 over LATENCY_LIMIT_MS more than at the first step
 
 
 class Totals:
@@ -491,17 +493,22 @@ def run_step(n: int, args: argparse.Namespace, stub: str, sampler: Sampler) -> S
 # --------------------------------------------------------------------------- the ramp and the report
 
 
-def limit_hit(step: Step, first: Step, next_n: int | None, reserve_gib: float) -> str | None:
-    """Which limit this step hit (None: go on to `next_n`)."""
+def limit_hit(step: Step, first: Step, next_n: int | None, args: argparse.Namespace) -> str | None:
+    """Which limit this step hit (None: go on to `next_n`). The latency limit is recorded on the step in any
+    case (`latency_limit`); it stops the ramp unless `--latency-record-only`."""
     if step.stopped_by:
         return step.stopped_by
     if step.errors:
         return f"errors: {', '.join(step.error_detail)}"
     if step.added_ms_p99 - first.added_ms_p99 > LATENCY_LIMIT_MS:
-        return f"latency: added p99 {step.added_ms_p99:.0f} ms, {LATENCY_LIMIT_MS:.0f}+ ms over the first step's"
+        step.latency_limit = True
+        if not args.latency_record_only:
+            return f"latency: added p99 {step.added_ms_p99:.0f} ms, {LATENCY_LIMIT_MS:.0f}+ ms over the first step's"
+    reserve_gib = args.reserve_gib
     if next_n is not None and step.agents_mean:
-        per_rollout = sum(v for k, v in step.pss_mib.items() if k in COMPONENTS) / step.agents_mean / 1024
-        per_rollout += step.sandbox_cgroup_mib / step.agents_mean / 1024  # the sandboxes' files (RAM) as well
+        # the processes' PSS, or the sandboxes' cgroups where more (they hold the sandboxes' files, in RAM, too)
+        processes = sum(v for k, v in step.pss_mib.items() if k in COMPONENTS and k not in ("host", "trainer"))
+        per_rollout = max(processes, step.sandbox_cgroup_mib) / step.agents_mean / 1024
         left = step.mem_available_min_gib - per_rollout * (next_n - step.concurrency)
         if left < reserve_gib:
             return f"memory: {next_n} rollouts would leave {left:.1f} GiB available (< {reserve_gib} GiB reserve)"
@@ -512,14 +519,15 @@ def summary(steps: list[Step], machine: dict[str, Any]) -> dict[str, Any]:
     """The figures to publish, from the largest step that hit no limit but memory's projection (its own
     measurement was clean): PSS per rollout by component, the host process's growth per rollout (its PSS
     slope from the first step), CPU cores per rollout, and from them rollouts per GiB and per core."""
-    clean = [s for s in steps if s.stopped_by is None or s.stopped_by.startswith("memory")]
+    clean = [s for s in steps if (s.stopped_by is None or s.stopped_by.startswith("memory")) and not s.errors]
     if not clean or not clean[-1].agents_mean:
         return {}
     top, first = clean[-1], steps[0]
     agents = top.agents_mean
     per = {k: round(top.pss_mib.get(k, 0.0) / agents, 1) for k in ("agent", "tools", "door", "sandbox", "commands")}
     growth = (top.pss_mib.get("host", 0.0) - first.pss_mib.get("host", 0.0)) / max(agents - first.agents_mean, 1e-9)
-    per["host_growth"] = round(growth if top is not first else 0.0, 2)
+    growth = growth if top is not first else 0.0
+    per["host_growth"] = round(max(growth, 0.0), 2)  # within sampling noise at small steps: not below 0
     total_mib = sum(per.values())
     host_side = sum(per[k] for k in ("door", "sandbox", "commands", "host_growth"))
     busy = sum(v for k, v in top.cpu_s.items() if k in COMPONENTS and k != "trainer")
@@ -531,6 +539,7 @@ def summary(steps: list[Step], machine: dict[str, Any]) -> dict[str, Any]:
         "pss_mib_per_rollout_total": round(total_mib, 1),
         "host_side_pss_mib_per_rollout_excluding_agent": round(host_side, 1),
         "fixed_pss_mib": {"host": top.pss_mib.get("host", 0.0), "trainer": top.pss_mib.get("trainer", 0.0)},
+        "host_growth_measured_mib": round(growth, 2),
         "rollouts_per_gib": round(1024 / total_mib, 1),
         "cpu_cores_per_rollout": round(cores_per_rollout, 4),
         "rollouts_per_core": round(1 / cores_per_rollout, 1) if cores_per_rollout else None,
@@ -561,7 +570,7 @@ def report(steps: list[Step], args: argparse.Namespace, machine: dict[str, Any])
                 f"{s.agents_mean:.1f}",
                 str(s.rollouts_finished),
                 str(s.errors),
-                f"{s.added_ms_p50:.0f} / {s.added_ms_p99:.0f}",
+                f"{s.added_ms_p50:.0f} / {s.added_ms_p99:.0f}{' (over)' if s.latency_limit else ''}",
                 f"{s.completions / max(s.window_s, 1e-9):.1f}",
                 f"{s.cpu_ms_per_request:.0f} ({s.host_cpu_ms_per_request:.0f})",
                 " / ".join(f"{pss.get(k, 0.0) / per:.1f}" for k in ("agent", "tools", "door", "sandbox", "commands")),
@@ -595,6 +604,16 @@ def report(steps: list[Step], args: argparse.Namespace, machine: dict[str, Any])
     )
 
 
+def _code() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        )
+    except OSError:
+        return "?"
+    return out.stdout.strip() or "?"
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt  # SIGTERM cleans up as Ctrl-C does: every `finally` stops what it started
 
@@ -615,7 +634,13 @@ def main() -> int:
     parser.add_argument("--window-s", type=float, default=90.0)
     parser.add_argument("--ramp-s", type=float, default=180.0, help="time bound to get N rollouts in flight")
     parser.add_argument("--reserve-gib", type=float, default=4.0, help="MemAvailable to leave to the box's others")
+    parser.add_argument(
+        "--latency-record-only",
+        action="store_true",
+        help="record the latency limit on each step but go on (on a box whose other jobs set the latency)",
+    )
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--code", default=_code(), help="the commit of the code measured (default: this checkout's)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _interrupt)
@@ -637,20 +662,23 @@ def main() -> int:
                 step = run_step(n, args, stub, sampler)
                 steps.append(step)
                 print(json.dumps(asdict(step)), file=sys.stderr, flush=True)
-                hit = limit_hit(step, steps[0], levels[i + 1] if i + 1 < len(levels) else None, args.reserve_gib)
+                hit = limit_hit(step, steps[0], levels[i + 1] if i + 1 < len(levels) else None, args)
                 if hit:
                     step.stopped_by = stopped = hit
                     break
         finally:
             sampler.stopping.set()
-    leftovers = [p.pid for p in psutil.Process().children(recursive=True)]
+    leftovers = [
+        p.pid for p in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())
+    ]  # multiprocessing's resource tracker ends with this process
     result = {
         "benchmark": "p8_capacity",
         "date": started,
+        "code": args.code,
         "machine": machine,
         "load_start": load_start,
         "load_end": os.getloadavg(),
-        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "code")},
         "stopped_by": stopped,
         "sampler_cpu_s": round(sampler.sampling_cpu_s, 1),
         "leftover_processes": leftovers,
