@@ -315,11 +315,13 @@ async def test_forwarder_passes_on_status_and_signals(
     local_backend: SandboxBackend, task: Task, served_door: Door
 ) -> None:
     """The forwarder exits with its agent's status, 128 + the signal that ended it, 127 when the agent cannot
-    run, 125 when it cannot listen (here: a second forwarder on the first one's port); and it passes a
-    signal it receives on to the agent (which here exits 9 on SIGTERM)."""
+    run, 125 when it cannot listen (here: a second forwarder on the first one's port); it passes a signal
+    it receives on to the agent (which here exits 9 on SIGTERM); and the agent's stdout takes 4 MiB at once
+    (the forwarder leaves the agent's stdio as it found it)."""
     forwarded = 'trap "exit 9" TERM; kill -TERM $PPID; sleep 30 & wait'
     cases = {
         "exit 3": (served_door.wrap(["sh", "-c", "exit 3"]), 3),
+        "big stdout": (served_door.wrap(["python3", "-c", "print('x' * (4 << 20)); print('done')"]), 0),
         "killed": (served_door.wrap(["sh", "-c", "kill -KILL $$"]), 128 + signal.SIGKILL),
         "forwarded": (served_door.wrap(["sh", "-c", forwarded]), 9),
         "cannot run": (served_door.wrap(["/nonexistent/agent"]), 127),
@@ -328,6 +330,7 @@ async def test_forwarder_passes_on_status_and_signals(
     async with await local_backend.create(task, mounts=[served_door.mount()], network=False) as sandbox:
         results = {name: await sandbox.exec(argv, timeout_s=60) for name, (argv, _) in cases.items()}
     assert {name: r.exit_code for name, r in results.items()} == {name: code for name, (_, code) in cases.items()}
+    assert results["big stdout"].stdout.endswith("x\ndone\n")
     assert "door: cannot run /nonexistent/agent: No such file or directory" in results["cannot run"].stderr
     assert f"door: cannot listen on 127.0.0.1:{DOOR_PORT}: Address already in use" in results["cannot listen"].stderr
 
