@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +28,7 @@ from sandbox_helpers import calc_task, make_repo
 from swe_grpo.agents.base import AgentConfig
 from swe_grpo.agents.pi import PiBundle, run_pi
 from swe_grpo.sandbox.base import Sandbox, SandboxBackend
+from swe_grpo.serving import door as door_module
 from swe_grpo.serving.door import DOOR_PORT, PROXY_PORT, Door, ForwarderBuildError
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient
@@ -333,6 +335,14 @@ async def test_forwarder_passes_on_status_and_signals(
     assert results["big stdout"].stdout.endswith("x\ndone\n")
     assert "door: cannot run /nonexistent/agent: No such file or directory" in results["cannot run"].stderr
     assert f"door: cannot listen on 127.0.0.1:{DOOR_PORT}: Address already in use" in results["cannot listen"].stderr
+
+
+def test_forwarder_source_compiles_cleanly(tmp_path: Path) -> None:
+    """The forwarder's source builds with every common warning on (users' newer compilers build it without
+    -Werror, so a warning there cannot break their door)."""
+    source = Path(door_module.__file__).with_name("door_forwarder.c")
+    build = ["cc", "-static", "-Os", "-Wall", "-Wextra", "-Werror", "-o", str(tmp_path / "f"), str(source)]
+    subprocess.run(build, check=True, capture_output=True)
 
 
 def test_forwarder_build_error_says_what_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

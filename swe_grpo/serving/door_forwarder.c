@@ -11,7 +11,7 @@
  * if a signal ended it). 125: it could not start (bad arguments, a port it cannot listen on); 127: the agent
  * could not be run. No HTTP parsing here: the host side checks every request. Bytes are copied as they come,
  * end of stream included (a half-close is passed on), through a 16 KiB buffer per direction and connection:
- * one process, one epoll loop, no threads, a few hundred KiB of memory.
+ * one process, one epoll loop, no threads, under 1 MiB of memory.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
