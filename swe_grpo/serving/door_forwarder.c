@@ -137,13 +137,14 @@ static int pump(struct conn *c) {
             f->shut = 1;
         }
     }
-    if (c->flows[0].shut && c->flows[1].shut) goto fail; /* both directions done: not a failure, same end */
+    if (c->flows[0].shut && c->flows[1].shut) goto end; /* both directions done */
     for (int i = 0; i < 2; i++) {
         struct flow *in = &c->flows[i], *out = &c->flows[1 - i];
         watch(&c->ends[i], (!in->len && !in->eof ? EPOLLIN : 0) | (out->len ? EPOLLOUT : 0));
     }
     return 1;
 fail:
+end:
     close_conn(c);
     return 0;
 }
