@@ -15,6 +15,7 @@ so every turn of a session is a real tool call and sessions run their full lengt
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import random
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 from _pi_agent import TOOL_OUTPUTS, PiConversation, StubGenerator, load_tokenizer, parse_sse, post
 from aiohttp import web
 
@@ -53,20 +55,36 @@ def _serve_forever(conn: Connection, cpus: set[int], app: web.Application) -> No
 # --------------------------------------------------------------------------- the stub vLLM
 
 
-def stub_vllm(conn: Connection, cpus: set[int], calls: int, latency_s: float) -> None:
-    """Process entry: serve the stub vLLM until `conn` receives anything; sends its base URL first."""
-    ids = StubGenerator(load_tokenizer(), calls).ids
+def stub_vllm(conn: Connection, cpus: set[int], calls: int, latency_s: float, echo_prompt: bool = False) -> None:
+    """Process entry: serve the stub vLLM until `conn` receives anything; sends its base URL first. With
+    `echo_prompt` it answers as vLLM does to `return_token_ids` and `logprobs: 0`: it parses the request,
+    echoes its prompt ids (`prompt_token_ids`) and sends the completion's text, tokens and offsets, so the
+    client's JSON work is what it would be against vLLM."""
+    tokenizer = load_tokenizer()
+    ids = StubGenerator(tokenizer, calls).ids
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    text = tokenizer.decode(ids)
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
     stats = {"completions": 0}
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": STUB_MODEL, "max_model_len": 262144, "root": STUB_MODEL}]})
 
     async def completions(request: web.Request) -> web.Response:
-        await request.read()
+        body = await request.read()
         await asyncio.sleep(latency_s)
         stats["completions"] += 1
-        choice = {"token_ids": ids, "logprobs": {"token_logprobs": [-0.5] * len(ids)}, "finish_reason": "stop"}
-        return web.json_response({"choices": [choice], "model": STUB_MODEL})
+        choice: dict[str, Any] = {
+            "token_ids": ids,
+            "logprobs": {"token_logprobs": [-0.5] * len(ids)},
+            "finish_reason": "stop",
+        }
+        if echo_prompt:
+            choice["prompt_token_ids"] = orjson.loads(body)["prompt"]
+            choice["text"] = text
+            choice["logprobs"].update(tokens=tokens, text_offset=offsets, top_logprobs=[{t: -0.5} for t in tokens])
+        reply = {"id": "cmpl-stub", "object": "text_completion", "choices": [choice], "model": STUB_MODEL}
+        return web.Response(body=orjson.dumps(reply), content_type="application/json")
 
     async def report(request: web.Request) -> web.Response:
         return web.json_response(stats)

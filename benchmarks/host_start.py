@@ -11,7 +11,9 @@ Beside it, figures of a bare `import swe_grpo.worker.host_main` in a fresh
 interpreter: wall time, peak RSS, modules loaded, and whether torch and TRL are among them.
 
 This script's own top level imports only the standard library: a spawned child re-imports the parent's
-main module, so anything imported here would be counted as the host's.
+main module, so anything imported here would be counted as the host's. That is what happens to a trainer
+script whose top level imports TRL: `HOST_START_MAIN_IMPORTS=trl.experimental.async_grpo` makes this
+script's top level import that module too (in the host as well), to measure such a script's hosts.
 
 Run: `SWE_GRPO_CACHE=/tmp/swecache .venv/bin/python benchmarks/host_start.py --label after` (about a
 minute); the result is merged into benchmarks/results/host_start.json under the label.
@@ -20,12 +22,16 @@ minute); the result is merged into benchmarks/results/host_start.json under the 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+for _module in filter(None, os.environ.get("HOST_START_MAIN_IMPORTS", "").split(",")):
+    importlib.import_module(_module)  # as a trainer script's top-level imports (see the docstring)
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "host_start.json"
@@ -134,6 +140,7 @@ def main() -> int:
         "machine": f"{os.cpu_count()} CPUs, {_cpu_model()}",
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
+        "main_module_imports": os.environ.get("HOST_START_MAIN_IMPORTS", ""),
         "git_head": subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
         ).stdout.strip(),

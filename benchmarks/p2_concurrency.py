@@ -8,6 +8,14 @@ answers without tool calls, turns the server recorded as errors or forks), added
 requests/s, CPU of both sides, the server's resident memory before the traffic (rollouts opened), after
 it (every rollout still holding its chain) and at its peak, and its full garbage collections.
 
+Generation (`--generator`): `client` (the default) is the request path of a real rollout host: each
+server generates through the real `VLLMClient` (orjson request with every prompt id, the reply's
+echoed prompt ids parsed and checked) against `_agent_farm.stub_vllm`, a STUB of vLLM's OpenAI server in
+a process of its own (pinned with the agents) that parses each request, waits 50 ms and answers as vLLM
+does to `return_token_ids` and `logprobs: 0` (prompt ids echoed, the answer's ids, log-probs, tokens and
+text). `stub` is the older measurement: a `StubGenerator` inside the server answers after 50 ms, so the
+client's JSON work is missing from the server's CPU. `--generator client,stub` runs both.
+
 Rollout hosts (`--hosts 1,2,4`, default): a rollout host is a process with its own InterceptionServer, and
 a rollout's requests all go to its host's server (its chain lives there), so H hosts are H server
 processes, each owning 1/H of the rollouts; this is the request path of `WorkerConfig.rollout_hosts = H`
@@ -27,21 +35,27 @@ Two scenarios, each stopped after `--max-seconds` (what is unfinished is cancell
 
 Real generations take seconds, so real rollouts send far fewer requests per second than these do.
 
-Run: `SWE_GRPO_CACHE=/tmp/swecache .venv/bin/python benchmarks/p2_concurrency.py` (~6 minutes;
-options `--hosts`, `--rollouts`, `--turns`, `--think`, `--tool-output`, `--no-saturation`, `--max-seconds`).
+Run: `SWE_GRPO_CACHE=/tmp/swecache .venv/bin/python benchmarks/p2_concurrency.py` (~6 minutes a
+generator; options `--generator`, `--hosts`, `--rollouts`, `--turns`, `--think`, `--tool-output`,
+`--no-saturation`, `--max-seconds`, `--json`). Each row also goes to `--json`
+(benchmarks/results/p2_concurrency.json by default), with the date, the machine and its load average.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
+import json
 import logging
+import multiprocessing
 import os
 import random
 import sys
 import time
-from contextlib import AsyncExitStack
+from collections.abc import Iterator
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -57,6 +71,7 @@ except ImportError:  # not a declared dependency: the agents then use asyncio's 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _agent_farm import STUB_MODEL, stub_vllm
 from _pi_agent import (
     TOOL_OUTPUTS,
     PiConversation,
@@ -70,6 +85,7 @@ from _pi_agent import (
 )
 
 from swe_grpo.serving.interception import InterceptionServer
+from swe_grpo.serving.vllm_client import VLLMClient
 from swe_grpo.types import RolloutEndpoint
 
 STUB_LATENCY_S = 0.05
@@ -106,16 +122,21 @@ class ServerReport:
         )
 
 
-def serve(conn: Connection, rollouts: int, calls: int, cpus: set[int]) -> None:
-    """Entry point of the server process."""
+def serve(conn: Connection, rollouts: int, calls: int, cpus: set[int], vllm_url: str | None) -> None:
+    """Entry point of the server process: generation through `VLLMClient` at `vllm_url`, or (None) the
+    in-process `StubGenerator`."""
     os.sched_setaffinity(0, cpus)
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(_serve(conn, rollouts, calls))
+    asyncio.run(_serve(conn, rollouts, calls, vllm_url))
 
 
-async def _serve(conn: Connection, rollouts: int, calls: int) -> None:
+async def _serve(conn: Connection, rollouts: int, calls: int, vllm_url: str | None) -> None:
     tokenizer = load_tokenizer()
-    server = InterceptionServer(StubGenerator(tokenizer, calls, STUB_LATENCY_S), tokenizer)
+    client = None
+    if vllm_url is not None:
+        client = await VLLMClient(vllm_url, STUB_MODEL, stop_token_ids=[tokenizer.eos_token_id]).start()
+    generator = client or StubGenerator(tokenizer, calls, STUB_LATENCY_S)
+    server = InterceptionServer(generator, tokenizer)
     handler_s: list[float] = []
     handler = server._chat_completions
 
@@ -157,6 +178,8 @@ async def _serve(conn: Connection, rollouts: int, calls: int) -> None:
             )
         )
     await server.stop()
+    if client is not None:
+        await client.close()
     gc.unfreeze()  # let interpreter shutdown free what the server froze (else nanobind reports leaks)
 
 
@@ -226,11 +249,40 @@ async def agent(
 class Result:
     scenario: Scenario
     hosts: int
+    generator: str  # "client" (VLLMClient + stub vLLM) or "stub" (in-process StubGenerator)
     stats: AgentStats
     server: ServerReport  # all hosts' servers merged
     wall_s: float
     rss_mib: tuple[float, float, float]  # before, after, peak: summed over the hosts' servers
-    cpu: tuple[float, float]  # servers (summed), agents: CPU seconds / wall seconds
+    cpu: tuple[float, float, float]  # servers (summed), agents, stub vLLM (0 without): CPU seconds / wall seconds
+
+
+@dataclass
+class StubVLLM:
+    """The stub vLLM's process and its base URL."""
+
+    url: str
+    process: psutil.Process
+
+
+@contextmanager
+def stub_vllm_process(calls: int, cpus: set[int]) -> Iterator[StubVLLM]:
+    """`_agent_farm.stub_vllm` (prompt ids echoed, as vLLM does) in a spawned process on `cpus`."""
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    process = ctx.Process(target=stub_vllm, args=(child, cpus, calls, STUB_LATENCY_S, True), daemon=True)
+    process.start()
+    try:
+        if not conn.poll(120):
+            raise RuntimeError(f"the stub vLLM did not start (exit code {process.exitcode})")
+        assert process.pid is not None
+        yield StubVLLM(conn.recv(), psutil.Process(process.pid))
+    finally:
+        if process.is_alive():
+            conn.send("stop")
+        process.join(10)
+        if process.is_alive():
+            process.kill()
 
 
 def _vm_hwm(pid: int) -> int:
@@ -245,13 +297,18 @@ def _cpu(p: psutil.Process) -> float:
     return t.user + t.system
 
 
-async def run_scenario(args: argparse.Namespace, scenario: Scenario, hosts: int, server_cpus: set[int]) -> Result:
-    """One scenario over `hosts` server processes; rollout i belongs to host i % hosts."""
+async def run_scenario(
+    args: argparse.Namespace, scenario: Scenario, hosts: int, server_cpus: set[int], vllm: StubVLLM | None
+) -> Result:
+    """One scenario over `hosts` server processes; rollout i belongs to host i % hosts. `vllm`: the stub
+    vLLM the servers' `VLLMClient`s talk to, or None for the in-process stub generator."""
     case = TOOL_OUTPUTS[args.tool_output]
     shares = [len(range(i, args.rollouts, hosts)) for i in range(hosts)]
     async with AsyncExitStack() as stack:
         running = [
-            await stack.enter_async_context(server_process(serve, share + 1, case.calls, server_cpus))
+            await stack.enter_async_context(
+                server_process(serve, share + 1, case.calls, server_cpus, vllm and vllm.url)
+            )
             for share in shares
         ]
         endpoints = [e for r in running for e in r.endpoints[:-1]]
@@ -264,6 +321,9 @@ async def run_scenario(args: argparse.Namespace, scenario: Scenario, hosts: int,
         def cpu_servers() -> float:
             return sum(_cpu(p) for p in servers)
 
+        def cpu_vllm() -> float:
+            return _cpu(vllm.process) if vllm else 0.0
+
         rss_before = rss_peak = rss()
         stats = AgentStats()
         rng = random.Random(0)
@@ -274,7 +334,7 @@ async def run_scenario(args: argparse.Namespace, scenario: Scenario, hosts: int,
                 await agent(session, r.endpoints[-1], WARMUP_TURNS, (0.0, 0.0), case.chars, rng, warm)
                 if warm.errors or warm.unfinished:
                     raise RuntimeError(f"warm-up rollout failed: {warm.errors}")
-            cpu0 = cpu_servers(), _cpu(me)
+            cpu0 = cpu_servers(), _cpu(me), cpu_vllm()
             t0 = time.perf_counter()
             tasks = [
                 asyncio.create_task(
@@ -290,7 +350,7 @@ async def run_scenario(args: argparse.Namespace, scenario: Scenario, hosts: int,
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         wall = time.perf_counter() - t0
-        cpu = ((cpu_servers() - cpu0[0]) / wall, (_cpu(me) - cpu0[1]) / wall)
+        cpu = ((cpu_servers() - cpu0[0]) / wall, (_cpu(me) - cpu0[1]) / wall, (cpu_vllm() - cpu0[2]) / wall)
         rss_after = rss()
         # Each server's own high-water mark, summed: an upper bound of the peak they held together.
         rss_peak = max(rss_peak, rss_after, sum(_vm_hwm(r.process.pid) for r in running))
@@ -302,6 +362,7 @@ async def run_scenario(args: argparse.Namespace, scenario: Scenario, hosts: int,
         return Result(
             scenario,
             hosts,
+            "client" if vllm else "stub",
             stats,
             ServerReport.merged(reports),
             wall,
@@ -325,10 +386,17 @@ def _errors(r: Result) -> int:
     return sum(r.stats.errors.values()) + r.server.recorded_errors + r.server.forks
 
 
+_GENERATORS = {
+    "client": "the real VLLMClient against a stub vLLM (50 ms, prompt ids echoed)",
+    "stub": "an in-process stub generator (50 ms; no client JSON work)",
+}
+
+
 def report(results: list[Result], args: argparse.Namespace, load_before: float) -> str:
+    """The markdown report of one generator's results."""
     out = [
         f"### P2: {args.rollouts} concurrent rollouts x {args.turns} turns over {args.hosts_text} rollout hosts, "
-        f"stub generation {STUB_LATENCY_S * 1e3:.0f} ms, {TOOL_OUTPUTS[args.tool_output].note}",
+        f"generation through {_GENERATORS[results[0].generator]}, {TOOL_OUTPUTS[args.tool_output].note}",
         "",
     ]
     rows = []
@@ -347,7 +415,7 @@ def report(results: list[Result], args: argparse.Namespace, load_before: float) 
                 f"**{_ms(percentile(added, 99))}**",
                 _ms(percentile(server_added, 99)),
                 f"{_rate(r):,.0f}",
-                f"{r.cpu[0]:.0%} / {r.cpu[1]:.0%}",
+                f"{r.cpu[0]:.0%} / {r.cpu[1]:.0%}" + (f" / {r.cpu[2]:.0%}" if r.generator == "client" else ""),
                 f"{r.cpu[0] * r.wall_s / max(len(s.round_trips), 1) * 1e3:.1f}",
                 " / ".join(f"{x:,.0f}" for x in r.rss_mib),
                 f"{r.server.gc_full} ({_ms(r.server.gc_pause_max_s)} ms)",
@@ -363,7 +431,7 @@ def report(results: list[Result], args: argparse.Namespace, load_before: float) 
         "added p99",
         "added p99 in the server",
         "requests/s",
-        "CPU server / agents",
+        "CPU server / agents (/ stub vLLM)",
         "server CPU ms / request",
         "server RSS MiB before / after / peak",
         "full GCs (longest pause)",
@@ -415,18 +483,61 @@ def report(results: list[Result], args: argparse.Namespace, load_before: float) 
     out.append(
         f'- Added latency = agent-side round-trip - {STUB_LATENCY_S * 1e3:.0f} ms; "in the server" = time in the '
         "chat-completions handler - 50 ms (no transport, no agent-side scheduling). CPU: CPU seconds / wall "
-        "seconds of each process (100% = one core)."
+        "seconds of each process (100% = one core); the server's includes its vLLM client's work."
     )
     out.append(
         "- Servers: one process per host, asyncio loop; agents: this process, "
-        f"{'uvloop' if uvloop else 'asyncio'} loop, {args.placement}; loopback HTTP. Machine: {os.cpu_count()} "
+        f"{'uvloop' if uvloop else 'asyncio'} loop, {args.placement} (the stub vLLM with them); loopback HTTP. "
+        f"Machine: {os.cpu_count()} "
         f"CPUs, 1-minute load average {load_before:.2f} before the run, {os.getloadavg()[0]:.2f} after it."
     )
     return "\n".join(out)
 
 
+def _row(r: Result, rollouts: int) -> dict[str, Any]:
+    """One result as a JSON object (times in ms, CPU as a fraction of one core)."""
+    s = r.stats
+    added = [x - STUB_LATENCY_S for x in s.round_trips]
+    return {
+        "generator": r.generator,
+        "hosts": r.hosts,
+        "scenario": r.scenario.name,
+        "think_s": list(r.scenario.think_s),
+        "requests_answered": len(s.round_trips),
+        "unfinished": s.unfinished,
+        "errors": _errors(r),
+        "agent_errors": s.errors,
+        "server_recorded_errors": r.server.recorded_errors,
+        "forks": r.server.forks,
+        "added_ms": {f"p{q}": percentile(added, q) * 1e3 for q in (50, 90, 99)},
+        "added_in_server_p99_ms": percentile([x - STUB_LATENCY_S for x in r.server.handler_s], 99) * 1e3,
+        "requests_per_s": _rate(r),
+        "cpu_servers": r.cpu[0],
+        "cpu_agents": r.cpu[1],
+        "cpu_stub_vllm": r.cpu[2],
+        "server_cpu_ms_per_request": r.cpu[0] * r.wall_s / max(len(s.round_trips), 1) * 1e3,
+        "server_rss_mib": dict(zip(("before", "after", "peak"), r.rss_mib, strict=True)),
+        "rss_growth_mib_per_rollout": (r.rss_mib[1] - r.rss_mib[0]) / rollouts,
+        "gc_full": r.server.gc_full,
+        "gc_pause_max_ms": r.server.gc_pause_max_s * 1e3,
+        "prompt_tokens_last_mean": sum(s.prompt_tokens_last) / max(len(s.prompt_tokens_last), 1),
+        "wall_s": r.wall_s,
+    }
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--generator", default="client", help="comma-separated: client (VLLMClient + stub vLLM), stub (in-process)"
+    )
+    parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "p2_concurrency.json")
     parser.add_argument("--hosts", default="1,2,4", help="rollout host counts to run, comma-separated")
     parser.add_argument("--rollouts", type=int, default=512)
     parser.add_argument("--turns", type=int, default=20)
@@ -441,9 +552,13 @@ def main() -> int:
     parser.add_argument("--max-seconds", type=float, default=150.0, help="time limit of each scenario")
     args = parser.parse_args()
     args.hosts_text = args.hosts.replace(",", "/")
+    generators = args.generator.split(",")
+    if unknown := set(generators) - set(_GENERATORS):
+        parser.error(f"unknown generator(s) {sorted(unknown)}; choose from {sorted(_GENERATORS)}")
     logging.basicConfig(level=logging.WARNING)
 
     load_before = os.getloadavg()[0]
+    load_avg_before = os.getloadavg()
     cpus = sorted(os.sched_getaffinity(0))
     args.placement = "no CPU pinning"
     if len(cpus) >= 2:  # the load generator never takes more than one core from the server
@@ -454,15 +569,43 @@ def main() -> int:
         scenarios.append(Scenario("saturation", (0.0, 0.0)))
 
     t0 = time.perf_counter()
-    results = []
-    for hosts in (int(h) for h in args.hosts.split(",")):
-        for scenario in scenarios:
-            print(f"running {scenario.name} over {hosts} host(s) ...", file=sys.stderr, flush=True)
-            with asyncio.Runner(loop_factory=uvloop and uvloop.new_event_loop) as runner:
-                results.append(runner.run(run_scenario(args, scenario, hosts, set(cpus))))
-    print(report(results, args, load_before))
-    print(f"\n(run time {time.perf_counter() - t0:.0f} s)")
+    results: list[Result] = []
+    for generator in generators:
+        with contextlib.ExitStack() as stack:
+            vllm = None
+            if generator == "client":  # with the agents: it stands in for GPUs elsewhere, not the host's cores
+                vllm = stack.enter_context(stub_vllm_process(TOOL_OUTPUTS[args.tool_output].calls, {cpus[-1]}))
+            for hosts in (int(h) for h in args.hosts.split(",")):
+                for scenario in scenarios:
+                    print(f"running {scenario.name} over {hosts} host(s), {generator} ...", file=sys.stderr, flush=True)
+                    with asyncio.Runner(loop_factory=uvloop and uvloop.new_event_loop) as runner:
+                        results.append(runner.run(run_scenario(args, scenario, hosts, set(cpus), vllm)))
+                    write_json(args, results, load_avg_before)  # after each scenario: a cut-short run keeps its rows
+        print(report([r for r in results if r.generator == generator], args, load_before), "\n", flush=True)
+    print(f"(run time {time.perf_counter() - t0:.0f} s)")
     return 0
+
+
+def write_json(args: argparse.Namespace, results: list[Result], load_avg_before: tuple[float, float, float]) -> None:
+    """The run so far, with the date, the machine and its load average, to `args.json`."""
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    options = {k: v for k, v in vars(args).items() if k in ("rollouts", "turns", "think", "tool_output", "max_seconds")}
+    args.json.write_text(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "machine": f"{os.cpu_count()} CPUs, {_cpu_model()}",
+                "load_average_before": load_avg_before,
+                "load_average_after": os.getloadavg(),
+                "placement": args.placement,
+                "stub_latency_ms": STUB_LATENCY_S * 1e3,
+                "options": options,
+                "results": [_row(r, args.rollouts) for r in results],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":
