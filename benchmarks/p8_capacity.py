@@ -65,29 +65,30 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _agent_farm import STUB_MODEL, _serve_forever
-from _pi_agent import load_tokenizer, markdown_table, percentile
-
+# Only what a rollout host imports anyway: the host and the stub are spawned, and a spawned child imports this
+# module again, so what is imported here (the worker's TRL and torch, by `run_step`) would count as theirs.
 from swe_grpo.agents.mini_swe import MINI_MOUNT
 from swe_grpo.agents.pi import PI_MOUNT
-from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend
 from swe_grpo.sandbox.process import CgroupLayout
 from swe_grpo.serving.door import DOOR_MOUNT
-from swe_grpo.worker import SWERolloutWorker
 from swe_grpo.worker.config import WorkerConfig
+
+if TYPE_CHECKING:
+    from swe_grpo.worker import SWERolloutWorker
 
 log = logging.getLogger("p8")
 GIB = 1 << 30
 MIB = 1 << 20
 LATENCY_LIMIT_MS = 50.0
+THROUGHPUT_FLOOR = 0.5  # requests/s per rollout in flight, as a share of the first step's: below it, CPU ran out
 NORMAL_OUTCOMES = ("resolved", "unresolved")
 COMPONENTS = ("agent", "tools", "door", "sandbox", "commands", "host", "trainer")
 HOST_SIDE = ("door", "sandbox", "commands", "host", "trainer")  # per rollout, without the agent and its tools
@@ -119,6 +120,9 @@ def scripted_vllm(
     """Process entry: a STUB of vLLM's OpenAI server scripted as above, until `conn` receives anything.
     `GET /stats` returns (and with `?reset=1` clears) the completions served, the added latency of each
     turn whose previous answer it knows (seconds), and the sessions begun and finished."""
+    from _agent_farm import STUB_MODEL, _serve_forever
+    from _pi_agent import load_tokenizer
+
     tokenizer = load_tokenizer()
     eos = tokenizer.eos_token_id
     rng = random.Random(0)
@@ -398,6 +402,12 @@ class Totals:
 
 
 def run_step(n: int, args: argparse.Namespace, stub: str, sampler: Sampler) -> Step:
+    from _agent_farm import STUB_MODEL
+    from _pi_agent import load_tokenizer, percentile
+
+    from swe_grpo.demo.tasks import demo_tasks
+    from swe_grpo.worker import SWERolloutWorker
+
     step = Step(n, load_before=os.getloadavg())
     tokenizer = load_tokenizer()
     config = WorkerConfig(
@@ -493,6 +503,10 @@ def run_step(n: int, args: argparse.Namespace, stub: str, sampler: Sampler) -> S
 # --------------------------------------------------------------------------- the ramp and the report
 
 
+def _rate(step: Step) -> float:
+    return step.completions / step.window_s / step.in_flight_mean if step.window_s and step.in_flight_mean else 0.0
+
+
 def limit_hit(step: Step, first: Step, next_n: int | None, args: argparse.Namespace) -> str | None:
     """Which limit this step hit (None: go on to `next_n`). The latency limit is recorded on the step in any
     case (`latency_limit`); it stops the ramp unless `--latency-record-only`."""
@@ -504,6 +518,12 @@ def limit_hit(step: Step, first: Step, next_n: int | None, args: argparse.Namesp
         step.latency_limit = True
         if not args.latency_record_only:
             return f"latency: added p99 {step.added_ms_p99:.0f} ms, {LATENCY_LIMIT_MS:.0f}+ ms over the first step's"
+    rate, first_rate = _rate(step), _rate(first)
+    if first_rate and rate < THROUGHPUT_FLOOR * first_rate:
+        return (
+            f"cpu: {rate:.3f} requests/s per rollout in flight, under {THROUGHPUT_FLOOR:.0%} of the first step's "
+            f"{first_rate:.3f} (the box's CPU is saturated: the rollouts wait, they no longer add throughput)"
+        )
     reserve_gib = args.reserve_gib
     if next_n is not None and step.agents_mean:
         # the processes' PSS, or the sandboxes' cgroups where more (they hold the sandboxes' files, in RAM, too)
@@ -516,10 +536,14 @@ def limit_hit(step: Step, first: Step, next_n: int | None, args: argparse.Namesp
 
 
 def summary(steps: list[Step], machine: dict[str, Any]) -> dict[str, Any]:
-    """The figures to publish, from the largest step that hit no limit but memory's projection (its own
-    measurement was clean): PSS per rollout by component, the host process's growth per rollout (its PSS
-    slope from the first step), CPU cores per rollout, and from them rollouts per GiB and per core."""
-    clean = [s for s in steps if (s.stopped_by is None or s.stopped_by.startswith("memory")) and not s.errors]
+    """The figures to publish. Memory from the largest step that hit no limit but the latency's (recorded
+    only) or memory's projection (its own measurement was clean): PSS per live agent by component, and the
+    host process's growth per rollout (its PSS slope from the first step). CPU from the largest such step
+    in which rollouts also finished (so its window holds agents starting and grading, not only turns), per
+    rollout in flight. From them: rollouts per GiB and per core."""
+    clean = [
+        s for s in steps if not s.errors and (s.stopped_by is None or s.stopped_by.startswith(("memory", "latency")))
+    ]
     if not clean or not clean[-1].agents_mean:
         return {}
     top, first = clean[-1], steps[0]
@@ -530,10 +554,12 @@ def summary(steps: list[Step], machine: dict[str, Any]) -> dict[str, Any]:
     per["host_growth"] = round(max(growth, 0.0), 2)  # within sampling noise at small steps: not below 0
     total_mib = sum(per.values())
     host_side = sum(per[k] for k in ("door", "sandbox", "commands", "host_growth"))
-    busy = sum(v for k, v in top.cpu_s.items() if k in COMPONENTS and k != "trainer")
-    cores_per_rollout = busy / top.window_s / agents
+    cycling = [s for s in clean if s.rollouts_finished and s.in_flight_mean] or [top]
+    cpu_step = cycling[-1]
+    busy = sum(v for k, v in cpu_step.cpu_s.items() if k in COMPONENTS and k != "trainer")
+    cores_per_rollout = busy / cpu_step.window_s / cpu_step.in_flight_mean
     return {
-        "from_step": top.concurrency,
+        "memory_from_step": top.concurrency,
         "agents_live": round(agents, 1),
         "pss_mib_per_rollout": per,
         "pss_mib_per_rollout_total": round(total_mib, 1),
@@ -541,10 +567,30 @@ def summary(steps: list[Step], machine: dict[str, Any]) -> dict[str, Any]:
         "fixed_pss_mib": {"host": top.pss_mib.get("host", 0.0), "trainer": top.pss_mib.get("trainer", 0.0)},
         "host_growth_measured_mib": round(growth, 2),
         "rollouts_per_gib": round(1024 / total_mib, 1),
+        "cpu_from_step": cpu_step.concurrency,
+        "cpu_ms_per_request": round(cpu_step.cpu_ms_per_request, 1),
         "cpu_cores_per_rollout": round(cores_per_rollout, 4),
         "rollouts_per_core": round(1 / cores_per_rollout, 1) if cores_per_rollout else None,
         "box": f"{machine['cores']} x {machine['cpu_model']}, {machine['memory_gib']} GiB",
     }
+
+
+def resummarize(path: Path, args: argparse.Namespace) -> None:
+    """Apply the current limits and summary to a result file's steps (both are functions of the steps)."""
+    result = json.loads(path.read_text())
+    steps = [Step(**s) for s in result["steps"]]
+    result["stopped_by"] = "all steps ran"
+    for i, step in enumerate(steps):
+        step.latency_limit = False
+        next_n = steps[i + 1].concurrency if i + 1 < len(steps) else None
+        if hit := limit_hit(step, steps[0], next_n, args):
+            step.stopped_by = result["stopped_by"] = hit
+            steps = steps[: i + 1]
+            break
+    result["steps"] = [asdict(s) for s in steps] + result["steps"][len(steps) :]
+    result["summary"] = summary(steps, result["machine"])
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["summary"], indent=1))
 
 
 def box() -> dict[str, Any]:
@@ -559,6 +605,8 @@ def box() -> dict[str, Any]:
 
 
 def report(steps: list[Step], args: argparse.Namespace, machine: dict[str, Any]) -> str:
+    from _pi_agent import markdown_table
+
     rows = []
     for s in steps:
         pss = s.pss_mib
@@ -640,9 +688,13 @@ def main() -> int:
         help="record the latency limit on each step but go on (on a box whose other jobs set the latency)",
     )
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--summarize", type=Path, help="only re-apply the limits and the summary to this result file")
     parser.add_argument("--code", default=_code(), help="the commit of the code measured (default: this checkout's)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.summarize:
+        resummarize(args.summarize, args)
+        return 0
     signal.signal(signal.SIGTERM, _interrupt)
     machine = box()
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
