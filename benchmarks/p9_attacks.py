@@ -22,7 +22,7 @@ within `RSS_BOUND_MIB` of where it started.
 How. The server runs in its own process (as P2/P5), the agents in this process, the attacker in a third; all on
 this machine over 127.0.0.1 and the door socket, competing for its CPUs (`--attacker-nice` stands in for the CPU
 share a sandbox's limits would give the attacker). Not from a real sandbox: the attacker is a host process that
-connects to the door socket as the sandbox's forwarder would (`door.cjs` pipes each connection to it).
+connects to the door socket as the sandbox's forwarder would (it pipes each connection to it).
 
 Run: `SWE_GRPO_CACHE=/tmp/swecache .venv/bin/python benchmarks/p9_attacks.py` (about 2 minutes; options
 `--rollouts`, `--attack-s`, `--baseline-s`, `--attacks`, `--json PATH`).
