@@ -12,34 +12,38 @@ rollout is graded and the worker starts the next. The stub knows each rollout by
 (`# p8 s<session>`), which it finds in the next prompt.
 
 Ramp: for each concurrency in `--steps` (4, 8, 16, ...) a fresh worker with `max_concurrent_rollouts` = N;
-once N rollouts are in flight and `--settle-s` passed, a `--window-s` window is measured. The ramp stops at
-the first limit hit: errors (any rollout outcome other than resolved/unresolved, or a turn the server
-recorded as an error), latency (the loop's added p99 is over `LATENCY_LIMIT_MS` more than at the first step),
-memory (the next step's projected memory would leave less than `--reserve-gib` of MemAvailable), or the
-step's time bound (N rollouts not in flight within `--ramp-s`).
+once N rollouts have started and `--settle-s` passed, a `--window-s` window is measured. The ramp stops at
+the first limit hit: errors (a rollout that finished in the window with an outcome other than
+resolved/unresolved, or a retried turn), latency (the added p99 over `LATENCY_LIMIT_MS` more than at the
+first step; with `--latency-record-only` only recorded, for a box whose other jobs set the latency), CPU
+(requests/s per rollout in flight under `THROUGHPUT_FLOOR` of the first step's: rollouts wait for CPU and
+add no throughput), memory (the next step's projected memory would leave less than `--reserve-gib` of
+MemAvailable), or time (N rollouts not started within `--ramp-s`).
 
 Measured per step, in the window:
 - added latency per turn: from the stub's answer to the rollout's next request, less the tool's own
-  `sleep S`: the InterceptionServer's parse and SSE, the door, Pi's handling and its tool's start and end,
-  Pi's next request through the door, and the server's prepare; the whole host-side loop around one
+  `sleep S`: the InterceptionServer's parse and SSE, the door, the agent's handling and its tool's start and
+  end, its next request through the door, and the server's prepare; the whole host-side loop around one
   generation. p50/p99 over every turn in the window.
 - memory by component, summed over process trees (RSS, and PSS from /proc/PID/smaps_rollup, which splits
-  shared pages such as Node's binary between the processes mapping them), mean over samples every
-  `--mem-every-s`: agent (the Pi / mini-swe-agent process), tools (what the agent ran: bash, sleep),
+  shared pages such as Node's binary between the processes mapping them), mean over samples every 5 s:
+  agent (the Pi / mini-swe-agent process: the door's child), tools (what the agent ran: bash, sleep),
   door (the sandbox's forwarder, found by its argv naming the door's mount, whatever program it is),
   sandbox (bwrap, its pid-1 reaper and the cgroup-joining shell), commands (what the worker runs in
   sandboxes besides the agent: git, grading's test runs), host (the rollout host process: InterceptionServer,
   VLLMClient, engine), trainer (this process: the worker's queues, the sampler). The stub vLLM stands in
-  for the GPU box and is left out. Also the sandboxes' cgroups' memory.current (their processes plus the
+  for the GPU box and is left out. Also the sandboxes' memory cgroups' usage (their processes plus the
   files they wrote, which live in RAM).
 - CPU per component (utime + stime of each process, sampled every second; a process that exits loses its
   last second), and CPU per request = all of it but the stub's and this process's / completions served.
 
-Per-rollout figures divide by the mean number of live agent processes. Every result says its box (CPU
-model, cores, memory), its load average and the date.
+`summary` gives the figures to publish: memory per live agent, CPU per rollout in flight, rollouts per GiB
+and per core. Every result names its box (CPU model, cores, memory), load averages, date and commit.
+This module's top level imports only what a rollout host imports anyway (a spawned host re-imports it).
 
 Run: `SWE_GRPO_CACHE=/tmp/swecache .venv/bin/python benchmarks/p8_capacity.py --json
-benchmarks/results/p8_capacity.json` (about 3 minutes a step).
+benchmarks/results/p8_capacity.json` (about 3 minutes a step); `--summarize FILE` re-applies the limits
+and the summary to a result file.
 """
 
 from __future__ import annotations
