@@ -356,6 +356,21 @@ async def test_on_docker_a_project_gets_an_image_with_its_test_requirements(dock
         await backend.close()
 
 
+async def test_on_docker_requirements_that_cannot_be_installed_are_a_refusal(docker_url: str, tmp_path: Path) -> None:
+    from swe_grpo.sandbox.docker import DockerBackend
+
+    root = write_project(tmp_path / "unmet")
+    (root / "pyproject.toml").write_text('[project]\nname = "unmet"\nversion = "1"\ndependencies = ["toolz==0.0.0"]\n')
+    backend = DockerBackend(base_url=docker_url)
+    await backend.start()
+    try:
+        (report,) = await synthesize([str(root)], config(tmp_path / "out"), backend)
+    finally:
+        await backend.close()
+    assert report.error is not None and "cannot install its test requirements ['toolz==0.0.0']" in report.error
+    assert load_tasks(tmp_path / "out" / "tasks.jsonl") == []
+
+
 def test_the_command_line_makes_tasks_that_swe_grpo_grade_takes(project: Path, tmp_path: Path) -> None:
     out = tmp_path / "cli"
     synth = ["tasks", "synth", str(project), "--out", str(out), "--max-per-project", "2", "--timeout", "120"]
@@ -404,6 +419,30 @@ async def test_a_suite_that_does_not_run_is_refused(backend: LocalBackend, tmp_p
     (report,) = await synthesize([str(broken)], config(tmp_path / "out2", test_cmd="false"), backend)
     assert report.error is not None and "the test suite does not run (it gives no test report)" in report.error
     assert load_tasks(tmp_path / "out" / "tasks.jsonl") == []
+
+
+SHIFTING_IDS = """import sys
+
+import pytest
+
+from tinylib import clamp
+
+# The id depends on how pytest was called, as isodate 0.7.2's depend on the run's hash seed: a test passing
+# in the whole suite is not found by its id.
+SHIFT = "by-id" if any("::" in arg for arg in sys.argv) else "whole"
+
+
+@pytest.mark.parametrize("value", [5], ids=[SHIFT])
+def test_clamp(value):
+    assert clamp(value, 0, 10) == 5
+"""
+
+
+async def test_a_suite_whose_test_ids_change_between_runs_is_refused(backend: LocalBackend, tmp_path: Path) -> None:
+    shifting = write_project(tmp_path / "shifting", tests=SHIFTING_IDS)
+    (report,) = await synthesize([str(shifting)], config(tmp_path / "out"), backend)
+    assert report.error is not None, report
+    assert "none of the 1 tests that passed twice passes when run by id, as the grader runs them" in report.error
 
 
 async def test_a_project_whose_tests_run_none_of_its_functions_is_refused(
