@@ -416,6 +416,7 @@ async def test_a_suite_that_does_not_run_is_refused(backend: LocalBackend, tmp_p
     (report,) = await synthesize([str(broken)], config(tmp_path / "out"), backend)
     assert report.error is not None and "the test suite does not run (no test passes" in report.error
     assert "no_such_module" in report.error
+    assert report.wall_s > 0  # a refusal's cost is measured too
     (report,) = await synthesize([str(broken)], config(tmp_path / "out2", test_cmd="false"), backend)
     assert report.error is not None and "the test suite does not run (it gives no test report)" in report.error
     assert load_tasks(tmp_path / "out" / "tasks.jsonl") == []

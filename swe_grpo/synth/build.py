@@ -14,6 +14,7 @@ import logging
 import random
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -428,10 +429,12 @@ async def synthesize(
     work = Path(tempfile.mkdtemp(prefix="work-", dir=state.dir))
     try:
         for spec, report in zip(sources, reports, strict=True):
+            begin = time.monotonic()
             try:
                 await _project(spec, backend, config, state, work, report, started, decided, projects)
             except SynthError as exc:
                 report.error = str(exc)
+                report.wall_s = time.monotonic() - begin  # what finding out cost
         _write_tasks(config.out, state, projects, config.max_per_project)
     finally:
         state.close()
