@@ -15,10 +15,13 @@ so every turn of a session is a real tool call and sessions run their full lengt
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import multiprocessing
 import os
 import random
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -50,6 +53,26 @@ def _serve_forever(conn: Connection, cpus: set[int], app: web.Application) -> No
         await runner.cleanup()
 
     asyncio.run(main())
+
+
+@contextlib.contextmanager
+def serving_process(target: Callable[..., None], *args: Any) -> Iterator[tuple[str, int]]:
+    """Run `target(conn, *args)` (a process entry that serves with `_serve_forever`) in a spawned process;
+    yields the base URL it sends and its pid. On exit it is told to stop, and killed after 10 s."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(120):
+            raise RuntimeError(f"{target.__name__} did not start (exit code {proc.exitcode})")
+        yield parent.recv(), proc.pid
+    finally:
+        with contextlib.suppress(OSError):
+            parent.send("stop")
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
 
 
 # --------------------------------------------------------------------------- the stub vLLM

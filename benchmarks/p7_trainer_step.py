@@ -36,22 +36,20 @@ import asyncio
 import contextlib
 import gc
 import logging
-import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _agent_farm import STUB_MODEL, FarmAgent, agent_farm, stats, stub_vllm
+from _agent_farm import STUB_MODEL, FarmAgent, agent_farm, serving_process, stats, stub_vllm
 from _pi_agent import TOOL_OUTPUTS, markdown_table, percentile
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -110,25 +108,6 @@ class GcCounter:
 
 
 # --------------------------------------------------------------------------- helper processes
-
-
-@contextlib.contextmanager
-def process(target: Callable[..., None], *args: Any) -> Iterator[str]:
-    """Run `target(conn, *args)` in a spawned process; yields the URL it sends; stops it on exit."""
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
-    proc.start()
-    try:
-        if not parent.poll(120):
-            raise RuntimeError(f"{target.__name__} did not start (exit code {proc.exitcode})")
-        yield parent.recv()
-    finally:
-        with contextlib.suppress(OSError):
-            parent.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
 
 
 @contextlib.contextmanager
@@ -308,8 +287,8 @@ def main() -> int:
     trainer = Trainer(args.batch, args.seq_len)
     results = []
     with (
-        process(stub_vllm, rollout_cpus, TOOL_OUTPUTS["large"].calls, 0.05) as vllm,
-        process(agent_farm, rollout_cpus, args.turns, (2.0, 5.0), "large") as farm,
+        serving_process(stub_vllm, rollout_cpus, TOOL_OUTPUTS["large"].calls, 0.05) as (vllm, _),
+        serving_process(agent_farm, rollout_cpus, args.turns, (2.0, 5.0), "large") as (farm, _),
     ):
         for mode in args.modes.split(","):
             print(f"running {mode} ...", file=sys.stderr, flush=True)

@@ -708,7 +708,9 @@ def main() -> int:
     stopped = "all steps ran"
     marks = (f"{PI_MOUNT}/",) if args.agent == "pi" else (f"{MINI_MOUNT}/",)
     submit = args.agent == "mini-swe-agent"
-    with process(scripted_vllm, cpus, args.turns, args.latency, args.sleep, submit) as (stub, stub_pid):
+    from _agent_farm import serving_process
+
+    with serving_process(scripted_vllm, cpus, args.turns, args.latency, args.sleep, submit) as (stub, stub_pid):
         sampler = Sampler(Census(os.getpid(), stub_pid, marks))
         sampler.start()
         try:
@@ -747,25 +749,6 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
-
-
-@contextlib.contextmanager
-def process(target: Any, *args: Any) -> Any:
-    """Run `target(conn, *args)` in a spawned process; yields (the URL it sends, its pid); stopped on exit."""
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
-    proc.start()
-    try:
-        if not parent.poll(120):
-            raise RuntimeError(f"{target.__name__} did not start (exit code {proc.exitcode})")
-        yield parent.recv(), proc.pid
-    finally:
-        with contextlib.suppress(OSError):
-            parent.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
 
 
 if __name__ == "__main__":
