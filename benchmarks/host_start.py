@@ -119,22 +119,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
-    import multiprocessing
+    from _agent_farm import STUB_MODEL, serving_process, stub_vllm
 
-    from _agent_farm import STUB_MODEL, stub_vllm
-
-    ctx = multiprocessing.get_context("spawn")
-    conn, child = ctx.Pipe()
-    stub = ctx.Process(target=stub_vllm, args=(child, set(os.sched_getaffinity(0)), 1, 0.05), daemon=True)
-    stub.start()
-    url = conn.recv()
-    try:
+    with serving_process(stub_vllm, set(os.sched_getaffinity(0)), 1, 0.05) as (url, _):
         load_before = os.getloadavg()
         probes = [import_probe() for _ in range(args.repeats)]
         starts = [start_once(url, STUB_MODEL) for _ in range(args.repeats)]
-    finally:
-        conn.send("stop")
-        stub.join(10)
     run = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{os.cpu_count()} CPUs, {_cpu_model()}",

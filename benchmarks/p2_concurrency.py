@@ -49,7 +49,6 @@ import contextlib
 import gc
 import json
 import logging
-import multiprocessing
 import os
 import random
 import sys
@@ -71,7 +70,7 @@ except ImportError:  # not a declared dependency: the agents then use asyncio's 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _agent_farm import STUB_MODEL, stub_vllm
+from _agent_farm import STUB_MODEL, serving_process, stub_vllm
 from _pi_agent import (
     TOOL_OUTPUTS,
     PiConversation,
@@ -268,21 +267,8 @@ class StubVLLM:
 @contextmanager
 def stub_vllm_process(calls: int, cpus: set[int]) -> Iterator[StubVLLM]:
     """`_agent_farm.stub_vllm` (prompt ids echoed, as vLLM does) in a spawned process on `cpus`."""
-    ctx = multiprocessing.get_context("spawn")
-    conn, child = ctx.Pipe()
-    process = ctx.Process(target=stub_vllm, args=(child, cpus, calls, STUB_LATENCY_S, True), daemon=True)
-    process.start()
-    try:
-        if not conn.poll(120):
-            raise RuntimeError(f"the stub vLLM did not start (exit code {process.exitcode})")
-        assert process.pid is not None
-        yield StubVLLM(conn.recv(), psutil.Process(process.pid))
-    finally:
-        if process.is_alive():
-            conn.send("stop")
-        process.join(10)
-        if process.is_alive():
-            process.kill()
+    with serving_process(stub_vllm, cpus, calls, STUB_LATENCY_S, True) as (url, pid):
+        yield StubVLLM(url, psutil.Process(pid))
 
 
 def _vm_hwm(pid: int) -> int:
