@@ -356,6 +356,27 @@ async def test_on_docker_a_project_gets_an_image_with_its_test_requirements(dock
         await backend.close()
 
 
+def test_the_requirements_are_the_runtime_ones_and_a_test_extras(tmp_path: Path) -> None:
+    from swe_grpo.synth.environment import requirements
+
+    pkg_info = """Metadata-Version: 2.1
+Name: p
+Version: 1
+Requires-Dist: attrs>=22
+Requires-Dist: importlib-metadata; python_version < "3.10"
+Requires-Dist: pytest-mock; extra == "test"
+Requires-Dist: hypothesis; python_version >= "3.9" and extra == 'tests'
+Requires-Dist: sphinx; extra == "docs"
+"""
+    (tmp_path / "PKG-INFO").write_text(pkg_info)
+    assert requirements(tmp_path) == [
+        "attrs>=22",
+        'importlib-metadata; python_version < "3.10"',
+        "pytest-mock",
+        'hypothesis; python_version >= "3.9" and "a" == "a"',
+    ]
+
+
 async def test_on_docker_requirements_that_cannot_be_installed_are_a_refusal(docker_url: str, tmp_path: Path) -> None:
     from swe_grpo.sandbox.docker import DockerBackend
 

@@ -40,8 +40,10 @@ REPOSITORY = "swe-grpo-synth-env"
 
 
 def _with_test_extras(requirement: str) -> str:
-    """`requirement` with a test extra's marker made true (pip evaluates the rest)."""
-    return _EXTRA.sub(lambda m: '"a" == "a"' if m.group(1).lower() in TEST_EXTRAS else m.group(0), requirement)
+    """`requirement` with a test extra's marker made true (pip evaluates the rest; a marker that was only the
+    test extra is dropped)."""
+    made = _EXTRA.sub(lambda m: '"a" == "a"' if m.group(1).lower() in TEST_EXTRAS else m.group(0), requirement)
+    return re.sub(r'\s*;\s*"a" == "a"\s*$', "", made)
 
 
 def requirements(tree: Path) -> list[str]:
@@ -50,7 +52,7 @@ def requirements(tree: Path) -> list[str]:
     if pkg_info.is_file():
         message = email.parser.Parser().parsestr(pkg_info.read_text(errors="replace"), headersonly=True)
         found = [_with_test_extras(value) for value in message.get_all("Requires-Dist") or ()]
-        return [r for r in found if "extra" not in r or _EXTRA.search(r) is None or '"a" == "a"' in r]
+        return [r for r in found if _EXTRA.search(r) is None or '"a" == "a"' in r]
     pyproject = tree / "pyproject.toml"
     if not pyproject.is_file():
         return []
