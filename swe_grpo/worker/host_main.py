@@ -13,6 +13,7 @@ one's traceback (`pack_exception` here, `unpack_exception` on the trainer's side
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import itertools
@@ -35,7 +36,12 @@ from transformers import PreTrainedTokenizerBase
 from swe_grpo.agents import Agent
 from swe_grpo.sandbox.base import SandboxBackend
 from swe_grpo.tasks import Task
-from swe_grpo.tokens.template import TemplateKey, remember_training_chat_templates
+from swe_grpo.tokens.template import (
+    TemplateKey,
+    known_training_chat_templates,
+    remember_training_chat_templates,
+    training_chat_template,
+)
 from swe_grpo.types import HostMessage, Policy, RolloutOutlet, RolloutWorkerError
 from swe_grpo.worker.config import WorkerConfig
 from swe_grpo.worker.engine import RolloutEngine
@@ -93,10 +99,20 @@ class HostSpec:
     chat_templates: dict[TemplateKey, str] = field(default_factory=dict)
 
 
+def with_verified_templates(spec: HostSpec) -> HostSpec:
+    """`spec` with the training chat template of its tokenizer verified here, in the trainer, where TRL is loaded
+    already, so the host need not load it (and torch). Whatever fails here fails again in the host, which
+    reports it as its start failure."""
+    with contextlib.suppress(Exception):
+        training_chat_template(spec.engine.tokenizer)
+    return dataclasses.replace(spec, chat_templates=known_training_chat_templates())
+
+
 def build_engine(spec: HostSpec, outlet: RolloutOutlet) -> RolloutEngine:
     """The rollout engine a host runs (`spec.engine`, rollouts in its own thread): its output goes to
     `outlet`, its group ids are its own (host i of N numbers its groups i, i + N, ...), its policy is
     `spec.policy`."""
+    remember_training_chat_templates(spec.chat_templates)
     e = spec.engine
     return RolloutEngine(
         e.tasks,
@@ -134,7 +150,6 @@ def _host_main(
     try:
         _die_with(trainer_pid)
         try:
-            remember_training_chat_templates(spec.chat_templates)
             if spec.setup is not None:
                 spec.setup()
             engine = build_engine(spec, _HostOutlet(outbox, *backlog))

@@ -35,10 +35,8 @@ What holds across the boundary (on top of everything `swe_grpo.worker` guarantee
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import ctypes
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -50,9 +48,15 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
-from swe_grpo.tokens.template import known_training_chat_templates, training_chat_template
 from swe_grpo.types import HostMessage, Policy, RolloutOutlet, RolloutWorkerError
-from swe_grpo.worker.host_main import EngineArgs, HostSpec, _host_main, build_engine, unpack_exception
+from swe_grpo.worker.host_main import (
+    EngineArgs,
+    HostSpec,
+    _host_main,
+    build_engine,
+    unpack_exception,
+    with_verified_templates,
+)
 
 __all__ = ["EngineArgs", "HostMessage", "HostSpec", "ProcessHost", "RolloutHost", "RolloutHosts", "build_engine"]
 
@@ -197,12 +201,7 @@ class ProcessHost:
         return self._process.pid if self._process else None
 
     def start(self) -> None:
-        # The host's InterceptionServer needs the tokenizer's training chat template verified: done here, where
-        # TRL is loaded already, so the host need not load it (and torch). Whatever fails here fails again in
-        # the host, which reports it as its start failure, as it always did.
-        with contextlib.suppress(Exception):
-            training_chat_template(self.spec.engine.tokenizer)
-        self.spec = dataclasses.replace(self.spec, chat_templates=known_training_chat_templates())
+        self.spec = with_verified_templates(self.spec)
         try:
             pickle.dumps(self.spec)
         except Exception as e:  # said plainly here, not as a pickling traceback from inside multiprocessing

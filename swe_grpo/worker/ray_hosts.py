@@ -44,7 +44,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from swe_grpo.types import HostMessage, Policy, RolloutWorkerError
-from swe_grpo.worker.host_main import HostSpec, build_engine
+from swe_grpo.worker.host_main import HostSpec, build_engine, with_verified_templates
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,7 @@ class RayHost:
     def start(self) -> None:
         if not ray.is_initialized():
             ray.init()
+        self.spec = with_verified_templates(self.spec)
         self._launch(self.spec)
 
     def wait_started(self, timeout_s: float) -> None:
