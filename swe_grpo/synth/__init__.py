@@ -9,7 +9,8 @@ packages) or `docker` (an image per project with the test requirements it declar
 1. Baseline: the suite runs twice on the clean code, once with a tracer that records which functions
    each test runs. Tests whose result differs between the two runs are flaky and left out; the tests
    that passed both times run once more as the grader runs them (only them, by id), and those still
-   passing are the stable tests. No report, or no passing test: `SynthError` ("the suite does not run"),
+   passing are the stable tests. No report, no passing test, or none passing when run by id:
+   `SynthError` ("the suite does not run"),
    unless pytest rejected the options of the project's own configuration (`addopts` naming a plugin that is
    not installed): then the suite runs again with `-o addopts=`, and the tasks' `test_cmd` says so.
    unittest suites run the same way (pytest collects `unittest.TestCase` classes).
