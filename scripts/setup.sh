@@ -53,9 +53,9 @@ id swe-sandbox >/dev/null 2>&1 || $SUDO useradd --system --no-create-home --shel
 
 # --- Python environment -----------------------------------------------------------------------------
 # Re-run pip only when the dependencies or the install recipe below change (bump PY_RECIPE for the latter).
-# The demo needs neither Ray (~240 MB) nor the test tools; a full install serves the demo too.
+# The demo needs neither Ray (~240 MB), vllm-router (~70 MB) nor the test tools; a full install serves the demo too.
 PY_RECIPE=3
-ALL_EXTRAS=cpu,dev,ray
+ALL_EXTRAS=cpu,dev,ray,router
 EXTRAS=$ALL_EXTRAS
 ((DEMO_ONLY)) && EXTRAS=cpu
 py_inputs() { echo "$(sha256sum < pyproject.toml | cut -d" " -f1) torch=${TORCH_VERSION} extras=$1 recipe=${PY_RECIPE}"; }

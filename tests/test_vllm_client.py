@@ -18,7 +18,7 @@ from conftest import SERVED_NAME
 from multidict import CIMultiDict
 from transformers import AutoModelForCausalLM
 
-from swe_grpo.extras.vllm_router import VLLMRouter, router_binary
+from swe_grpo.extras.vllm_router import VLLMRouter
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import (
     DEFAULT_ROUTING_HEADER,
@@ -327,7 +327,6 @@ async def test_a_rollouts_turns_carry_its_id(tokenizer) -> None:
     assert fake.routing_keys() == ["rollout-a", "rollout-b", "rollout-a", "rollout-b"]
 
 
-@pytest.mark.skipif(router_binary() is None, reason="vllm-router not installed (extra swe_grpo[router])")
 async def test_vllm_router_keeps_a_rollout_on_one_replica_and_forwards_the_request_whole() -> None:
     """The real vllm-router 0.1.17 (consistent_hash) in front of two FAKE replicas: every turn of a rollout
     reaches the same replica, and the router, which re-serialises the body, keeps every field we send
