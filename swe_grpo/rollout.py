@@ -60,6 +60,7 @@ keeps running (on `local` every exec's processes end with it): a setup_cmd must 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 import uuid
@@ -77,6 +78,8 @@ from swe_grpo.tasks.task import REWARD_MODES, RewardMode
 from swe_grpo.tokens.chain import TrainingRow, TurnRecord, oldest_version
 from swe_grpo.tokens.messages import Message
 from swe_grpo.types import RequestError
+
+log = logging.getLogger(__name__)
 
 _INFRA_REQUEST_ERRORS = ("server_unavailable", "bad_response", "internal")
 # An agent whose exit status is above this died of signal (status - 128): the shell's and docker's convention.
@@ -340,3 +343,31 @@ async def run_rollout(
         trajectory.outcome, trajectory.reward, trajectory.error = result.outcome, result.reward, result.error
     timings["total"] = time.monotonic() - start
     return trajectory
+
+
+async def run_rollout_within(
+    limit_s: float,
+    task: Task,
+    server: InterceptionServer,
+    backend: SandboxBackend,
+    agent: Agent,
+    config: RolloutConfig,
+    rollout_id: str,
+    on_grading: Callable[[Trajectory], None] | None = None,
+) -> Trajectory:
+    """`run_rollout` within `limit_s` seconds, for a caller that runs many (the worker's training and held-out
+    rollouts): whatever goes wrong inside it is its outcome, never an exception: `timeout` past the limit, else
+    `rollout_error`, reward None, logged. Cancellation passes through."""
+    deadline = asyncio.timeout(limit_s)
+    try:
+        async with deadline:
+            return await run_rollout(task, server, backend, agent, config, rollout_id, on_grading=on_grading)
+    except Exception as e:
+        if isinstance(e, TimeoutError) and deadline.expired():
+            outcome, error = "timeout", f"the rollout exceeded the worker's limit of {limit_s:.0f}s"
+        else:
+            outcome, error = "rollout_error", f"{type(e).__name__}: {e}"
+        log.warning("rollout %s of %s ended as %s: %s", rollout_id, task.instance_id, outcome, error, exc_info=e)
+        return Trajectory(
+            instance_id=task.instance_id, rollout_id=rollout_id, outcome=outcome, reward=None, error=error
+        )

@@ -38,7 +38,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from swe_grpo.agents import Agent, AgentConfig, make_agent
-from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
+from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout_within
 from swe_grpo.sandbox import make_backend
 from swe_grpo.sandbox.base import SandboxBackend
 from swe_grpo.serving.interception import InterceptionServer
@@ -410,12 +410,10 @@ class RolloutEngine:
         (`rollout_error`, or `timeout` past the limit); None when it was cancelled as stale."""
         self._in_flight[rollout_id] = asyncio.current_task()  # type: ignore[assignment]
         limit = self.config.rollout_limit_for(task)
-        deadline = asyncio.timeout(limit)
         try:
-            async with deadline:
-                return await run_rollout(
-                    task, self._server, self.backend, self.agent, config, rollout_id, on_grading=self._on_grading
-                )
+            return await run_rollout_within(
+                limit, task, self._server, self.backend, self.agent, config, rollout_id, on_grading=self._on_grading
+            )
         except asyncio.CancelledError:
             if rollout_id in self._stale and not self._stop.is_set():  # type: ignore[union-attr]
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]  # handled: the rollout ends here
@@ -423,15 +421,6 @@ class RolloutEngine:
                 return None
             self._push_metrics({"rollout/stop_cancelled_total": 1.0})
             raise
-        except Exception as e:
-            if isinstance(e, TimeoutError) and deadline.expired():
-                outcome, error = "timeout", f"the rollout exceeded the worker's limit of {limit:.0f}s"
-            else:
-                outcome, error = "rollout_error", f"{type(e).__name__}: {e}"
-            log.warning("rollout %s of %s ended as %s: %s", rollout_id, task.instance_id, outcome, error, exc_info=e)
-            return Trajectory(
-                instance_id=task.instance_id, rollout_id=rollout_id, outcome=outcome, reward=None, error=error
-            )
         finally:
             del self._in_flight[rollout_id]
             self._stale.discard(rollout_id)

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from swe_grpo.agents import Agent
-from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
+from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout_within
 from swe_grpo.sandbox.base import SandboxBackend
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import SamplingParams
@@ -134,7 +134,11 @@ class HeldOutEval:
 
         async def attempt(task: Task, index: int) -> Trajectory:
             async with slots:
-                return await self._attempt(task, f"eval-v{version}-{index}", server, rollout_config)
+                rollout_id = f"eval-v{version}-{index}-{uuid.uuid4().hex[:6]}"
+                limit = self.config.rollout_limit_for(task)
+                return await run_rollout_within(
+                    limit, task, server, self.backend, self.agent, rollout_config, rollout_id
+                )
 
         trajectories = await asyncio.gather(*(attempt(task, i) for i, (task, _) in enumerate(jobs)))
         metrics = round_metrics(trajectories, [task.instance_id for task in self.tasks], self.config.eval_k)
@@ -144,20 +148,3 @@ class HeldOutEval:
         metrics["eval/wall_s"] = time.monotonic() - started
         log.info("held-out eval of policy v%d: resolved %s of %s scored", version, *metrics["eval/resolved_rate"])
         self.outlet.put_metrics(metrics)
-
-    async def _attempt(self, task: Task, name: str, server: Any, config: RolloutConfig) -> Trajectory:
-        """One eval attempt within `rollout_limit_for(task)`; whatever goes wrong inside it is its outcome, as
-        in training (`timeout` past the limit, else `rollout_error`)."""
-        rollout_id = f"{name}-{uuid.uuid4().hex[:6]}"
-        limit = self.config.rollout_limit_for(task)
-        deadline = asyncio.timeout(limit)
-        try:
-            async with deadline:
-                return await run_rollout(task, server, self.backend, self.agent, config, rollout_id)
-        except Exception as e:
-            timed_out = isinstance(e, TimeoutError) and deadline.expired()
-            outcome = "timeout" if timed_out else "rollout_error"
-            log.warning("eval rollout %s of %s ended as %s: %s", rollout_id, task.instance_id, outcome, e, exc_info=e)
-            return Trajectory(
-                instance_id=task.instance_id, rollout_id=rollout_id, outcome=outcome, reward=None, error=str(e)
-            )
