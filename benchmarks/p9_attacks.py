@@ -4,8 +4,8 @@ What. `--rollouts` (default 32) simulated Pi agents run against one `Interceptio
 that sleeps 50 ms and returns a fixed, valid Qwen3 tool call (`_pi_agent.StubGenerator`; a real vLLM would only
 add the same generation time to every request); the tokenizer is the real tiny one. Each agent re-sends its whole
 history every turn, with a think pause of 0.5-1.5 s. After a baseline phase, each attack of issue 23 (section 3)
-runs for `--attack-s` seconds from a process of its own, against its own rollout's door (the unix socket a
-sandbox reaches the server by), with that rollout's token:
+runs for `--attack-s` seconds from a real `local` sandbox (`_p9_attacker.py`, run there as a script), against its
+own rollout's door (the unix socket a sandbox reaches the server by), with that rollout's token:
 
 - idle_flood: 1,100 connections that never send a byte (they exhausted the server's descriptors before);
 - slowloris: 200 connections that send a request head one byte a second and never finish it;
@@ -19,10 +19,12 @@ transport errors, answers without tool calls), the server's RSS peak over its RS
 open descriptors at peak. Targets: 0 errors for the others, their added p99 <= 50 ms, and the server's RSS
 within `RSS_BOUND_MIB` of where it started.
 
-How. The server runs in its own process (as P2/P5), the agents in this process, the attacker in a third; all on
-this machine over 127.0.0.1 and the door socket, competing for its CPUs (`--attacker-nice` stands in for the CPU
-share a sandbox's limits would give the attacker). Not from a real sandbox: the attacker is a host process that
-connects to the door socket as the sandbox's forwarder would (it pipes each connection to it).
+How. The server runs in its own process (as P2/P5), the agents in this process; all on this machine over 127.0.0.1
+and the door sockets, competing for its CPUs. The attacker runs as a rollout's agent would: in a `local` sandbox
+with the default `LocalLimits` (its CPU quota, its open-files limit, no network) and the rollout's door mounted,
+its token in its environment; it connects to the door's socket directly (the stronger attack: the forwarder in
+between would only slow it). `--attacker host` runs it instead in an unconfined process of the host's (at
+`--attacker-nice`), as the first runs of this benchmark did.
 
 Run: `SWE_GRPO_CACHE=/tmp/swecache .venv/bin/python benchmarks/p9_attacks.py` (about 2 minutes; options
 `--rollouts`, `--attack-s`, `--baseline-s`, `--attacks`, `--json PATH`).
@@ -32,15 +34,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import multiprocessing
 import os
 import random
+import runpy
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _p9_attacker import ATTACKS
 from _pi_agent import (
     TOOL_OUTPUTS,
     PiConversation,
@@ -62,13 +65,17 @@ from _pi_agent import (
     server_process,
 )
 
+from swe_grpo.demo.tasks import demo_tasks
+from swe_grpo.sandbox import make_backend
+from swe_grpo.sandbox.local.limits import LocalLimits
+from swe_grpo.serving.door import DOOR_MOUNT, Door
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.types import RolloutEndpoint
 
 STUB_LATENCY_S = 0.05
 MIB = 1024 * 1024
 RSS_BOUND_MIB = 160  # 32 MiB of body, its decoding, and the allocator's slack: see the module docstring
-ATTACKS = ("idle_flood", "slowloris", "big_bodies", "churn", "request_flood")
+ATTACKER = Path(__file__).resolve().parent / "_p9_attacker.py"
 
 
 # --------------------------------------------------------------------------- the server process
@@ -84,7 +91,7 @@ async def _serve(conn: Connection, rollouts: int, attackers: int) -> None:
     server = await InterceptionServer(StubGenerator(tokenizer, 1, STUB_LATENCY_S), tokenizer).start()
     good = [server.open_rollout() for _ in range(rollouts)]
     bad = [server.open_rollout() for _ in range(attackers)]
-    doors = [str((await server.open_door(e.rollout_id)).socket) for e in bad]
+    doors = [await server.open_door(e.rollout_id) for e in bad]
     process = psutil.Process()
     peak = {"rss": 0, "fds": 0}
 
@@ -113,97 +120,32 @@ async def _serve(conn: Connection, rollouts: int, attackers: int) -> None:
     await server.stop()
 
 
-# --------------------------------------------------------------------------- the attacker's process
+# --------------------------------------------------------------------------- the attacker
 
 
-def attack(name: str, socket_path: str, endpoint: RolloutEndpoint, seconds: float, nice: int) -> None:
-    os.nice(nice)  # stands in for the CPU share a sandbox's limits give it (none: 0)
-    asyncio.run(_attack(name, socket_path, endpoint, seconds))
+async def attack_from_sandbox(name: str, door: Door, endpoint: RolloutEndpoint, seconds: float) -> dict[str, Any]:
+    """Run the attack inside a real `local` sandbox (default limits: its CPU quota, open-files limit, no network)
+    that has the rollout's door mounted, as the rollout's agent would have it."""
+    backend = make_backend("local")
+    await backend.start()
+    try:
+        async with await backend.create(demo_tasks()[0], mounts=[door.mount()], network=False) as sandbox:
+            await sandbox.put_file("/tmp/p9_attacker.py", ATTACKER.read_bytes())
+            argv = ["python3", "/tmp/p9_attacker.py", name, f"{DOOR_MOUNT}/{door.socket.name}", endpoint.rollout_id]
+            result = await sandbox.exec([*argv, str(seconds)], timeout_s=seconds + 60, env={"P9_TOKEN": endpoint.token})
+    finally:
+        await backend.close()
+    if result.exit_code != 0:
+        raise RuntimeError(f"the attacker failed in its sandbox (exit {result.exit_code}): {result.stderr[-500:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _head(endpoint: RolloutEndpoint, chunked: bool = False, length: int = 0) -> bytes:
-    size = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {length}"
-    return (
-        f"POST /rollout/{endpoint.rollout_id}/v1/chat/completions HTTP/1.1\r\nHost: door\r\n"
-        f"Authorization: Bearer {endpoint.token}\r\nContent-Type: application/json\r\n{size}\r\n\r\n"
-    ).encode()
-
-
-async def _attack(name: str, path: str, endpoint: RolloutEndpoint, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    held: list[asyncio.StreamWriter] = []
-
-    async def connect() -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
-        with contextlib.suppress(OSError):
-            return await asyncio.open_unix_connection(path)
-        return None
-
-    async def hold(count: int, dribble: bytes = b"") -> None:
-        """Keep `count` connections open (re-opening those the server closes), sending `dribble` a byte a second."""
-        slots: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, int] | None] = [None] * count
-        while time.monotonic() < deadline:
-            for i, slot in enumerate(slots):
-                if slot is None or slot[0].at_eof() or slot[1].is_closing():
-                    if slot is not None:
-                        slot[1].close()
-                    opened = await connect()
-                    slots[i] = (*opened, 0) if opened else None
-                elif dribble and slot[2] < len(dribble):
-                    with contextlib.suppress(OSError):
-                        slot[1].write(dribble[slot[2] : slot[2] + 1])
-                    slots[i] = (slot[0], slot[1], slot[2] + 1)
-            await asyncio.sleep(1.0 if dribble else 0.2)
-        held.extend(s[1] for s in slots if s is not None)
-
-    async def big_body() -> None:
-        chunk = b"100000\r\n" + b"x" * 0x100000 + b"\r\n"  # 1 MiB chunks
-        while time.monotonic() < deadline:
-            opened = await connect()
-            if opened is None:
-                continue
-            reader, writer = opened
-            writer.write(_head(endpoint, chunked=True))
-            answered = asyncio.ensure_future(reader.read(100))
-            with contextlib.suppress(OSError):
-                for _ in range(150):
-                    if answered.done() or time.monotonic() > deadline:
-                        break
-                    writer.write(chunk)
-                    await writer.drain()
-            answered.cancel()
-            writer.close()
-
-    async def churn() -> None:
-        while time.monotonic() < deadline:
-            opened = await connect()
-            if opened:
-                opened[1].close()
-
-    async def request_flood() -> None:
-        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": False}).encode()
-        while time.monotonic() < deadline:
-            opened = await connect()
-            if opened is None:
-                await asyncio.sleep(0.01)
-                continue
-            reader, writer = opened
-            writer.write(_head(endpoint, length=len(body)) + body)
-            with contextlib.suppress(OSError, TimeoutError):
-                await asyncio.wait_for(reader.read(100), 1.0)
-            writer.close()
-
-    if name == "idle_flood":
-        await hold(1100)
-    elif name == "slowloris":
-        await hold(200, _head(endpoint)[:-4])
-    elif name == "big_bodies":
-        await asyncio.gather(*(big_body() for _ in range(3)))
-    elif name == "churn":
-        await churn()
-    elif name == "request_flood":
-        await asyncio.gather(*(request_flood() for _ in range(16)))
-    for writer in held:
-        writer.close()
+def attack_from_host(name: str, path: str, endpoint: RolloutEndpoint, seconds: float, nice: int) -> None:
+    """The attack from a process of the host's, unconfined (`--attacker host`), at nice `nice`."""
+    os.nice(nice)
+    os.environ["P9_TOKEN"] = endpoint.token
+    sys.argv = [str(ATTACKER), name, path, endpoint.rollout_id, str(seconds)]
+    runpy.run_path(str(ATTACKER), run_name="__main__")
 
 
 # --------------------------------------------------------------------------- the well-behaved agents
@@ -243,32 +185,38 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         timeout = aiohttp.ClientTimeout(total=30)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
             agents = [asyncio.create_task(agent(session, e, random.Random(i), stop, tl)) for i, e in enumerate(good)]
-            phases: list[tuple[str, float, float, dict[str, int]]] = []
+            phases: list[tuple[str, float, float, dict[str, int], dict[str, Any]]] = []
             await asyncio.sleep(args.baseline_s / 2)  # warm up
             running.conn.send("peak")
             start_peak = running.conn.recv()
             started = time.perf_counter()
             await asyncio.sleep(args.baseline_s / 2)
             running.conn.send("peak")
-            phases.append(("baseline", started, time.perf_counter(), running.conn.recv()))
+            phases.append(("baseline", started, time.perf_counter(), running.conn.recv(), {}))
             ctx = multiprocessing.get_context("spawn")
-            for name, endpoint, path in zip(args.attacks, bad, doors, strict=False):
+            for name, endpoint, door in zip(args.attacks, bad, doors, strict=False):
                 started = time.perf_counter()
-                process = ctx.Process(
-                    target=attack, args=(name, path, endpoint, args.attack_s, args.attacker_nice), daemon=True
-                )
-                process.start()
-                await loop.run_in_executor(None, process.join, args.attack_s + 60)
-                if process.is_alive():
-                    process.kill()
+                did: dict[str, Any] = {}
+                if args.attacker == "sandbox":
+                    did = await attack_from_sandbox(name, door, endpoint, args.attack_s)
+                else:
+                    process = ctx.Process(
+                        target=attack_from_host,
+                        args=(name, str(door.socket), endpoint, args.attack_s, args.attacker_nice),
+                        daemon=True,
+                    )
+                    process.start()
+                    await loop.run_in_executor(None, process.join, args.attack_s + 60)
+                    if process.is_alive():
+                        process.kill()
                 running.conn.send("peak")
-                phases.append((name, started, time.perf_counter(), running.conn.recv()))
+                phases.append((name, started, time.perf_counter(), running.conn.recv(), did))
                 await asyncio.sleep(2.0)  # let what the attack left be cleaned up before the next
             stop.set()
             await asyncio.gather(*agents)
         server = running.finish()
     rows = []
-    for name, t0, t1, peak in phases:
+    for name, t0, t1, peak, did in phases:
         added = [b - a - STUB_LATENCY_S for a, b in tl.requests if t0 <= a < t1]
         errors = [e for t, e in tl.errors if t0 <= t < t1]
         rows.append(
@@ -282,6 +230,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "added_ms_max": round(max(added, default=float("nan")) * 1e3, 1),
                 "rss_peak_over_start_mib": round((peak["rss"] - start_peak["rss"]) / MIB, 1),
                 "fds_peak": peak["fds"],
+                "attacker": did,
             }
         )
     return {"phases": rows, "server": server, "rss_start_mib": round(start_peak["rss"] / MIB, 1)}
@@ -293,7 +242,13 @@ def main() -> int:
     parser.add_argument("--attack-s", type=float, default=15.0)
     parser.add_argument("--baseline-s", type=float, default=15.0)
     parser.add_argument("--attacks", type=lambda s: s.split(","), default=list(ATTACKS))
-    parser.add_argument("--attacker-nice", type=int, default=0, help="the attacker's nice value (default 0)")
+    parser.add_argument(
+        "--attacker",
+        choices=("sandbox", "host"),
+        default="sandbox",
+        help="run each attack in a real `local` sandbox with the door (default), or in an unconfined host process",
+    )
+    parser.add_argument("--attacker-nice", type=int, default=0, help="with --attacker host: its nice value")
     parser.add_argument("--json", type=Path, help="write the results here as JSON")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -309,7 +264,9 @@ def main() -> int:
     result.update(
         rollouts=args.rollouts,
         attack_s=args.attack_s,
-        attacker_nice=args.attacker_nice,
+        attacker=args.attacker,
+        attacker_nice=args.attacker_nice if args.attacker == "host" else None,
+        sandbox_limits=asdict(LocalLimits()) if args.attacker == "sandbox" else None,
         stub_latency_ms=STUB_LATENCY_S * 1e3,
         rss_bound_mib=RSS_BOUND_MIB,
         targets_met=met,

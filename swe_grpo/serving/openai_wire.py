@@ -72,16 +72,21 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> t
     """The request's JSON object and its size in bytes: 413 over `max_bytes` (refused before a byte is read when
     its Content-Length says so), 408 when it has not arrived whole within `timeout_s`, 400 when it is not a JSON
     object. A `ConnectionError` (the agent went away mid-body) is raised as it is."""
-    too_big = APIError(413, f"request body over {max_bytes} bytes")
+    too_big = f"request body over {max_bytes} bytes"
     if (request.content_length or 0) > max_bytes:
-        raise too_big
+        raise APIError(413, too_big)
+    refused: APIError | None = None
     try:
         async with asyncio.timeout(timeout_s):
             raw = await request.read()  # aiohttp stops at `client_max_size` (the same limit) too
     except TimeoutError:
-        raise APIError(408, f"request body not received within {timeout_s:g} s") from None
+        refused = APIError(408, f"request body not received within {timeout_s:g} s")
     except HTTPRequestEntityTooLarge:
-        raise too_big from None
+        refused = APIError(413, too_big)
+    # Raised out here, not in the handlers: an exception raised there would chain the reader's, whose frame holds
+    # what was read (up to `max_bytes`), in a cycle only the cyclic collector frees; repeated, those pile up.
+    if refused is not None:
+        raise refused
     try:
         body = orjson.loads(raw)  # the whole history, every turn: decode it fast
     except orjson.JSONDecodeError:
