@@ -6,9 +6,10 @@ shows they do, by running them with plain pytest and trusting its JUnit report."
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -277,6 +278,21 @@ async def test_the_probe_sees_which_witnesses_a_runner_supports(local_backend: L
     assert (witnesses.canaries, witnesses.summary, witnesses.audit) == (True, True, False)
     witnesses = await probe_runner(local_backend, replace(INIPARSE, test_cmd="true"), {}, 60)
     assert (witnesses.canaries, witnesses.summary, witnesses.audit) == (False, False, False)
+
+
+async def test_a_grade_names_the_witnesses_that_were_active(local_backend: LocalBackend) -> None:
+    """`GradeResult.witnesses` says which layers vouched for a grade, as the probe decided them: all five for
+    a task run by `python3 -m pytest`; no boot for a runner started by absolute path (the PATH shim never
+    runs); no scan where the task allows all its rules. The field travels wherever a grade is written."""
+    every = ("scan", "pinned_env", "boot", "canaries", "consistency")
+    full = await grade(INIPARSE, INIPARSE.patch, local_backend, timeout_s=60)
+    assert (full.outcome, full.witnesses) == ("resolved", every), (full.error, full.log_tail)
+    absolute = replace(INIPARSE, test_cmd=DEFAULT_TEST_CMD.replace("python3", "/usr/bin/python3"))
+    no_boot = await grade(absolute, INIPARSE.patch, local_backend, timeout_s=60)
+    assert (no_boot.outcome, no_boot.witnesses) == ("resolved", tuple(w for w in every if w != "boot"))
+    unscanned = await grade(replace(INIPARSE, tamper_allow=tuple(SCAN_RULES)), "", local_backend, timeout_s=60)
+    assert (unscanned.outcome, unscanned.witnesses) == ("unresolved", every[1:])
+    assert json.loads(json.dumps(asdict(no_boot)))["witnesses"] == ["scan", "pinned_env", "canaries", "consistency"]
 
 
 ROW = {

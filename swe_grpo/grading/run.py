@@ -22,7 +22,7 @@ from swe_grpo.grading.steps import (
     nul_list,
     step,
 )
-from swe_grpo.grading.tamper import scan_patch
+from swe_grpo.grading.tamper import SCAN_RULES, scan_patch
 from swe_grpo.sandbox.base import ExecResult, Exhaustion, Sandbox, SandboxBackend, SandboxError
 from swe_grpo.tasks import Task
 from swe_grpo.tasks.task import REWARD_MODES, RewardMode
@@ -33,6 +33,11 @@ Outcome = Literal[
 
 _LOG_TAIL_CHARS = 4000
 
+#: The grader's witness layers, in `GradeResult.witnesses`' order: the static scan of the patch, the pinned
+#: environment, the boot (audit hook and exit scan), the canaries, and the run's consistency with the
+#: runner's `-rA` summary (every test and canary alike in both reports, the closing counts, the exit status).
+WITNESSES = ("scan", "pinned_env", "boot", "canaries", "consistency")
+
 
 @dataclass(frozen=True)
 class GradeResult:
@@ -41,7 +46,11 @@ class GradeResult:
     `reward_mode` (the mode that produced it: the task's, else the run's) the share of FAIL_TO_PASS tests
     passing for an `unresolved` run whose PASS_TO_PASS tests all pass. `tests` maps
     every F2P/P2P test id to passed|xfail|xpass|failed|error|skipped|missing (empty when no report was
-    obtained); `dropped_paths` are the paths removed from the patch as protected; `timings` in seconds."""
+    obtained); `dropped_paths` are the paths removed from the patch as protected; `witnesses` names the
+    layers of `WITNESSES` armed for this grade, as the task's probe decided (the boot, the canaries and the
+    consistency checks only where it saw them work without the patch; the scan unless the task allows every
+    rule; empty when no probe result reached the grade: a broken task, a sandbox failure); `timings` in
+    seconds."""
 
     instance_id: str
     outcome: Outcome
@@ -56,6 +65,7 @@ class GradeResult:
     timings: dict[str, float] = field(default_factory=dict)
     log_tail: str = ""
     reward_mode: RewardMode = "binary"
+    witnesses: tuple[str, ...] = ()
 
 
 @dataclass
@@ -251,6 +261,20 @@ def _join(*parts: str | None) -> str | None:
     return "; ".join(part for part in parts if part) or None
 
 
+def _armed(task: Task, probe: Probe | None) -> tuple[str, ...]:
+    """The layers of `WITNESSES` a grade of `task` arms, given what its probe found."""
+    if probe is None:
+        return ()
+    armed = {
+        "scan": not set(SCAN_RULES) <= set(task.tamper_allow),
+        "pinned_env": True,
+        "boot": probe.audit,
+        "canaries": probe.canaries,
+        "consistency": probe.summary,
+    }
+    return tuple(layer for layer in WITNESSES if armed[layer])
+
+
 def _finished(run: _Run) -> bool:
     return run.witnessed is not None and not run.witnessed.tests.timed_out and run.statuses is not None
 
@@ -335,6 +359,7 @@ async def grade(
             timings={**timings, "total_s": time.monotonic() - started},
             log_tail=output[-_LOG_TAIL_CHARS:],
             reward_mode=mode,
+            witnesses=_armed(task, run.probe),
         )
 
     async def attempt(patch: str, timings: dict[str, float]) -> _Run:
