@@ -16,7 +16,7 @@ import sys
 import time
 from collections import Counter
 
-ATTACKS = ("idle_flood", "slowloris", "big_bodies", "churn", "request_flood")
+ATTACKS = ("idle_flood", "slowloris", "big_bodies", "churn", "request_flood", "keepalive_flood")
 
 
 def _head(rollout_id: str, token: str, chunked: bool = False, length: int = 0) -> bytes:
@@ -102,6 +102,28 @@ async def attack(name: str, path: str, rollout_id: str, token: str, seconds: flo
             await answer(reader, 1.0)
             writer.close()
 
+    async def keepalive_flood() -> None:
+        """Valid requests back to back on one kept-alive connection: no new connection, so no accept rate holds it."""
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": False}).encode()
+        request = _head(rollout_id, token, length=len(body)) + body
+        while time.monotonic() < deadline:
+            opened = await connect()
+            if opened is None:
+                continue
+            reader, writer = opened
+            with contextlib.suppress(OSError, TimeoutError, ValueError, asyncio.IncompleteReadError):
+                while time.monotonic() < deadline and not reader.at_eof():
+                    writer.write(request)
+                    counts["requests_sent"] += 1
+                    status = await asyncio.wait_for(reader.readline(), 5.0)
+                    counts[f"status_{status.split()[1].decode()}" if status.startswith(b"HTTP/") else "no_answer"] += 1
+                    length = 0
+                    while (line := await asyncio.wait_for(reader.readline(), 5.0)) not in (b"\r\n", b""):
+                        if line.lower().startswith(b"content-length:"):
+                            length = int(line.split(b":")[1])
+                    await reader.readexactly(length)
+            writer.close()
+
     if name == "idle_flood":
         await hold(1100)
     elif name == "slowloris":
@@ -112,6 +134,8 @@ async def attack(name: str, path: str, rollout_id: str, token: str, seconds: flo
         await churn()
     elif name == "request_flood":
         await asyncio.gather(*(request_flood() for _ in range(16)))
+    elif name == "keepalive_flood":
+        await asyncio.gather(*(keepalive_flood() for _ in range(8)))
     else:
         raise ValueError(f"unknown attack {name!r}: one of {ATTACKS}")
     for writer in held:

@@ -12,12 +12,13 @@ own rollout's door (the unix socket a sandbox reaches the server by), with that 
 - big_bodies: 3 connections at a time, each streaming 150 MiB of a chunked body (no length to refuse it by),
   over and over (three raised the server's RSS by 450 MiB before);
 - churn: connections opened and closed as fast as one process can;
-- request_flood: 16 valid requests at once, over and over (each supersedes the one before).
+- request_flood: 16 valid requests at once, over and over, each on a new connection (each supersedes the one before);
+- keepalive_flood: valid requests back to back on 8 kept-alive connections (no accept rate holds them).
 
 Reported per phase: the others' added latency (round-trip - 50 ms) p50 / p99 / max, their errors (non-200,
-transport errors, answers without tool calls), the server's RSS peak over its RSS before the attacks, and its
-open descriptors at peak. Targets: 0 errors for the others, their added p99 <= 50 ms, and the server's RSS
-within `RSS_BOUND_MIB` of where it started.
+transport errors, answers without tool calls), the server's RSS peak over its RSS before the attacks, its open
+descriptors at peak, the share of one core the server used, and what the attacker did (its own counts). Targets:
+0 errors for the others, their added p99 <= 50 ms, and the server's RSS within `RSS_BOUND_MIB` of where it started.
 
 How. The server runs in its own process (as P2/P5), the agents in this process; all on this machine over 127.0.0.1
 and the door sockets, competing for its CPUs. The attacker runs as a rollout's agent would: in a `local` sandbox
@@ -93,7 +94,7 @@ async def _serve(conn: Connection, rollouts: int, attackers: int) -> None:
     bad = [server.open_rollout() for _ in range(attackers)]
     doors = [await server.open_door(e.rollout_id) for e in bad]
     process = psutil.Process()
-    peak = {"rss": 0, "fds": 0}
+    peak = {"rss": 0, "fds": 0, "cpu_s": 0.0}
 
     async def sample() -> None:
         while True:
@@ -105,9 +106,10 @@ async def _serve(conn: Connection, rollouts: int, attackers: int) -> None:
     conn.send((good, bad, doors))
     loop = asyncio.get_running_loop()
     while (command := await loop.run_in_executor(None, conn.recv)) != "stop":
-        if command == "peak":  # the peak since the last ask, then start again from now
-            conn.send(dict(peak))
-            peak.update(rss=process.memory_info().rss, fds=process.num_fds())
+        if command == "peak":  # the peak since the last ask, then start again from now (and the CPU time used)
+            cpu = process.cpu_times()
+            conn.send({**peak, "cpu_s": cpu.user + cpu.system - peak["cpu_s"]})
+            peak.update(rss=process.memory_info().rss, fds=process.num_fds(), cpu_s=cpu.user + cpu.system)
         elif command == "report":
             records = [server.close_rollout(e.rollout_id) for e in good]
             conn.send(
@@ -230,6 +232,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "added_ms_max": round(max(added, default=float("nan")) * 1e3, 1),
                 "rss_peak_over_start_mib": round((peak["rss"] - start_peak["rss"]) / MIB, 1),
                 "fds_peak": peak["fds"],
+                "server_cpu_share": round(peak["cpu_s"] / (t1 - t0), 2),  # of one core, over the phase
                 "attacker": did,
             }
         )
@@ -275,9 +278,10 @@ def main() -> int:
         load_after=[round(x, 2) for x in os.getloadavg()],
         run_s=round(time.perf_counter() - t0, 1),
     )
-    headers = ["phase", "others' requests", "errors", "added p50 ms", "added p99 ms", "max ms", "RSS peak +MiB", "fds"]
+    headers = ["phase", "others' requests", "errors", "added p50 ms", "added p99 ms", "max ms", "RSS peak +MiB"]
+    headers += ["fds", "server CPU"]
     keys = ["phase", "requests", "errors", "added_ms_p50", "added_ms_p99", "added_ms_max", "rss_peak_over_start_mib"]
-    table = [[str(r[k]) for k in [*keys, "fds_peak"]] for r in result["phases"]]
+    table = [[str(r[k]) for k in [*keys, "fds_peak", "server_cpu_share"]] for r in result["phases"]]
     print(markdown_table(headers, table))
     print(
         f"\nserver-recorded errors/forks of the others: {result['server']}; targets (0 errors, p99 <= 50 ms, RSS "

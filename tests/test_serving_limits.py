@@ -289,3 +289,55 @@ async def test_a_refused_body_is_freed_with_its_answer(ending: str) -> None:
         srv.close_rollout(endpoint.rollout_id)
     assert reply.startswith(b"HTTP/1.1 413" if ending == "over_the_cap" else b"HTTP/1.1 408"), reply
     assert held < LIMITS.max_request_bytes // 8, held / MIB
+
+
+KEEPALIVE_FLOOD = """
+import json, socket, sys, time
+path, rollout, token, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": False}).encode()
+request = (f"POST /rollout/{rollout}/v1/chat/completions HTTP/1.1\\r\\nHost: door\\r\\nAuthorization: Bearer {token}"
+           f"\\r\\nContent-Type: application/json\\r\\nContent-Length: {len(body)}\\r\\n\\r\\n").encode() + body
+s = socket.socket(socket.AF_UNIX)
+s.connect(path)
+reader, answered, end = s.makefile("rb"), 0, time.monotonic() + seconds
+while time.monotonic() < end:
+    s.sendall(request)
+    length = 0
+    while (line := reader.readline()) not in (b"\\r\\n", b""):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    reader.read(length)
+    answered += 1
+print(answered)
+"""
+
+
+async def test_requests_back_to_back_on_a_kept_alive_connection_are_held_to_the_rollouts_rate(http) -> None:
+    """A rollout that sends valid requests back to back on one kept-alive door connection (each superseding the one
+    before; no new connection, so no accept rate held it) had thousands a second served: one rollout kept the
+    server's event loop busy. Now a rollout's requests are held to `rollout_requests_per_s` (bursts of
+    `rollout_request_burst`) before anything of them is read: the flood gets about that many answers, each held
+    request costs a sleeping handler, and another rollout is served as fast as before."""
+    async with limited_server() as srv:
+        attacker, victim = srv.open_rollout(), srv.open_rollout()
+        door = await srv.open_door(attacker.rollout_id)
+        quiet = sorted([await served(http, srv, victim) for _ in range(5)])[2]
+        flood = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            KEEPALIVE_FLOOD,
+            str(door.socket),
+            attacker.rollout_id,
+            attacker.token,
+            "3",
+            stdout=asyncio.subprocess.PIPE,
+        )
+        await asyncio.sleep(0.5)
+        busy = sorted([await served(http, srv, victim) for _ in range(5)])[2]
+        answered = int((await flood.communicate())[0])
+        await srv.close_door(door)
+        record = srv.close_rollout(attacker.rollout_id)
+    allowed = LIMITS.rollout_request_burst + 3 * LIMITS.rollout_requests_per_s
+    assert answered <= allowed + 2 and record.requests <= allowed + 2, (answered, record.requests, allowed)
+    assert record.paced_requests >= answered - LIMITS.rollout_request_burst - 1
+    assert busy < quiet + 0.01, (quiet, busy)

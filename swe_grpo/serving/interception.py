@@ -309,6 +309,7 @@ class InterceptionServer:
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         rollout = self._authorize(request)
+        await rollout.pace(self.limits.rollout_requests_per_s, self.limits.rollout_request_burst)
         me = asyncio.current_task()
         assert me is not None
         rollout.supersede(me)  # before the body is read: a rollout has one request in flight, the newest

@@ -21,6 +21,11 @@ connections make the server hold (memory for bodies, descriptors for connections
   at most one body of at most `max_request_bytes` [32 MiB: 16 x a 2 MB tool output, more than any context
   window holds] plus its waiting connections' read buffers (aiohttp stops reading a connection whose buffered
   body passes 2 x 64 KiB). And a freed body goes back to the system (`return_big_buffers`).
+- rate: a rollout's requests are held, before anything of them is read, to `rollout_requests_per_s` [20] a second
+  in bursts of `rollout_request_burst` [20] (`RolloutSession.pace`). Valid requests sent back to back on a
+  kept-alive connection, each superseding the one before, pass no accept rate: one rollout had thousands a second
+  served and kept the event loop busy (P9's keepalive_flood: 0.92 of a core). A held request costs a sleeping
+  handler; an agent, which waits for each reply and for its tools, never comes near the rate.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ class ServingLimits:
     descriptor_share: float = 0.5
     idle_timeout_s: float = 30.0
     body_timeout_s: float = 60.0
+    rollout_requests_per_s: float = 20.0
+    rollout_request_burst: int = 20
 
     def total_connections(self) -> int:
         """How many connections all listeners together may hold: a share of the descriptors this process may open."""

@@ -3,8 +3,9 @@
 A `RolloutSession` holds a rollout's endpoint (its id, URL and secret), its TokenChain, its sampling, its counters
 and the errors recorded against it. It serialises the rollout's requests: `lock` is held while one is served, and
 `supersede` ends every older request of the rollout when a newer one arrives, so that at most one reply is ever
-delivered, the newest's. `record_error` keeps a named `RequestError` per failure, at most `ERRORS_PER_KIND` of
-each kind (an attacker's rollout can send bad requests without end; later ones are only counted). `close` refuses
+delivered, the newest's; `pace` holds its requests to a rate. `record_error` keeps a named `RequestError` per
+failure, at most `ERRORS_PER_KIND` of each kind (an attacker's rollout can send bad requests without end; later ones
+are only counted). `close` refuses
 further requests and abandons those in flight; `record()` is the `RolloutRecord` that `close_rollout` returns.
 Single event loop, no threads: nothing here locks beyond the rollout's `lock`.
 """
@@ -43,6 +44,7 @@ class RolloutRecord:
     retries: int = 0  # turns whose undelivered reply an agent's retry replaced (`TurnRecord.retries`, summed)
     errors_not_recorded: int = 0  # errors beyond `ERRORS_PER_KIND` of their kind, only counted
     refused_connections: int = 0  # connections to its door over the door's cap
+    paced_requests: int = 0  # requests held back to keep the rollout within its request rate
 
 
 @dataclass
@@ -66,6 +68,8 @@ class RolloutSession:
     body_bytes: int = 0  # the size of its latest request
     errors_not_recorded: int = 0
     refused_connections: int = 0
+    paced_requests: int = 0
+    next_slot: float = 0.0  # when the rollout's next request is due at its rate (`pace`)
 
     def close(self) -> None:
         """Refuse further requests and abandon those in flight: cancelling a handler cancels its generation,
@@ -73,6 +77,17 @@ class RolloutSession:
         self.closed = True
         for task in self.pending:
             task.cancel()
+
+    async def pace(self, per_second: float, burst: int) -> None:
+        """Hold the calling request until the rollout is within `per_second` requests a second, in bursts of
+        `burst` (a generic cell-rate algorithm: each request reserves the next slot on arrival, so held requests
+        go on in the order they came)."""
+        now = time.monotonic()
+        self.next_slot = max(self.next_slot, now) + 1 / per_second
+        delay = self.next_slot - now - burst / per_second
+        if delay > 0:
+            self.paced_requests += 1
+            await asyncio.sleep(delay)
 
     def supersede(self, newer: asyncio.Task) -> None:
         """`newer` is now the rollout's request: the one being served and any waiting are ended (their handlers
@@ -106,4 +121,5 @@ class RolloutSession:
             retries=sum(t.retries for t in chain.turns),
             errors_not_recorded=self.errors_not_recorded,
             refused_connections=self.refused_connections,
+            paced_requests=self.paced_requests,
         )

@@ -88,6 +88,5 @@ __all__ = [
 ]
 
 
-
 def __getattr__(name: str) -> object:
     return moved_name(__name__, name)  # the Pi capture harness, now in swe_grpo.testing.pi_capture
