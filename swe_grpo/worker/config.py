@@ -161,6 +161,17 @@ class WorkerConfig:
                 "tool calls as TRL's worker does. Leave it unset; agent_timeout_s and max_completion_length bound "
                 "a rollout."
             )
+        # Fixed-count micro-batches (token_budget <= 0) close every `per_step` samples, wherever a group
+        # ends: unless a step is a whole number of groups, every step trains part of a group and the next
+        # step, with other weights, the rest (tests/test_group_steps.py).
+        per_step = args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
+        if args.token_budget is not None and args.token_budget <= 0 and per_step % args.num_generations:
+            raise ValueError(
+                f"per_device_train_batch_size={args.per_device_train_batch_size} x {args.world_size} process(es) x "
+                f"gradient_accumulation_steps={args.gradient_accumulation_steps} = {per_step} samples per optimizer "
+                f"step is not a multiple of num_generations={args.num_generations}: with token_budget <= 0 "
+                "(fixed-count micro-batches) every step would train part of a group. Make it a multiple."
+            )
         shared = {
             "num_generations": args.num_generations,
             "max_staleness": args.max_staleness,

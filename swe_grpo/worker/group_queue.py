@@ -16,6 +16,11 @@ handed over with `model_version + k`: TRL then sees the staleness the group had 
 read, and keeps or drops it as it did that one. The true staleness of such samples is reported in metrics
 (`groups/read_after_sync_*`), so what was trained past `max_staleness` is counted, never hidden.
 
+Groups are handed over whole and in order, so an optimizer step trains a run of consecutive groups. Where
+that run ends is TRL's batchers' choice, not this queue's: a group can be trained in two consecutive steps
+(then only the first and last group of a step are partial), unless micro-batches hold a fixed count and
+every group has `num_generations` samples (tests/test_group_steps.py).
+
 Groups arrive as `swe_grpo.worker.groups.Sample`s (what a rollout host can build without TRL) and are
 stored as TRL's own `RolloutSample`s, the class its `RolloutQueueDataset` reads.
 """
