@@ -21,6 +21,7 @@ from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.grading import (
     DEFAULT_TEST_CMD,
     SCAN_RULES,
+    WITNESSES,
     AuditReport,
     GradeResult,
     RunReports,
@@ -197,6 +198,37 @@ def test_reports_that_agree_and_count_right() -> None:
     assert RunReports.parse(IDS, JUNIT, SUMMARY.replace("=" * 20 + " 1 failed", "1 failed")).count_mismatch() is None
 
 
+XPASS_IDS = ["t/test_a.py::test_x", "t/test_a.py::test_x[a b]", "t/test_a.py::test_y"]
+XPASS_JUNIT = """<?xml version="1.0"?><testsuites><testsuite>
+<testcase classname="t.test_a" name="test_x"/><testcase classname="t.test_a" name="test_x[a b]"/>
+<testcase classname="t.test_a" name="test_y"/></testsuite></testsuites>"""
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        # pytest < 8 writes an XPASS's reason after a space, pytest 8 after " - ".
+        [
+            "XPASS t/test_a.py::test_x later - maybe",
+            "XPASS t/test_a.py::test_x[a b] later",
+            "XPASS t/test_a.py::test_y",
+        ],
+        [
+            "XPASS t/test_a.py::test_x - later - maybe",
+            "XPASS t/test_a.py::test_x[a b] - later",
+            "XPASS t/test_a.py::test_y",
+        ],
+    ],
+)
+def test_a_non_strict_xpass_is_a_pass_in_junit_and_an_xpass_in_the_summary(lines: list[str]) -> None:
+    """JUnit has no word for a non-strict XPASS (a testcase without children, as a pass): the two reports agree,
+    and the test's status is the summary's, whichever way pytest wrote its reason."""
+    summary = "=== short test summary info ===\n" + "\n".join(lines) + "\n=== 3 xpassed in 0.1s ===\n"
+    reports = RunReports.parse(XPASS_IDS, XPASS_JUNIT, summary)
+    assert (reports.disagreements(XPASS_IDS), reports.count_mismatch()) == ([], None)
+    assert report_statuses(XPASS_IDS, XPASS_JUNIT, summary) == dict.fromkeys(XPASS_IDS, "xpass")
+
+
 @pytest.mark.parametrize(
     ("junit", "summary", "disagree", "mismatch"),
     [
@@ -285,6 +317,7 @@ async def test_a_grade_names_the_witnesses_that_were_active(local_backend: Local
     a task run by `python3 -m pytest`; no boot for a runner started by absolute path (the PATH shim never
     runs); no scan where the task allows all its rules. The field travels wherever a grade is written."""
     every = ("scan", "pinned_env", "boot", "canaries", "consistency")
+    assert every == WITNESSES
     full = await grade(INIPARSE, INIPARSE.patch, local_backend, timeout_s=60)
     assert (full.outcome, full.witnesses) == ("resolved", every), (full.error, full.log_tail)
     absolute = replace(INIPARSE, test_cmd=DEFAULT_TEST_CMD.replace("python3", "/usr/bin/python3"))

@@ -42,15 +42,18 @@ repository at `base_commit`, no network) and always destroys it:
    a foreign line, or without the runner's start or exit record is `grading_tampered`.
 6. Per-test statuses come from the JUnit XML and the `-rA` summary on stdout together (see
    `report_statuses`; the worst wins). A FAIL_TO_PASS test passes only as PASSED (an XFAIL or XPASS of
-   one is not a fix, unless `Task.expected_statuses` records that status from its gold run); a
-   PASS_TO_PASS test passes as PASSED, XFAIL or a non-strict XPASS (SWE-bench semantics); a test no
-   report names counts as failed. Then a run that would resolve must be complete and consistent, or it
+   one is not a fix, unless `Task.expected_statuses` records that status from its gold run:
+   `gold_statuses`, `swe-grpo tasks calibrate`); a PASS_TO_PASS test passes as PASSED, XFAIL or a
+   non-strict XPASS (SWE-bench semantics; JUnit writes that XPASS as a pass, the summary names it); a
+   test no report names counts as failed. Then a run that would resolve must be complete and consistent, or it
    is `grading_tampered`: a JUnit report (the summary alone resolves nothing: `unresolved`), the summary
    where this runner prints one, the two agreeing about every test and canary, the summary's closing
    counts matching its status lines and the JUnit testcases, the canaries as they must be, and the exit
    status matching (1, for the failing canary). A task without FAIL_TO_PASS tests cannot be resolved
    (`infra_error`). When the tests need a fixture no loaded plugin provides ("fixture 'mocker' not
    found") or async tests were skipped for want of a plugin, the grade's `error` says so.
+   `GradeResult.witnesses` names the layers armed for the grade (`WITNESSES`: scan, pinned_env, boot,
+   canaries, consistency), as the probe decided.
 
 Why protected paths, not just "the files the test patch touches" (what SWE-bench reverts): a patch could
 otherwise make tests pass without fixing anything, by editing or deleting tests, adding a conftest.py
@@ -124,10 +127,11 @@ configuration by name. The probe sees the modules imported on the way to one tes
 other tests' runs import lazily is covered when it is in the standard library or named pytest*.
 """
 
+from swe_grpo.grading.gold import Calibration, GoldUnresolved, calibrate_file, gold_statuses
 from swe_grpo.grading.predictions import grade_predictions, load_predictions
 from swe_grpo.grading.protect import RunnerImports, command_words, doctest_examples, is_protected
 from swe_grpo.grading.reports import PASS_STATUSES, RunReports, junit_key, report_statuses
-from swe_grpo.grading.run import GradeResult, Outcome, grade
+from swe_grpo.grading.run import WITNESSES, GradeResult, Outcome, grade
 from swe_grpo.grading.steps import DEFAULT_TEST_CMD, DEFAULT_TIMEOUT_S
 from swe_grpo.grading.tamper import SCAN_RULES, AuditReport, Canaries, scan_patch
 
@@ -136,14 +140,19 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "PASS_STATUSES",
     "SCAN_RULES",
+    "WITNESSES",
     "AuditReport",
+    "Calibration",
     "Canaries",
+    "GoldUnresolved",
     "GradeResult",
     "Outcome",
     "RunReports",
     "RunnerImports",
+    "calibrate_file",
     "command_words",
     "doctest_examples",
+    "gold_statuses",
     "grade",
     "grade_predictions",
     "is_protected",

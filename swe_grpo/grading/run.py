@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shlex
 import time
@@ -217,7 +218,8 @@ async def _graded_run(
     timings["exit_scan_s"] = run.witnessed.audit.exit_scan_s
     run.exhausted = await sandbox.exhausted()
     if run.witnessed.reports is not None:
-        run.statuses = report_statuses(test_ids, run.witnessed.junit_xml, tests.stdout)
+        # Off the event loop: the report may be tens of MiB (its cap), as the patch's code left it.
+        run.statuses = await asyncio.to_thread(report_statuses, test_ids, run.witnessed.junit_xml, tests.stdout)
     return run
 
 
