@@ -240,6 +240,38 @@ async def test_the_tcp_port_and_all_listeners_together_are_capped(http) -> None:
     assert 0 < limits.total_connections() < psutil.Process().rlimit(psutil.RLIMIT_NOFILE)[0]
 
 
+async def test_a_rollout_holds_at_most_its_cap_of_tcp_connections(http) -> None:
+    """Over TCP (the `hf` backend's way in: no door) one rollout could keep as many kept-alive connections as the
+    port holds, and so refuse every other rollout its port. A TCP connection now counts for the rollout whose token
+    its first request carried: past `rollout_tcp_connections` a request of that rollout on a new connection is
+    answered 503 and its connection closed; a closed one frees its place; other rollouts are served throughout."""
+    limits = replace(LIMITS, rollout_tcp_connections=3, idle_timeout_s=5.0)
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "stream": false}'
+    async with limited_server(limits) as srv:
+        attacker, victim = srv.open_rollout(), srv.open_rollout()
+
+        async def kept_alive() -> tuple[bytes, asyncio.StreamReader, asyncio.StreamWriter]:
+            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            writer.write(head(attacker, len(body)) + body)
+            status = await asyncio.wait_for(reader.readline(), 5)
+            return status, reader, writer
+
+        opened = [await kept_alive() for _ in range(5)]
+        statuses = [status.split()[1] for status, _, _ in opened]
+        assert statuses[3:] == [b"503", b"503"], statuses
+        assert all(s != b"503" for s in statuses[:3]), statuses
+        assert await served(http, srv, victim) < 1.0
+        opened[0][2].close()
+        await asyncio.sleep(0.2)
+        status, _, writer = await kept_alive()
+        assert status.split()[1] != b"503", status
+        writer.close()
+        for _, _, w in opened:
+            w.close()
+        record = srv.close_rollout(attacker.rollout_id)
+    assert record.refused_connections == 2
+
+
 async def test_an_agent_that_goes_away_mid_body_is_a_client_disconnection(caplog) -> None:
     async with limited_server() as srv:
         endpoint = srv.open_rollout()

@@ -116,6 +116,7 @@ class InterceptionServer:
         self._bulk: ThreadPoolExecutor | None = None
         self._doors: dict[str, tuple[Door, Listener]] = {}  # socket path -> the door and its listener
         self._tcp: Listener | None = None
+        self._tcp_owners: dict[asyncio.BaseTransport, RolloutSession] = {}  # a TCP connection -> its rollout
         self._budget = ConnectionBudget(0)  # set at start
 
     # ----------------------------------------------------------------- lifecycle
@@ -148,6 +149,7 @@ class InterceptionServer:
         # Our own listeners, not aiohttp's sites: they count and cap their connections.
         self._budget = ConnectionBudget(self.limits.total_connections())
         self._tcp = Listener("tcp", self._runner.server, self.limits.tcp_connections, self._budget)
+        self._tcp.on_lost = self._tcp_connection_lost
         loop = asyncio.get_running_loop()
         self._tcp.server = await loop.create_server(self._tcp, self.host, self.port, backlog=2048)
         self.port = self._tcp.server.sockets[0].getsockname()[1]  # the real port when 0 was asked for
@@ -295,7 +297,26 @@ class InterceptionServer:
             raise APIError(401, "missing or invalid bearer token", "authentication_error")
         if rollout is None:
             raise APIError(410, "rollout is closed", "invalid_request_error")
+        self._count_tcp_connection(request, rollout)
         return rollout
+
+    def _count_tcp_connection(self, request: web.Request, rollout: RolloutSession) -> None:
+        """A TCP connection counts for the rollout whose token its first request carried (a door's connections are
+        counted by its listener): past `rollout_tcp_connections` of them the request is refused, the connection
+        closed, so that one rollout cannot take the port from the others (`swe_grpo.serving.limits`)."""
+        transport = request.transport
+        if transport is None or isinstance(transport.get_extra_info("sockname"), str) or transport in self._tcp_owners:
+            return
+        if rollout.tcp_connections >= self.limits.rollout_tcp_connections:
+            rollout.refused_connections += 1
+            cap = self.limits.rollout_tcp_connections
+            raise APIError(503, f"this rollout already holds {cap} connections", "server_error", close=True)
+        self._tcp_owners[transport] = rollout
+        rollout.tcp_connections += 1
+
+    def _tcp_connection_lost(self, transport: asyncio.BaseTransport) -> None:
+        if (rollout := self._tcp_owners.pop(transport, None)) is not None:
+            rollout.tcp_connections -= 1
 
     async def _models(self, request: web.Request) -> web.Response:
         rollout = self._authorize(request)

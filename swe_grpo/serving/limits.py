@@ -11,7 +11,11 @@ connections make the server hold (memory for bodies, descriptors for connections
   over a cap is answered `503` at once and closed: it never reaches aiohttp and holds nothing. A door also
   accepts at most `door_accepts_per_s` [20] new connections a second (a burst of `door_connections`): beyond
   that it stops accepting for a moment and the rest wait in its small backlog, in the kernel, so that a
-  sandbox opening and closing connections in a loop costs the server's event loop nothing more.
+  sandbox opening and closing connections in a loop costs the server's event loop nothing more. A TCP
+  connection (no door: the `hf` backend's way in) counts for the rollout whose token its first request carried,
+  at most `rollout_tcp_connections` [8] a rollout (past it that request is answered `503` and its connection
+  closed); one that has carried no request yet belongs to no rollout: the port's cap and the header timeout
+  bound those.
 - time: a connection that has not sent a whole request head within `idle_timeout_s` [30 s] of opening or of its
   previous reply is closed (aiohttp's `keepalive_timeout`, which runs from the connection's start: a header
   timeout and an idle timeout in one; agents' HTTP clients drop idle connections sooner themselves), and a
@@ -55,6 +59,7 @@ class ServingLimits:
     door_connections: int = 8
     door_accepts_per_s: float = 20.0
     tcp_connections: int = 512
+    rollout_tcp_connections: int = 8
     descriptor_share: float = 0.5
     idle_timeout_s: float = 30.0
     body_timeout_s: float = 60.0
@@ -124,7 +129,8 @@ class ConnectionBudget:
 class Listener:
     """A protocol factory for `loop.create_server` / `create_unix_server` that caps its open connections at `cap`
     and, with every other listener of its `budget`, at `budget.cap`. `refused` counts the connections it turned
-    away; `close` stops listening and closes what is still open."""
+    away; `on_lost` is called with each counted connection's transport once it is gone; `close` stops listening
+    and closes what is still open."""
 
     def __init__(self, name: str, factory: Callable[[], asyncio.Protocol], cap: int, budget: ConnectionBudget):
         self.name, self._factory, self.cap, self._budget = name, factory, cap, budget
@@ -133,6 +139,7 @@ class Listener:
         self.server: asyncio.Server | None = None  # a listener started by `loop.create_server`
         self._sock: socket.socket | None = None  # or one that `serve_unix` accepts on itself
         self._accepting: asyncio.Task | None = None
+        self.on_lost: Callable[[asyncio.BaseTransport], None] | None = None
 
     @property
     def open(self) -> int:
@@ -159,6 +166,8 @@ class Listener:
         if counted in self._open:
             self._open.discard(counted)
             self._budget.open -= 1
+            if self.on_lost is not None and counted.transport is not None:
+                self.on_lost(counted.transport)
 
     def serve_unix(self, path: str, per_second: float) -> None:
         """Listen on the unix socket `path`, accepting at most `per_second` connections a second (bursts of `cap`)."""

@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 class APIError(Exception):
     """An error answered in OpenAI's shape. `retry=False` adds `x-should-retry: false`, which the OpenAI clients
-    (openai-python, openai-node in Pi) obey instead of retrying statuses such as 409 by themselves."""
+    (openai-python, openai-node in Pi) obey instead of retrying statuses such as 409 by themselves; `close=True`
+    closes the connection once answered."""
 
     def __init__(
         self,
@@ -34,16 +35,21 @@ class APIError(Exception):
         kind: str = "invalid_request_error",
         code: str | None = None,
         retry: bool | None = None,
+        close: bool = False,
     ):
         super().__init__(message)
         self.status, self.message, self.kind, self.code, self.retry = status, message, kind, code, retry
+        self.close = close
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.code}}
 
     def response(self) -> web.Response:
         headers = None if self.retry is None else {"x-should-retry": str(self.retry).lower()}
-        return json_response(self.body(), self.status, headers)
+        response = json_response(self.body(), self.status, headers)
+        if self.close:
+            response.force_close()
+        return response
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

@@ -43,7 +43,7 @@ class RolloutRecord:
     messages: list[Message]  # the conversation through the latest reply, for traces
     retries: int = 0  # turns whose undelivered reply an agent's retry replaced (`TurnRecord.retries`, summed)
     errors_not_recorded: int = 0  # errors beyond `ERRORS_PER_KIND` of their kind, only counted
-    refused_connections: int = 0  # connections to its door over the door's cap
+    refused_connections: int = 0  # its connections over a cap: its door's, or its TCP connections'
     paced_requests: int = 0  # requests held back to keep the rollout within its request rate
 
 
@@ -69,6 +69,7 @@ class RolloutSession:
     errors_not_recorded: int = 0
     refused_connections: int = 0
     paced_requests: int = 0
+    tcp_connections: int = 0  # TCP connections that carried its requests first, still open
     next_slot: float = 0.0  # when the rollout's next request is due at its rate (`pace`)
 
     def close(self) -> None:
