@@ -45,7 +45,7 @@ def test_trainer_takes_steps_on_worker_samples_with_adapter_sync(
         learning_rate=1e-3,
         temperature=1.0,
         max_completion_length=32,
-        token_budget=0,  # fixed-count micro-batches: one group per step
+        token_budget=0,  # fixed-count micro-batches: one group per step while groups are whole
         max_staleness=1,
         weight_sync_steps=1,
         logging_steps=1,
