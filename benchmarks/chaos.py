@@ -56,6 +56,8 @@ import random
 import re
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -128,15 +130,6 @@ class ChaosConfig:
     fault_every_s: float = 40.0
     turn_fault_rate: float = 0.12
     sandbox_fault_rate: float = 0.04
-    weights: dict[str, float] = field(
-        default_factory=lambda: {
-            "vllm_restart": 1.0,
-            "vllm_5xx": 2.0,
-            "pi_kill": 3.0,
-            "pi_stall": 2.0,
-            "host_kill": 0.5,
-        }
-    )
     concurrency: int = 4
     sync_every: int = 2  # pushed groups per policy version
     calm_after: float = 0.9  # the share of the run after which nothing is injected
@@ -271,13 +264,32 @@ def pi_processes() -> list[psutil.Process]:
     return found
 
 
+class ShuffledCycle:
+    """Draws fault kinds in rounds: each round is every kind once, in an order shuffled by `rng`, so that
+    every kind is drawn once in each `len(kinds)` draws. (Independent weighted draws left `host_kill`, at
+    0.5 of 8.5, out of a whole 200-rollout run, and its claim unproven.) A drawn kind that could not be
+    injected (no Pi process running at the time) is `put_back` and drawn next, so it keeps its turn."""
+
+    def __init__(self, kinds: list[str] | tuple[str, ...], rng: random.Random) -> None:
+        self.kinds, self.rng = list(kinds), rng
+        self.pending: list[str] = []
+
+    def draw(self) -> str:
+        if not self.pending:
+            self.pending = self.rng.sample(self.kinds, len(self.kinds))
+        return self.pending.pop()
+
+    def put_back(self, kind: str) -> None:
+        self.pending.append(kind)
+
+
 class ProcessFaults(threading.Thread):
-    """Injects the process faults of `kinds` one at a time, `Exp(every_s)` seconds apart."""
+    """Injects the process faults of `kinds` one at a time, `Exp(every_s)` seconds apart, drawn from a
+    `ShuffledCycle`."""
 
     def __init__(
         self,
         kinds: list[str],
-        weights: dict[str, float],
         every_s: float,
         vllm: VLLMServer,
         proxy: ChaosProxy,
@@ -285,20 +297,22 @@ class ProcessFaults(threading.Thread):
         injected: Injections,
     ):
         super().__init__(name="chaos-faults", daemon=True)
-        self.kinds, self.weights, self.every_s = kinds, [weights[k] for k in kinds], every_s
+        self.kinds, self.cycle, self.every_s = kinds, ShuffledCycle(kinds, rng), every_s
         self.vllm, self.proxy, self.rng, self.injected = vllm, proxy, rng, injected
         self.stopping = threading.Event()
 
     def run(self) -> None:
         while self.kinds and not self.stopping.wait(self.rng.expovariate(1 / self.every_s)):
-            kind = self.rng.choices(self.kinds, self.weights)[0]
+            kind = self.cycle.draw()
             try:
                 done = getattr(self, kind)()
-            except Exception:  # an injector's own failure must not end the run silently
+            except Exception:  # an injector's own failure must not end the run silently (the verdict sees it)
                 log.exception("injecting %s failed", kind)
                 continue
             if done:
                 self.injected.add(kind)
+            else:
+                self.cycle.put_back(kind)
 
     def vllm_restart(self) -> bool:
         self.vllm.stop(timeout_s=0)  # no grace: SIGTERM, then SIGKILL to the group at once
@@ -342,13 +356,15 @@ def rollout_host_pids() -> set[int]:
 
 
 def turn_script(config: ChaosConfig, rng: random.Random, injected: Injections) -> Callable[[], str | None]:
-    """The policy's next turn: a turn fault at `turn_fault_rate`, else an ordinary turn."""
+    """The policy's next turn: a turn fault at `turn_fault_rate` (drawn from a `ShuffledCycle` of the enabled
+    ones), else an ordinary turn."""
     faults = [f for f in TURN_FAULTS if f in config.faults]
+    cycle = ShuffledCycle(faults, rng)
     ordinary, weights = list(ORDINARY_WEIGHTS), list(ORDINARY_WEIGHTS.values())
 
     def pick() -> str | None:
         if faults and not injected.calmed and rng.random() < config.turn_fault_rate:
-            kind = rng.choice(faults)
+            kind = cycle.draw()
             injected.add(kind)
         else:
             kind = rng.choices(ordinary, weights)[0]
@@ -404,6 +420,7 @@ class Sample:
     host_threads: int
     in_flight: float
     finished: float
+    fd_kinds: dict[str, int] = field(default_factory=dict)  # the trainer's descriptors by `fd_kinds`
 
 
 def host_usage() -> tuple[float, int, int]:
@@ -419,6 +436,37 @@ def host_usage() -> tuple[float, int, int]:
                     threads + host.num_threads(),
                 )
     return rss, fds, threads
+
+
+def _socket(c: Any, ports: dict[int, str]) -> str:
+    """What a socket of `net_connections` is: its kind, state, and the server it belongs to or reaches."""
+    if c.family == socket.AF_UNIX:
+        return f"unix {c.laddr or c.raddr or 'unnamed'}"
+    kind = "tcp" if c.type == socket.SOCK_STREAM else "udp"
+    if c.laddr and c.laddr.port in ports:  # our own server's side: its listener or a connection it accepted
+        return f"{kind} {c.status} {ports[c.laddr.port]} (server side)"
+    peer = ports.get(c.raddr.port, "another port") if c.raddr else "nowhere"
+    return f"{kind} {c.status} to {peer}"
+
+
+def fd_kinds(pid: int, ports: dict[int, str]) -> dict[str, int]:
+    """The open descriptors of process `pid` counted by what they are (`/proc/PID/fd`'s link targets): a
+    file's path, `pipe`, `anon_inode:[eventfd]` and the like, a socket by its state and the server (named
+    in `ports`) it belongs to or reaches. For the soak: which descriptors come and go, or pile up."""
+    sockets: dict[int, str] = {}
+    with contextlib.suppress(psutil.Error):
+        sockets = {c.fd: _socket(c, ports) for c in psutil.Process(pid).net_connections(kind="all")}
+    kinds: Counter = Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed since the listing
+            continue
+        if target.startswith("socket:"):
+            kinds[sockets.get(int(fd), "socket (not in net_connections)")] += 1
+        else:
+            kinds["pipe" if target.startswith("pipe:") else target] += 1
+    return dict(sorted(kinds.items()))
 
 
 @dataclass
@@ -439,6 +487,7 @@ class RunReport:
     died_with_host: int  # rollouts in flight in a rollout host that `host_kill` SIGKILLed: never accounted
     worker_restarts: int
     load: tuple[tuple[float, float, float], tuple[float, float, float]]
+    trainer_fds: dict[str, dict[str, int]]  # `fd_kinds` of the trainer's process before the worker and after stop()
 
     @property
     def started(self) -> int:
@@ -459,6 +508,16 @@ class RunReport:
     @property
     def leaked(self) -> int:
         return sum(len(v) for v in self.leftovers.values())
+
+    @property
+    def never_injected(self) -> list[str]:
+        """The enabled fault kinds the run never injected: their claims are unproven by it."""
+        return [kind for kind in self.config["faults"] if not self.injected.get(kind)]
+
+    @property
+    def passed(self) -> bool:
+        """The verdict: nothing lost, nothing leaked, and every enabled fault kind injected at least once."""
+        return self.lost == 0 and self.leaked == 0 and not self.never_injected
 
 
 class _WorkerLog(logging.Handler):
@@ -612,10 +671,11 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
             demo_tasks(), tokenizer, vllm_url=proxy.url, model=SERVED_NAME, sandbox=backend, config=worker_config
         )
 
+    ports = {vllm.port: "vLLM", int(proxy.url.rsplit(":", 1)[1]): "chaos proxy"}
+    trainer_fds = {"before the worker": fd_kinds(os.getpid(), ports)}
     worker = new_worker()
     faults = ProcessFaults(
         [k for k in PROCESS_FAULTS if k in config.faults],
-        config.weights,
         config.fault_every_s,
         vllm,
         proxy,
@@ -707,6 +767,7 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
                             *host_usage(),
                             totals.get("rollout/in_flight", 0.0),
                             totals.get("rollout/finished_total", 0.0),
+                            fd_kinds(os.getpid(), ports),
                         )
                     )
                     next_sample += config.sample_every_s
@@ -718,6 +779,7 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
             faults.join()  # a vLLM restart under way finishes first
             worker.stop()
             poll()
+            trainer_fds["after stop()"] = fd_kinds(os.getpid(), ports)
             recovered = dict(recoveries.counts)
     finally:
         faults.stopping.set()
@@ -733,7 +795,7 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
         config={k: (str(v) if isinstance(v, Path) else v) for k, v in config.__dict__.items()},
         wall_s=time.monotonic() - started,
         metrics={k: v for k, v in totals.items() if k.endswith("_total")},
-        injected=dict(Counter(kind for kind, _ in events)),
+        injected=dict.fromkeys(config.faults, 0) | dict(Counter(kind for kind, _ in events)),
         fault_times=[round(t - started, 1) for _, t in events],
         health_raises=dict(health),
         recoveries=recovered,
@@ -746,6 +808,7 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
         died_with_host=died_with_host,
         worker_restarts=restarts,
         load=(load_before, os.getloadavg()),
+        trainer_fds=trainer_fds,
     )
 
 
@@ -784,6 +847,7 @@ def markdown(report: RunReport) -> str:
         "",
         "- Outcomes: " + ", ".join(f"{k} {v}" for k, v in report.outcomes.items()),
         "- Faults injected: " + ", ".join(f"{k} {v}" for k, v in sorted(report.injected.items())),
+        "- Fault kinds never injected (unproven): " + (", ".join(report.never_injected) or "none"),
         "- Recoveries: " + ", ".join(f"{k} {v}" for k, v in report.recoveries.items()),
         "- Health raises: "
         + ("; ".join(f"{v}x {k}" for k, v in report.health_raises.items()) if report.health_raises else "none"),
@@ -806,6 +870,19 @@ def markdown(report: RunReport) -> str:
         f"{', '.join(f'{x:.1f}' for x in report.load[1])} after."
     )
     return "\n".join(lines)
+
+
+def provenance() -> dict[str, Any]:
+    """When and from what code a result came: the date (UTC), the commit, and whether this script differed
+    from it."""
+    repo = Path(__file__).resolve().parents[1]
+    git = ["git", "-C", str(repo)]
+    return {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "script_modified": subprocess.run([*git, "diff", "--quiet", "HEAD", "--", __file__]).returncode != 0,
+        "machine": f"{os.cpu_count()} CPUs",
+    }
 
 
 def main() -> int:
@@ -850,8 +927,8 @@ def main() -> int:
             report = run_chaos(config, vllm, model_dir, Path(work))
     print(markdown(report))
     if args.output:
-        args.output.write_text(json.dumps(asdict(report), indent=1))
-    return 0 if report.lost == 0 and report.leaked == 0 else 1
+        args.output.write_text(json.dumps({**provenance(), "passed": report.passed, **asdict(report)}, indent=1))
+    return 0 if report.passed else 1
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ import http.server
 import json
 import multiprocessing
 import os
+import random
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -27,7 +29,19 @@ from swe_grpo.worker import SWERolloutWorker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from chaos import FAULTS, PROCESS_FAULTS, ChaosConfig, ProcessFaults, host_usage, leftovers, markdown, run_chaos
+from chaos import (
+    FAULTS,
+    PROCESS_FAULTS,
+    ChaosConfig,
+    ProcessFaults,
+    RunReport,
+    ShuffledCycle,
+    fd_kinds,
+    host_usage,
+    leftovers,
+    markdown,
+    run_chaos,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +79,8 @@ def test_a_short_chaos_run_loses_nothing_leaks_nothing_and_training_goes_on(poli
     assert report.started >= config.rollouts
     assert report.lost == 0, report.outcomes
     assert report.leaked == 0, report.leftovers
-    assert len(report.injected) >= 4, report.injected  # the faults happened
+    assert not report.never_injected, report.injected  # every enabled kind happened
+    assert report.passed
     # A SIGKILLed rollout host is the only thing check_health may raise for (TRL's trainer would stop there).
     assert all("was killed by SIGKILL" in cause for cause in report.health_raises), report.health_raises
     assert report.worker_restarts == sum(report.health_raises.values())
@@ -150,4 +165,66 @@ def test_the_leftovers_check_sees_what_a_sigkilled_rollout_host_left(tmp_path: P
 def test_every_process_fault_has_an_injector() -> None:
     assert "host_kill" in PROCESS_FAULTS and set(PROCESS_FAULTS) <= set(FAULTS)
     assert all(callable(getattr(ProcessFaults, kind, None)) for kind in PROCESS_FAULTS)
-    assert set(ChaosConfig().weights) == set(PROCESS_FAULTS)
+
+
+def test_a_shuffled_cycle_draws_every_kind_once_a_round_and_a_put_back_kind_next() -> None:
+    """With independent weighted draws a 200-rollout run drew no `host_kill`; the cycle draws every kind
+    in each round of len(kinds) draws, in a seeded order that differs between rounds."""
+    cycle = ShuffledCycle(PROCESS_FAULTS, random.Random(0))
+    rounds = [[cycle.draw() for _ in PROCESS_FAULTS] for _ in range(20)]
+    assert all(sorted(r) == sorted(PROCESS_FAULTS) for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 1
+    kind = cycle.draw()
+    cycle.put_back(kind)  # it could not be injected (no Pi running): it keeps its turn
+    assert cycle.draw() == kind
+
+
+def report_with(injected: dict[str, int]) -> RunReport:
+    return RunReport(
+        config={"faults": list(FAULTS)},
+        wall_s=1.0,
+        metrics={"rollout/started_total": 2.0, "rollout/outcome_unresolved_total": 2.0},
+        injected=injected,
+        fault_times=[],
+        health_raises={},
+        recoveries={},
+        samples_total=2,
+        samples_after_last_fault=2,
+        versions=2,
+        sync_failures=0,
+        resource_samples=[],
+        leftovers={"processes": []},
+        died_with_host=0,
+        worker_restarts=0,
+        load=((0.0, 0.0, 0.0), (0.0, 0.0, 0.0)),
+        trainer_fds={},
+    )
+
+
+def test_the_verdict_fails_when_a_fault_kind_was_never_injected() -> None:
+    everything = dict.fromkeys(FAULTS, 1)
+    assert report_with(everything).passed and not report_with(everything).never_injected
+    no_host_kill = everything | {"host_kill": 0}
+    assert report_with(no_host_kill).never_injected == ["host_kill"]
+    assert not report_with(no_host_kill).passed
+    assert "never injected (unproven): host_kill" in markdown(report_with(no_host_kill))
+
+
+def test_fd_kinds_names_what_each_descriptor_is(tmp_path: Path) -> None:
+    """The soak's listing of the trainer's descriptors: files by path, pipes, and sockets by the server
+    they reach or belong to."""
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    read, write = os.pipe()
+    with open(tmp_path / "log", "w"):
+        try:
+            kinds = fd_kinds(os.getpid(), {server.getsockname()[1]: "vLLM"})
+        finally:
+            for s in (client, accepted, server):
+                s.close()
+            os.close(read)
+            os.close(write)
+    assert kinds[str(tmp_path / "log")] == 1 and kinds["pipe"] >= 2
+    assert kinds["tcp LISTEN vLLM (server side)"] == 1
+    assert kinds["tcp ESTABLISHED vLLM (server side)"] >= 1 and kinds["tcp ESTABLISHED to vLLM"] >= 1
