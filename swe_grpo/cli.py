@@ -5,6 +5,7 @@ swe-grpo rollout ...       run rollouts without training: one JSON line per roll
 swe-grpo grade ...         grade SWE-bench-style predictions with the same grading code
 swe-grpo eval ...          each task k times, every attempt graded: pass@k, resumable (evaluation/)
 swe-grpo tasks synth ...   validated tasks from real projects by mutating what their tests run
+swe-grpo tasks calibrate   record the XFAIL/XPASS statuses a task file's gold patches leave (grading/gold.py)
 swe-grpo serve-vllm MODEL  start a vLLM server with the platform pitfalls handled
 swe-grpo build-tiny-model  build (or find in cache) the tiny test model; prints its directory
 """
@@ -379,7 +380,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from swe_grpo.synth.cli import add_parser as add_synth_parser
 
-    tasks = sub.add_parser("tasks", help="make task sets: `tasks synth` mutates real projects into validated tasks")
+    tasks = sub.add_parser(
+        "tasks",
+        help="make task sets: `tasks synth` mutates real projects into validated tasks, `tasks calibrate` records "
+        "the statuses their gold patches leave",
+    )
     add_synth_parser(tasks.add_subparsers(dest="tasks_command", required=True))
     return parser
 
