@@ -17,8 +17,9 @@ records from the TokenChain, the reward, and an outcome with its provenance:
                        or its patch's code ran the grading sandbox out (`swe_grpo.grading`)
     agent_killed       the agent's process died of a signal after its first turn (`kill -9 $PPID` from
                        its own bash tool): nothing of the host signals it but the limits above   reward 0.0
-    agent_disconnected the agent exited 1 right after it dropped a connection whose reply was on its way
-                       (its last error `client_disconnected`): it gave up, it did not finish   reward 0.0
+    agent_disconnected the agent exited 1 with a reply on its way: one of its requests was still being served
+                       as it exited, or its last error is `client_disconnected` (its client gave up on a
+                       reply, then the agent): it gave up, it did not finish   reward 0.0
     patch_too_large    the agent's patch is over `RolloutConfig.max_patch_bytes`         reward 0.0
     base_commit_lost   the agent deleted the base commit's objects (`rm -rf .git`)       reward 0.0
     diff_unreadable    what the agent left cannot be read as a patch: a tracked file made a FIFO or
@@ -212,8 +213,10 @@ def outcome_before_grading(
     turns: int,
     exhausted: str | None,
     unpatchable: PatchError | None,
+    abandoned: bool = False,
 ) -> tuple[str, float | None, str] | None:
-    """The (outcome, reward, error) the agent's run already settles, before any grading; None: grade it."""
+    """The (outcome, reward, error) the agent's run already settles, before any grading; None: grade it.
+    `abandoned`: one of the agent's requests was still being served when it exited (`reply_on_its_way`)."""
     if exhausted:
         return "resource_exhausted", 0.0, f"the agent ran its sandbox out of {exhausted} (its {exhausted} limit)"
     kinds = [e.kind for e in errors]
@@ -233,11 +236,22 @@ def outcome_before_grading(
         return "agent_killed", 0.0, f"the agent's process died of signal {code - _SIGNALLED}: {tail}"
     if code not in (0, 1):
         return "infra_error", None, f"agent crashed (exit {code}): {tail}"
+    if code == 1 and abandoned:
+        return "agent_disconnected", 0.0, f"the agent exited while its reply was on its way: {tail}"
     if code == 1 and errors and errors[-1].kind == "client_disconnected":
         return "agent_disconnected", 0.0, f"the agent gave up after its connection was lost: {tail}"
     if unpatchable is not None:
         return unpatchable.outcome, 0.0, str(unpatchable)
     return None
+
+
+def reply_on_its_way(server: InterceptionServer, rollout_id: str) -> bool:
+    """Whether one of the rollout's requests is being served now (`last_activity` is then the present). Asked as
+    its agent exits: a reply the agent will never read. The server notices a dropped connection only at its next
+    look (`InterceptionServer.keepalive_s`) or when the reply is written, and closing the rollout abandons the
+    request unrecorded, so an agent that gives up and exits at once leaves no `client_disconnected` behind."""
+    asked = time.monotonic()
+    return server.last_activity(rollout_id) >= asked
 
 
 async def run_rollout(
@@ -258,6 +272,7 @@ async def run_rollout(
     endpoint = server.open_rollout(rollout_id)
     ran: AgentResult | None = None
     patch, error, exhausted, setup_error = "", None, None, None
+    abandoned = False
     unpatchable: PatchError | None = None
     door: Door | None = None
     proxy: asyncio.Server | None = None
@@ -284,6 +299,7 @@ async def run_rollout(
                     door=door,
                 )
                 timings["agent"] = ran.wall_s
+                abandoned = reply_on_its_way(server, rollout_id)
                 exhausted = await sandbox.exhausted()
                 if exhausted is None:
                     try:
@@ -320,7 +336,7 @@ async def run_rollout(
         timings=timings,
     )
     decided = (
-        outcome_before_grading(ran, record.errors, len(record.turns), exhausted, unpatchable)
+        outcome_before_grading(ran, record.errors, len(record.turns), exhausted, unpatchable, abandoned)
         if ran and not error
         else None
     )

@@ -2,21 +2,35 @@
 `infra_error` (reward None would take the rollout out of its GRPO group, so the policy would escape its
 baseline). On the real `local` and `docker` backends, the agent's actions are run as the agent runs them
 (`exec` in /testbed, or `run_agent` for the agent's own process), then the patch is taken and the outcome
-decided by the rollout's own code (`swe_grpo.rollout.outcome_before_grading`)."""
+decided by the rollout's own code (`swe_grpo.rollout.outcome_before_grading`); and whole rollouts
+(`run_rollout`: real InterceptionServer and vLLM, the agent behind its door, grading in a fresh sandbox) with a
+thin real agent (tests/script_agent.py) that asks its model, then does it."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+from conftest import SERVED_NAME
 from sandbox_helpers import calc_task, make_repo
+from script_agent import ScriptAgent
 
 from swe_grpo.agents.base import AgentConfig, AgentResult, Launch, run_agent
-from swe_grpo.rollout import outcome_before_grading
+from swe_grpo.demo.tasks import demo_tasks
+from swe_grpo.extras.vllm_server import VLLMServer
+from swe_grpo.rollout import RolloutConfig, Trajectory, outcome_before_grading, run_rollout
 from swe_grpo.sandbox.base import PatchError, SandboxBackend
+from swe_grpo.serving.interception import InterceptionServer
+from swe_grpo.serving.vllm_client import Generation, SamplingParams, VLLMClient
 from swe_grpo.tasks import Task
 from swe_grpo.types import RequestError
+from swe_grpo.worker.telemetry import rollout_metrics
 
 # What an agent can leave in its tree that git cannot read as a patch (each the policy's outcome, not infra_error).
 UNREADABLE = {
@@ -109,6 +123,13 @@ def test_an_agent_that_exits_after_its_client_gave_up_is_named() -> None:
     bad = RequestError("bad_request", "malformed messages", 3, 0.0)
     assert outcome_before_grading(finished(1), [bad], turns=2, exhausted=None, unpatchable=None) is None
     assert outcome_before_grading(finished(1), [gone, bad], turns=3, exhausted=None, unpatchable=None) is None
+    # One that exits 1 while a request of its is still being served (the server had not looked at the connection
+    # yet, so nothing is recorded) gave up as well; exiting 0, or before the policy's first turn, it did not.
+    decided = outcome_before_grading(finished(1), [bad], turns=2, exhausted=None, unpatchable=None, abandoned=True)
+    assert decided is not None and decided[:2] == ("agent_disconnected", 0.0), decided
+    assert outcome_before_grading(finished(0), [], turns=2, exhausted=None, unpatchable=None, abandoned=True) is None
+    decided = outcome_before_grading(finished(1), [], turns=0, exhausted=None, unpatchable=None, abandoned=True)
+    assert decided is not None and decided[:2] == ("infra_error", None), decided
 
 
 def test_host_failures_stay_infra() -> None:
@@ -128,3 +149,81 @@ def test_host_failures_stay_infra() -> None:
         "infra_error",
         None,
     )
+
+
+# --- whole rollouts: a real agent, through its door, on the real stack -----------------------------------------
+
+
+class HeldClient(VLLMClient):
+    """The real vLLM client; every generation after the first starts `hold_s` late: a reply that takes a moment, so
+    that the agent can give up while it is on its way."""
+
+    def __init__(self, base_url: str, model: str, *, hold_s: float, **kwargs: Any) -> None:
+        super().__init__(base_url, model, **kwargs)
+        self.hold_s = hold_s
+        self.generations = 0
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, model: str | None = None) -> Generation:
+        self.generations += 1
+        if self.generations > 1:
+            await asyncio.sleep(self.hold_s)
+        return await super().generate(prompt_ids, params, model)
+
+
+@pytest.fixture(scope="module")
+def strutil() -> Task:
+    """A demo task with tests, so a rollout that is graded is graded for real (an unchanged tree: unresolved)."""
+    return next(t for t in demo_tasks() if t.instance_id == "swe-grpo-demo__strutil-1")
+
+
+@pytest.fixture(scope="module")
+def agent_home() -> Iterator[Path]:
+    """Where the script agent is installed: a host directory every sandbox user can reach."""
+    home = Path(tempfile.mkdtemp(prefix="swe_grpo-script-agent-"))
+    home.chmod(0o755)
+    yield home
+    shutil.rmtree(home)
+
+
+async def whole_rollout(
+    vllm_server: VLLMServer, tokenizer, backend: SandboxBackend, task: Task, agent: ScriptAgent, hold_s: float = 0.0
+) -> Trajectory:
+    """`agent` on `task` through `run_rollout`, as training runs it (with the door); nothing is left open."""
+    client = HeldClient(vllm_server.url, SERVED_NAME, stop_token_ids=[tokenizer.eos_token_id], hold_s=hold_s)
+    async with client, InterceptionServer(client, tokenizer, model_name=SERVED_NAME) as server:
+        config = RolloutConfig(agent=AgentConfig(context_window=client.max_model_len, max_tokens=8, timeout_s=120))
+        trajectory = await run_rollout(task, server, backend, agent, config)
+        assert server.open_rollouts == 0
+    return trajectory
+
+
+@pytest.mark.integration
+async def test_an_agent_that_gives_up_on_its_reply_and_exits_is_named_end_to_end(
+    vllm_server, tokenizer, backend: SandboxBackend, strutil: Task, agent_home: Path
+) -> None:
+    """After the policy's first turn, the agent's client gives up on its second reply while it is being generated
+    (it closes its connection without reading it) and the agent exits 1, as Pi does once its retries are spent:
+    `agent_disconnected`, reward 0.0, counted under its own name; not graded, not `infra_error`. The generation is
+    held for longer than the server's keep-alive, so the agent is gone (and its rollout closed) before the server
+    looks at its connection again."""
+    agent = ScriptAgent(agent_home, "drop")
+    trajectory = await whole_rollout(vllm_server, tokenizer, backend, strutil, agent, hold_s=30.0)
+    assert trajectory.agent is not None and trajectory.agent.exit_code == 1, trajectory.agent
+    assert "gave up waiting" in trajectory.agent.stderr_tail
+    assert (trajectory.outcome, trajectory.reward) == ("agent_disconnected", 0.0), trajectory.error
+    assert trajectory.grade is None and len(trajectory.turns) == 1
+    assert rollout_metrics(trajectory)["rollout/outcome_agent_disconnected_total"] == 1.0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("behaviour", "status"), [("finish", 0), ("finish_1", 1)])
+async def test_an_agent_that_read_its_reply_is_graded_end_to_end(
+    vllm_server, tokenizer, backend: SandboxBackend, strutil: Task, agent_home: Path, behaviour: str, status: int
+) -> None:
+    """The same agent, its reply read whole, then exiting 0 or 1: it lost no reply, so its tree is graded (left
+    unchanged: `unresolved`), never `agent_disconnected`."""
+    trajectory = await whole_rollout(vllm_server, tokenizer, backend, strutil, ScriptAgent(agent_home, behaviour))
+    assert trajectory.agent is not None and trajectory.agent.exit_code == status, trajectory.agent
+    assert len(trajectory.turns) == 1 and trajectory.request_errors == []
+    assert (trajectory.outcome, trajectory.reward) == ("unresolved", 0.0), trajectory.error
+    assert trajectory.grade is not None

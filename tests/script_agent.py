@@ -1,0 +1,101 @@
+"""A thin, real agent for end-to-end tests of what an agent's own actions make of its rollout
+(tests/test_policy_outcomes.py): a stdlib Python script run the way every agent is run (`run_agent`: in the
+agent's sandbox, behind the rollout's door, its secret only in its environment), from a host directory mounted
+read-only as its "bundle".
+
+It asks its model as an OpenAI client does (streaming chat completions through its door, with its token) and
+reads the reply whole: the policy's first turn. Then it does what its `behaviour` says:
+
+- `finish`: run `action` (a shell command, its "bash tool", in the repository), exit 0;
+- `finish_1`: the same, then exit 1 (a failed agent that lost no reply);
+- `drop`: ask again and, once the response headers are in (the server sends them when it starts generating),
+  close the connection without reading the reply and exit 1: a client that gave up while its reply was on its
+  way, as Pi does once its retries are spent.
+
+It needs no model that can write code: its replies are read (or not), never acted on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from swe_grpo.agents.base import AgentConfig, AgentResult, Launch, behind_door, run_agent
+from swe_grpo.sandbox.base import Mount, Sandbox
+from swe_grpo.serving.door import Door
+from swe_grpo.types import RolloutEndpoint
+
+MOUNT = "/opt/swe_grpo/script-agent"
+BEHAVIOURS = ("finish", "finish_1", "drop")
+
+# Run in the sandbox: argv[1] the behaviour, argv[2] the action; OPENAI_BASE_URL, OPENAI_MODEL, OPENAI_API_KEY.
+SCRIPT = r"""
+import http.client, json, os, subprocess, sys
+from urllib.parse import urlsplit
+
+behaviour, action = sys.argv[1], sys.argv[2]
+url = urlsplit(os.environ["OPENAI_BASE_URL"])
+headers = {"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"}
+messages = [{"role": "user", "content": "Fix the bug."}]
+
+def ask():
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+    body = {"model": os.environ["OPENAI_MODEL"], "stream": True, "max_tokens": 8, "messages": messages}
+    conn.request("POST", url.path + "/chat/completions", json.dumps(body), headers)
+    reply = conn.getresponse()  # the status line and headers only
+    if reply.status != 200:
+        sys.exit(f"model request failed: {reply.status} {reply.read()[:500]!r}")
+    return conn, reply
+
+def read_whole(reply):
+    events = [line[6:] for line in reply.read().decode().splitlines() if line.startswith("data: ")]
+    if events[-1:] != ["[DONE]"]:
+        sys.exit(f"no whole reply: {events[-3:]!r}")
+    deltas = [json.loads(e)["choices"][0]["delta"] for e in events[:-1] if json.loads(e)["choices"]]
+    return "".join(d.get("content") or "" for d in deltas)
+
+read_whole(ask()[1])  # the policy's first turn
+if behaviour == "drop":
+    messages += [{"role": "assistant", "content": "Looking."}, {"role": "user", "content": "Go on."}]
+    conn, reply = ask()
+    conn.sock.close()  # the reply is being generated: nothing of it is read
+    print("gave up waiting for the model", file=sys.stderr)
+    sys.exit(1)
+if action:
+    subprocess.run(["bash", "-c", action])  # its bash tool: the tool's parent is this process
+sys.exit(1 if behaviour == "finish_1" else 0)
+"""
+
+
+class ScriptAgent:
+    """The agent of the module docstring, installed in `home` (a host directory it writes its script into and
+    mounts; the sandbox user must be able to reach it). One instance serves any number of rollouts."""
+
+    name = "script-agent"
+
+    def __init__(self, home: Path, behaviour: str, action: str = "") -> None:
+        if behaviour not in BEHAVIOURS:
+            raise ValueError(f"unknown behaviour {behaviour!r}: one of {', '.join(BEHAVIOURS)}")
+        self.home, self.behaviour, self.action = home, behaviour, action
+        (home / "agent.py").write_text(SCRIPT)
+
+    def mount(self) -> Mount:
+        return Mount(self.home, MOUNT)
+
+    async def run(
+        self,
+        sandbox: Sandbox,
+        endpoint: RolloutEndpoint,
+        problem_statement: str,
+        config: AgentConfig,
+        last_activity: Callable[[], float],
+        door: Door | None = None,
+    ) -> AgentResult:
+        endpoint = behind_door(endpoint, door)
+        launch = Launch(
+            argv=["python3", f"{MOUNT}/agent.py", self.behaviour, self.action],
+            env={"OPENAI_BASE_URL": endpoint.base_url, "OPENAI_MODEL": endpoint.model},
+            files={},
+            secret_env="OPENAI_API_KEY",
+        )
+        return await run_agent(sandbox, launch, endpoint.token, config, last_activity, door)
