@@ -422,6 +422,17 @@ class Sample:
     finished: float
     fd_kinds: dict[str, int] = field(default_factory=dict)  # the trainer's descriptors by `fd_kinds`
 
+    @property
+    def fds_less_harness(self) -> int:
+        """The trainer's descriptors less the harness's connections, which follow the requests in flight:
+        those the chaos proxy accepted from the rollout hosts and its (and `Adapters`') connections to vLLM.
+        A real trainer has neither; what is left is the trainer's and the worker's own."""
+        return self.fds - sum(
+            n
+            for kind, n in self.fd_kinds.items()
+            if kind.endswith("to vLLM") or (kind.endswith("chaos proxy (server side)") and "LISTEN" not in kind)
+        )
+
 
 def host_usage() -> tuple[float, int, int]:
     """RSS (MiB), open descriptors and threads of the live rollout hosts, summed."""
@@ -859,7 +870,7 @@ def markdown(report: RunReport) -> str:
     ]
     for attr, unit in [
         (f"{who}{q}", u) for who in ("", "host_") for q, u in (("rss_mib", " MiB"), ("fds", ""), ("threads", ""))
-    ]:
+    ] + [("fds_less_harness", "")]:
         if g := growth(report.resource_samples, attr):
             lines.append(
                 f"- {attr}: mean {g[0]:.1f}{unit} over minutes 10-20, {g[1]:.1f}{unit} over the last 10 ({g[3]:+.1%}); "
@@ -873,15 +884,15 @@ def markdown(report: RunReport) -> str:
 
 
 def provenance() -> dict[str, Any]:
-    """When and from what code a result came: the date (UTC), the commit, and whether this script differed
-    from it."""
-    repo = Path(__file__).resolve().parents[1]
-    git = ["git", "-C", str(repo)]
+    """When and from what code: the date (UTC), the commit checked out, and the files of the code under
+    test (swe_grpo/, this script) that differed from it. Taken at a run's start and end: others commit to
+    a shared checkout meanwhile, and a rollout host started after a `host_kill` imports the tree then."""
+    git = ["git", "-C", str(Path(__file__).resolve().parents[1])]
+    status = [*git, "status", "--porcelain", "--", "swe_grpo", "benchmarks/chaos.py"]
     return {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "commit": subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "script_modified": subprocess.run([*git, "diff", "--quiet", "HEAD", "--", __file__]).returncode != 0,
-        "machine": f"{os.cpu_count()} CPUs",
+        "uncommitted": subprocess.run(status, capture_output=True, text=True).stdout.splitlines(),
     }
 
 
@@ -911,6 +922,7 @@ def main() -> int:
         seed=args.seed,
         samples_path=args.output.with_suffix(".samples.json") if args.output else None,
     )
+    started = provenance()
     model_dir = build_tiny_model()
     with tempfile.TemporaryDirectory(prefix="swe_grpo_chaos_") as work:
         Path(work).chmod(0o711)  # the sandbox user traverses it to the sandboxes' directories
@@ -927,7 +939,13 @@ def main() -> int:
             report = run_chaos(config, vllm, model_dir, Path(work))
     print(markdown(report))
     if args.output:
-        args.output.write_text(json.dumps({**provenance(), "passed": report.passed, **asdict(report)}, indent=1))
+        summary = {
+            "started": started,
+            "ended": provenance(),
+            "machine": f"{os.cpu_count()} CPUs",
+            "passed": report.passed,
+        }
+        args.output.write_text(json.dumps(summary | asdict(report), indent=1))
     return 0 if report.passed else 1
 
 
