@@ -10,7 +10,8 @@ reads the reply whole: the policy's first turn. Then it does what its `behaviour
 - `finish_1`: the same, then exit 1 (a failed agent that lost no reply);
 - `drop`: ask again and, once the response headers are in (the server sends them when it starts generating),
   close the connection without reading the reply and exit 1: a client that gave up while its reply was on its
-  way, as Pi does once its retries are spent.
+  way, as Pi does once its retries are spent;
+- `drop_0`: the same, but exit 0 (an agent that says it finished).
 
 It needs no model that can write code: its replies are read (or not), never acted on.
 """
@@ -26,7 +27,7 @@ from swe_grpo.serving.door import Door
 from swe_grpo.types import RolloutEndpoint
 
 MOUNT = "/opt/swe_grpo/script-agent"
-BEHAVIOURS = ("finish", "finish_1", "drop")
+BEHAVIOURS = ("finish", "finish_1", "drop", "drop_0")
 
 # Run in the sandbox: argv[1] the behaviour, argv[2] the action; OPENAI_BASE_URL, OPENAI_MODEL, OPENAI_API_KEY.
 SCRIPT = r"""
@@ -55,12 +56,12 @@ def read_whole(reply):
     return "".join(d.get("content") or "" for d in deltas)
 
 read_whole(ask()[1])  # the policy's first turn
-if behaviour == "drop":
+if behaviour.startswith("drop"):
     messages += [{"role": "assistant", "content": "Looking."}, {"role": "user", "content": "Go on."}]
     conn, reply = ask()
     conn.sock.close()  # the reply is being generated: nothing of it is read
     print("gave up waiting for the model", file=sys.stderr)
-    sys.exit(1)
+    sys.exit(0 if behaviour == "drop_0" else 1)
 if action:
     subprocess.run(["bash", "-c", action])  # its bash tool: the tool's parent is this process
 sys.exit(1 if behaviour == "finish_1" else 0)

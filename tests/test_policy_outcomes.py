@@ -216,14 +216,48 @@ async def test_an_agent_that_gives_up_on_its_reply_and_exits_is_named_end_to_end
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize(("behaviour", "status"), [("finish", 0), ("finish_1", 1)])
-async def test_an_agent_that_read_its_reply_is_graded_end_to_end(
+@pytest.mark.parametrize(("behaviour", "status"), [("finish", 0), ("finish_1", 1), ("drop_0", 0)])
+async def test_an_agent_that_read_its_reply_or_exits_0_is_graded_end_to_end(
     vllm_server, tokenizer, backend: SandboxBackend, strutil: Task, agent_home: Path, behaviour: str, status: int
 ) -> None:
-    """The same agent, its reply read whole, then exiting 0 or 1: it lost no reply, so its tree is graded (left
-    unchanged: `unresolved`), never `agent_disconnected`."""
-    trajectory = await whole_rollout(vllm_server, tokenizer, backend, strutil, ScriptAgent(agent_home, behaviour))
+    """The same agent with its reply read whole, then exiting 0 or 1 (it lost no reply), or giving up on its second
+    reply but exiting 0 (it says it finished): its tree is graded (left unchanged: `unresolved`), never
+    `agent_disconnected`."""
+    agent = ScriptAgent(agent_home, behaviour)
+    trajectory = await whole_rollout(vllm_server, tokenizer, backend, strutil, agent, hold_s=30.0)
     assert trajectory.agent is not None and trajectory.agent.exit_code == status, trajectory.agent
-    assert len(trajectory.turns) == 1 and trajectory.request_errors == []
+    assert len(trajectory.turns) == 1
+    assert all(e.kind == "client_disconnected" for e in trajectory.request_errors) and (
+        behaviour == "drop_0" or trajectory.request_errors == []
+    )
     assert (trajectory.outcome, trajectory.reward) == ("unresolved", 0.0), trajectory.error
     assert trajectory.grade is not None
+
+
+# The cases of issue 23 §2, as an agent's bash tool runs them after the policy's first turn: (command, outcome).
+# Each took the rollout out of its group (infra_error, reward None), or hung its diff for 300 s.
+AGENT_ACTIONS = {
+    "fifo-replaces-readme": ("rm README.md && mkfifo README.md", "diff_unreadable"),
+    "chmod-000-tracked-file": ("chmod 000 strutil.py", "diff_unreadable"),
+    "chmod-000-new-file": ("echo new > new.txt && chmod 000 new.txt", "diff_unreadable"),
+    "symlink-target-not-utf8": ("ln -s $'\\xff\\xfe' badlink", "diff_unreadable"),
+    "fifo-alternates": ("mkfifo .git/objects/info/alternates", "diff_unreadable"),
+    "kill-9-ppid": ("kill -9 $PPID", "agent_killed"),  # the tool's parent is the agent
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("case", AGENT_ACTIONS)
+async def test_what_the_agent_does_to_its_sandbox_is_named_end_to_end(
+    vllm_server, tokenizer, backend: SandboxBackend, strutil: Task, agent_home: Path, case: str
+) -> None:
+    """Whole rollouts whose agent, after the policy's first turn, runs one of the cases above: the named outcome,
+    reward 0.0, counted under its own name, not graded, and well within the diff's own time bound."""
+    action, outcome = AGENT_ACTIONS[case]
+    trajectory = await whole_rollout(
+        vllm_server, tokenizer, backend, strutil, ScriptAgent(agent_home, "finish", action)
+    )
+    assert (trajectory.outcome, trajectory.reward) == (outcome, 0.0), (trajectory.error, trajectory.agent)
+    assert len(trajectory.turns) == 1 and trajectory.grade is None
+    assert rollout_metrics(trajectory)[f"rollout/outcome_{outcome}_total"] == 1.0
+    assert trajectory.timings["total"] < QUICK_S * 3
