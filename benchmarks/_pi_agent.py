@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from swe_grpo.extras.tiny_model import build_tiny_model
 from swe_grpo.serving.vllm_client import Generation, SamplingParams
@@ -190,7 +190,11 @@ _STUB_ANSWERS = {
 
 
 def load_tokenizer() -> PreTrainedTokenizerBase:
-    """The tiny Qwen3 tokenizer (built once, then cached under `$SWE_GRPO_CACHE`)."""
+    """The tiny Qwen3 tokenizer (built once, then cached under `$SWE_GRPO_CACHE`). Loading it loads torch (through
+    `AutoTokenizer` and the model's build): a process that must serve as a torch-free rollout host does, gets it
+    pickled (as hosts get theirs)."""
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(build_tiny_model())
 
 

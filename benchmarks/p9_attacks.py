@@ -50,6 +50,7 @@ from typing import Any
 
 import aiohttp
 import psutil
+from transformers import PreTrainedTokenizerBase
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -71,6 +72,12 @@ from swe_grpo.sandbox import make_backend
 from swe_grpo.sandbox.local.limits import LocalLimits
 from swe_grpo.serving.door import DOOR_MOUNT, Door
 from swe_grpo.serving.interception import InterceptionServer
+from swe_grpo.tokens.template import (
+    TemplateKey,
+    known_training_chat_templates,
+    remember_training_chat_templates,
+    training_chat_template,
+)
 from swe_grpo.types import RolloutEndpoint
 
 STUB_LATENCY_S = 0.05
@@ -82,13 +89,22 @@ ATTACKER = Path(__file__).resolve().parent / "_p9_attacker.py"
 # --------------------------------------------------------------------------- the server process
 
 
-def serve(conn: Connection, rollouts: int, attackers: int) -> None:
+def serve(
+    conn: Connection,
+    tokenizer: PreTrainedTokenizerBase,
+    templates: dict[TemplateKey, str],
+    rollouts: int,
+    attackers: int,
+) -> None:
+    """The server's process: torch-free, as a rollout host is (the tokenizer comes pickled, its training template
+    verified in the parent, as the trainer verifies a host's), so that it serves as one does
+    (`return_big_buffers` pins glibc's threshold only in a process without torch)."""
     logging.basicConfig(level=logging.ERROR)
-    asyncio.run(_serve(conn, rollouts, attackers))
+    remember_training_chat_templates(templates)
+    asyncio.run(_serve(conn, tokenizer, rollouts, attackers))
 
 
-async def _serve(conn: Connection, rollouts: int, attackers: int) -> None:
-    tokenizer = load_tokenizer()
+async def _serve(conn: Connection, tokenizer: PreTrainedTokenizerBase, rollouts: int, attackers: int) -> None:
     server = await InterceptionServer(StubGenerator(tokenizer, 1, STUB_LATENCY_S), tokenizer).start()
     good = [server.open_rollout() for _ in range(rollouts)]
     bad = [server.open_rollout() for _ in range(attackers)]
@@ -103,7 +119,7 @@ async def _serve(conn: Connection, rollouts: int, attackers: int) -> None:
             await asyncio.sleep(0.02)
 
     sampling = asyncio.create_task(sample())
-    conn.send((good, bad, doors))
+    conn.send((good, bad, doors, "torch" in sys.modules))
     loop = asyncio.get_running_loop()
     while (command := await loop.run_in_executor(None, conn.recv)) != "stop":
         if command == "peak":  # the peak since the last ask, then start again from now (and the CPU time used)
@@ -181,8 +197,11 @@ async def agent(
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
-    async with server_process(serve, args.rollouts, len(args.attacks)) as running:
-        good, bad, doors = running.endpoints
+    tokenizer = load_tokenizer()
+    training_chat_template(tokenizer)
+    templates = known_training_chat_templates()
+    async with server_process(serve, tokenizer, templates, args.rollouts, len(args.attacks)) as running:
+        good, bad, doors, server_has_torch = running.endpoints
         tl, stop = Timeline(), asyncio.Event()
         timeout = aiohttp.ClientTimeout(total=30)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
@@ -236,7 +255,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "attacker": did,
             }
         )
-    return {"phases": rows, "server": server, "rss_start_mib": round(start_peak["rss"] / MIB, 1)}
+    return {
+        "phases": rows,
+        "server": server,
+        "server_has_torch": server_has_torch,
+        "rss_start_mib": round(start_peak["rss"] / MIB, 1),
+    }
 
 
 def main() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import subprocess
 import sys
 import time
 import tracemalloc
@@ -373,3 +374,24 @@ async def test_requests_back_to_back_on_a_kept_alive_connection_are_held_to_the_
     assert answered <= allowed + 2 and record.requests <= allowed + 2, (answered, record.requests, allowed)
     assert record.paced_requests >= answered - LIMITS.rollout_request_burst - 1
     assert busy < quiet + 0.01, (quiet, busy)
+
+
+PINS = """
+import subprocess
+import sys
+if sys.argv[1] == "torch":
+    import torch  # noqa: F401
+from swe_grpo.serving.limits import return_big_buffers
+print(return_big_buffers())
+"""
+
+
+@pytest.mark.parametrize("process", ["server", "torch"])
+def test_a_process_that_trains_keeps_glibcs_allocation_threshold(process: str) -> None:
+    """Pinning glibc's mmap threshold (so that freed request bodies go back to the system) is process-wide: with
+    `rollout_hosts=0` the server runs in the trainer's process, whose tensors then each became a fresh mapping, and
+    the demo policy's training step took 1.8x as long (benchmarks/mmap_threshold.py). A process with torch loaded
+    keeps glibc's default; a server's own process (a rollout host: no torch) still pins it."""
+    ran = subprocess.run([sys.executable, "-c", PINS, process], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split()[-1] == ("True" if process == "server" else "False")

@@ -24,7 +24,8 @@ connections make the server hold (memory for bodies, descriptors for connections
   rollout has at most one request in flight: a newer one supersedes it (`InterceptionServer`). So a rollout holds
   at most one body of at most `max_request_bytes` [32 MiB: 16 x a 2 MB tool output, more than any context
   window holds] plus its waiting connections' read buffers (aiohttp stops reading a connection whose buffered
-  body passes 2 x 64 KiB). And a freed body goes back to the system (`return_big_buffers`).
+  body passes 2 x 64 KiB). And a freed body goes back to the system (`return_big_buffers`; not in a process that
+  trains).
 - rate: a rollout's requests are held, before anything of them is read, to `rollout_requests_per_s` [20] a second
   in bursts of `rollout_request_burst` [20] (`RolloutSession.pace`). Valid requests sent back to back on a
   kept-alive connection, each superseding the one before, pass no accept rate: one rollout had thousands a second
@@ -41,6 +42,7 @@ import ctypes.util
 import logging
 import resource
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -72,13 +74,19 @@ class ServingLimits:
         return max(1, int(soft * self.descriptor_share))
 
 
-def return_big_buffers() -> None:
-    """Have glibc serve every allocation over 128 KiB with its own mapping, returned to the system when freed.
-    By default glibc raises that threshold after the first such free (up to 32 MiB), and request bodies read
-    after that would stay in its heap once freed. Process-wide; a no-op where the C library is not glibc."""
+def return_big_buffers() -> bool:
+    """Have glibc serve every allocation over 128 KiB with its own mapping, returned to the system when freed, and
+    say whether it was done. By default glibc raises that threshold after the first such free (up to 32 MiB), and
+    request bodies read after that would stay in its heap once freed. Process-wide, so not in a process that
+    trains (torch loaded: a server in the trainer's process, `rollout_hosts=0`): each of its tensors would then be
+    a fresh mapping, and the demo policy's step took 1.8x as long (`benchmarks/mmap_threshold.py`); its freed
+    bodies are reused by its heap instead. A no-op where the C library is not glibc."""
+    if "torch" in sys.modules:
+        return False
     name = ctypes.util.find_library("c")
     with contextlib.suppress(OSError, AttributeError, TypeError):
-        ctypes.CDLL(name).mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+        return ctypes.CDLL(name).mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
+    return False
 
 
 class _Refused(asyncio.Protocol):
