@@ -11,7 +11,9 @@ traffic.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import platform
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -29,6 +31,7 @@ from swe_grpo.grading import DEFAULT_TEST_CMD, grade
 from swe_grpo.sandbox.base import ExecResult, Sandbox, SandboxBackend
 from swe_grpo.sandbox.docker import DockerLimits
 from swe_grpo.sandbox.local import LocalBackend, LocalLimits
+from swe_grpo.serving.door import Door
 from swe_grpo.tasks import Task
 
 STRUTIL_TASK = next(t for t in demo_tasks() if t.instance_id == STRUTIL)
@@ -87,6 +90,39 @@ seq 8 | xargs -P 8 -I{} sh -c 'echo {}' | sort -n | tr '\n' ' '
 head -c 8M /dev/urandom > /tmp/blob && wc -c < /tmp/blob
 cat /testbed/out/* | wc -l
 git status --porcelain
+"""
+
+# Raw calls (x86-64 numbers) with arguments no kernel accepts: unfiltered, each fails with the kernel's own
+# complaint (EFAULT, EINVAL, EBADF; ENOSYS for the x32 `getpid` where the kernel has no x32), never EPERM.
+# `userfaultfd` asks for user-mode faults only, which no sysctl refuses, plus a flag that is invalid.
+# Made by the process itself, a thread of it, and a child of it in a session of its own (an agent's
+# background job); prints {"where": {"call": errno}}.
+KERNEL_CALLS = r"""
+import ctypes, json, os, subprocess, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+calls = {
+    "io_uring_setup": (425, 1, 0), "io_uring_enter": (426, -1, 0, 0, 0, 0, 0), "io_uring_register": (427, -1, 0, 0, 0),
+    "add_key": (248, 0, 0, 0, 0, 0), "request_key": (249, 0, 0, 0, 0), "keyctl": (250, -1, 0),
+    "bpf": (321, 0, 0, 0), "perf_event_open": (298, 0, 0, -1, -1, 0), "userfaultfd": (323, 3),
+    "x32 getpid": (0x40000000 + 39,),
+}
+def errnos():
+    seen = {}
+    for name, (nr, *args) in calls.items():
+        ctypes.set_errno(0)
+        libc.syscall(nr, *args)
+        seen[name] = ctypes.get_errno()
+    return seen
+if sys.argv[1:] == ["child"]:
+    print(json.dumps(errnos()))
+    sys.exit()
+seen = {"process": errnos()}
+thread = threading.Thread(target=lambda: seen.update(thread=errnos()))
+thread.start()
+thread.join()
+child = subprocess.run(["setsid", sys.executable, sys.argv[0], "child"], capture_output=True, text=True, check=True)
+seen["detached child"] = json.loads(child.stdout)
+print(json.dumps(seen))
 """
 
 
@@ -153,6 +189,38 @@ async def test_exhaustion_stays_in_its_sandbox(backend: SandboxBackend, task: Ta
         assert [await s.exhausted() for s in (bomber, filler)] == ["pids", "disk"]
     finally:
         await asyncio.gather(*(s.destroy() for s in sandboxes))
+    assert_nothing_left(backend, run_dir)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the raw calls use x86-64 numbers")
+async def test_kernel_interfaces_an_agent_never_needs_are_refused_in_every_process(
+    backend: SandboxBackend, task: Task, run_dir: Path
+) -> None:
+    """io_uring, the keyrings, bpf, perf events, userfaultfd and x32 calls fail with EPERM in every process of
+    a sandbox, on every engine: a command's own process, its threads, a detached child, and the agent's tree
+    behind the door's forwarder; while the ordinary work of an agent and of grading (Python, threads,
+    processes, files, bytecode, git) runs as before."""
+    door = Door.make("seccomp")  # unserved: the probe makes no request through it
+    try:
+        async with await backend.create(task, mounts=[door.mount()], network=False) as sandbox:
+            await sandbox.put_file("/tmp/calls.py", KERNEL_CALLS.encode())
+            places = {
+                "command": await sandbox.exec(["python3", "/tmp/calls.py"], timeout_s=60),
+                "agent": await sandbox.exec(door.wrap(["python3", "/tmp/calls.py"]), timeout_s=60),
+            }
+            work = await sandbox.exec(WORKLOAD, timeout_s=120)
+            compiled = await sandbox.exec("python3 -m compileall -q . && ls __pycache__", timeout_s=60)
+    finally:
+        door.remove()
+    for place, result in places.items():
+        assert result.exit_code == 0, (place, result)
+        seen = json.loads(result.stdout)
+        assert list(seen) == ["process", "thread", "detached child"]
+        for where, errnos in seen.items():
+            assert errnos == dict.fromkeys(errnos, errno.EPERM), (place, where, errnos)
+    assert work.exit_code == 0 and "threads 32" in work.stdout, work
+    assert compiled.exit_code == 0, compiled
+    assert [(name.split(".")[0], name.split(".")[-1]) for name in compiled.stdout.split()] == [("calc", "pyc")]
     assert_nothing_left(backend, run_dir)
 
 

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import io
+import logging
 import os
+import platform
 import random
 import socket
 import subprocess
@@ -36,10 +39,15 @@ from swe_grpo.sandbox.docker import (
     DockerLimits,
     DockerSandbox,
 )
+from swe_grpo.sandbox.docker import seccomp as seccomp_module
+from swe_grpo.sandbox.docker.seccomp import MOUNT as SECCOMP_MOUNT
+from swe_grpo.sandbox.docker.seccomp import mount_dir
 from swe_grpo.sandbox.process import export_repo
 from swe_grpo.tasks import Task, swe_gym_image
 
 UID = 1000
+# io_uring_setup(1, NULL) (x86-64's number): EFAULT from the kernel, EPERM from a filter; prints the errno.
+IO_URING_SETUP = "import ctypes; c = ctypes.CDLL(None, use_errno=True); c.syscall(425, 1, 0); print(ctypes.get_errno())"
 
 
 @pytest.fixture(scope="session")
@@ -155,7 +163,8 @@ async def test_limits_labels_and_hardening(docker_url: str, task: Task, engine: 
         # The disk limit: a read-only root, and the writable paths tmpfs volumes of `disk` (2 GiB) each.
         assert host["ReadonlyRootfs"] is True
         writable = ["/home/sandbox", "/testbed", "/tmp", "/var/tmp"]
-        assert sorted(m["Destination"] for m in attrs["Mounts"]) == writable
+        mounts = {m["Destination"]: m["RW"] for m in attrs["Mounts"]}
+        assert mounts == {SECCOMP_MOUNT: False} | dict.fromkeys(writable, True)
         sizes = await run_ok(sandbox, ["stat", "-f", "-c", "%T %b %S", *writable])
         assert sizes.splitlines() == [f"tmpfs {(2 << 30) // 4096} 4096"] * 4
         result = await sandbox.exec("touch /etc/x /usr/x; echo > /testbed/ok", timeout_s=30)
@@ -173,6 +182,70 @@ async def test_limits_labels_and_hardening(docker_url: str, task: Task, engine: 
         assert "300" in out
     finally:
         await backend.close()
+
+
+async def test_every_exec_runs_under_our_filter_on_top_of_the_engines_profile(
+    docker_url: str, sandbox: DockerSandbox, task: Task, engine: docker.DockerClient
+) -> None:
+    """Our seccomp filter is added to the engine's default profile, never instead of it: every exec has two
+    filters (what the engine's profile refuses stays refused: tests/test_sandbox_limits.py). A command that
+    cannot run says why on stderr with the shell's exit status. A sandbox running as root cannot replace the
+    wrapper or its filter (a read-only mount), and is filtered as well."""
+    assert "seccomp" not in str(engine.containers.get(sandbox.id).attrs["HostConfig"]["SecurityOpt"])
+    status = await run_ok(sandbox, "grep -E '^(NoNewPrivs|Seccomp|Seccomp_filters):' /proc/self/status")
+    assert status.split() == ["NoNewPrivs:", "1", "Seccomp:", "2", "Seccomp_filters:", "2"]
+    missing = await sandbox.exec(["no-such-command", "x"], timeout_s=30)
+    assert (missing.exit_code, missing.stderr) == (
+        127,
+        "seccomp-exec: cannot run no-such-command: No such file or directory\n",
+    )
+    refused = await sandbox.exec(["/etc/passwd"], timeout_s=30)
+    assert (refused.exit_code, refused.stderr) == (126, "seccomp-exec: cannot run /etc/passwd: Permission denied\n")
+
+    root = DockerBackend(base_url=docker_url, uid=None)
+    await root.start()
+    try:
+        async with await root.create(task) as sandbox_as_root:
+            assert await run_ok(sandbox_as_root, "id -u") == "0\n"
+            for path in (f"{SECCOMP_MOUNT}/seccomp-exec", f"{SECCOMP_MOUNT}/filter"):
+                written = await sandbox_as_root.exec(f"echo > {path}", timeout_s=30)
+                assert written.exit_code != 0 and "Read-only file system" in written.stderr, written
+            if platform.machine() == "x86_64":
+                assert await run_ok(sandbox_as_root, ["python3", "-c", IO_URING_SETUP]) == f"{errno.EPERM}\n"
+    finally:
+        await root.close()
+
+
+def test_the_wrappers_source_compiles_cleanly(tmp_path: Path) -> None:
+    """The wrapper's source builds with every common warning on (users' newer compilers build it without
+    -Werror, so a warning there cannot break their docker sandboxes)."""
+    source = Path(seccomp_module.__file__).with_name("seccomp_exec.c")
+    build = ["cc", "-static", "-Os", "-Wall", "-Wextra", "-Werror", "-o", str(tmp_path / "w"), str(source)]
+    subprocess.run(build, check=True, capture_output=True)
+
+
+async def test_without_a_compiler_start_says_what_to_install(
+    docker_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("SWE_GRPO_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    backend = DockerBackend(base_url=docker_url)
+    try:
+        with pytest.raises(SandboxError, match=r"seccomp wrapper: .*libc6-dev"):
+            await backend.start()
+    finally:
+        await backend.close()
+
+
+def test_an_engine_of_another_architecture_gets_no_wrapper(caplog: pytest.LogCaptureFixture) -> None:
+    """The wrapper is built here, for this host: an engine on another architecture (a remote one) keeps its
+    own profile only, and that is said."""
+    other = "aarch64" if platform.machine() == "x86_64" else "x86_64"
+    with caplog.at_level(logging.WARNING):
+        assert mount_dir(other) is None
+        assert mount_dir("riscv64") is None
+    assert f"no seccomp filter of ours for a Docker engine on {other}" in caplog.text
+    assert "on riscv64" in caplog.text
 
 
 async def test_a_repository_too_big_for_the_disk_limit_is_refused(

@@ -37,13 +37,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
-import hashlib
 import logging
 import os
 import shutil
 import socket
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
@@ -52,6 +49,7 @@ from pathlib import Path
 
 from swe_grpo.paths import cache_root
 from swe_grpo.sandbox.base import Mount, owner_gone
+from swe_grpo.sandbox.native import NativeBuildError, build_static
 
 #: Where a door's directory (the socket `s` and the forwarder) is mounted inside the sandbox.
 DOOR_MOUNT = "/run/swe-grpo-door"
@@ -64,8 +62,6 @@ log = logging.getLogger(__name__)
 _DIR_PREFIX = "swe-grpo-door-"  # then the pid of the process serving it
 _SOURCE = Path(__file__).with_name("door_forwarder.c")
 _FORWARDER = "door-forwarder"  # its name in a door's directory
-# -static: the binary runs in any sandbox image, whatever its C library; -Os: small and plenty fast.
-_CFLAGS = ("-static", "-Os", "-s")
 _INSTALL_HINT = (
     "the door needs a C compiler with a static C library (Debian/Ubuntu: apt-get install gcc libc6-dev; "
     "Fedora: gcc glibc-static; or set CC), which scripts/setup.sh installs; or run without the door (--no-door)"
@@ -163,43 +159,24 @@ class Door:
         shutil.rmtree(self.host_dir, ignore_errors=True)
 
 
-class ForwarderBuildError(RuntimeError):
+class ForwarderBuildError(NativeBuildError):
     """The door's forwarder could not be built (no C compiler, or none that links statically)."""
 
 
 def forwarder() -> Path:
     """The door's forwarder, built from `door_forwarder.c` by `$CC` (default `cc`) the first time any
     process asks, into `cache_root()/door/` under a lock (concurrent first uses build it once), and named
-    by a hash of the source and the build command, so an edited source is rebuilt. Raises
-    `ForwarderBuildError` saying what to install when it cannot be built."""
-    compiler = os.environ.get("CC", "cc")
-    command = (compiler, *_CFLAGS)
-    digest = hashlib.sha256(_SOURCE.read_bytes() + "\0".join(command).encode()).hexdigest()[:16]
-    directory = cache_root() / "door"
-    binary = directory / f"{_FORWARDER}-{digest}"
-    if binary.exists():
-        return binary
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if binary.exists():  # another process built it while this one waited
-            return binary
-        partial = directory / f".{binary.name}.{os.getpid()}"
-        try:
-            built = subprocess.run([*command, "-o", str(partial), str(_SOURCE)], capture_output=True, text=True)
-        except OSError as e:
-            raise ForwarderBuildError(
-                f"cannot run the C compiler {compiler!r} to build the door's forwarder: {e}; {_INSTALL_HINT}"
-            ) from e
-        if built.returncode != 0:
-            partial.unlink(missing_ok=True)
-            raise ForwarderBuildError(
-                f"{' '.join(command)} could not build the door's forwarder from {_SOURCE}:\n"
-                f"{built.stderr.strip()}\n{_INSTALL_HINT}"
-            )
-        partial.replace(binary)
-    log.info("built the door's forwarder %s", binary)
-    return binary
+    by a hash of the source and the build command, so an edited source is rebuilt
+    (`swe_grpo.sandbox.native.build_static`). Raises `ForwarderBuildError` saying what to install when it
+    cannot be built."""
+    return build_static(
+        _SOURCE,
+        cache_root() / "door",
+        _FORWARDER,
+        what="the door's forwarder",
+        hint=_INSTALL_HINT,
+        error=ForwarderBuildError,
+    )
 
 
 def check_allow(allow: Iterable[str], door: bool = True) -> None:

@@ -11,6 +11,9 @@ What it guarantees, besides `swe_grpo.sandbox.base`'s guarantees:
 - It runs as an unprivileged user with no capabilities, under per-container memory, process, CPU, open-file
   and disk limits (`DockerLimits`, `backend.py`), so a sandbox that exhausts its own cannot make another
   fail; `exhausted()` tells which one it hit (`sandbox.py`).
+- Every process an exec starts runs under the `local` backend's seccomp filter (io_uring, keyrings, bpf,
+  perf events, userfaultfd and x32 calls fail with EPERM) stacked on the engine's default profile, on
+  any engine version (`seccomp.py`).
 - Network: none by default (a loopback of its own); `create(network=True)` gives it the backend's `network`
   (`host` by default).
 - `exec` kills every process it started on timeout or cancellation, `setsid` children included (`sandbox.py`).
@@ -21,7 +24,7 @@ What it guarantees, besides `swe_grpo.sandbox.base`'s guarantees:
 
 Modules: `backend.py` (`DockerBackend`, `DockerLimits`), `sandbox.py` (`DockerSandbox`), `images.py` (which
 image, prepared images), `volumes.py` (mounts on a remote engine), `engine.py` (connection, owner labels,
-reaper, helper containers).
+reaper, helper containers), `seccomp.py` (the filter's wrapper, `seccomp_exec.c`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 prepared image (`images.py`).
 
 Containers run `sleep infinity` under `--init`, as an unprivileged user (uid 1000 by default, all
-capabilities dropped, no-new-privileges), with per-container limits (`DockerLimits`) and owner labels
+capabilities dropped, no-new-privileges), every exec under our seccomp filter stacked on the engine's
+default profile (`seccomp.py`), with per-container limits (`DockerLimits`) and owner labels
 (`engine.py`: `start()` removes the containers of dead owners, never a live process's).
 
 Limits, per container, so that a sandbox that exhausts its own cannot make another fail: memory (the
@@ -43,6 +44,7 @@ import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import docker
@@ -54,7 +56,10 @@ from swe_grpo.sandbox.base import WORKDIR, Mount, SandboxBackend, SandboxError
 from swe_grpo.sandbox.docker.engine import ENGINE_ERRORS, OWNER_LABEL, SANDBOX_LABEL, TASK_LABEL, Engine, text
 from swe_grpo.sandbox.docker.images import DEFAULT_IMAGE, TWIN, PreparedImages
 from swe_grpo.sandbox.docker.sandbox import DockerSandbox
+from swe_grpo.sandbox.docker.seccomp import MOUNT as SECCOMP_MOUNT
+from swe_grpo.sandbox.docker.seccomp import mount_dir, wrap
 from swe_grpo.sandbox.docker.volumes import MountVolumes
+from swe_grpo.sandbox.native import NativeBuildError
 from swe_grpo.sandbox.process import CgroupLayout
 
 if TYPE_CHECKING:
@@ -129,6 +134,9 @@ class DockerBackend(SandboxBackend):
         self.cgroups: CgroupLayout | None = None
         with contextlib.suppress(SandboxError):
             self.cgroups = CgroupLayout.detect()
+        #: The host directory of the seccomp wrapper (`seccomp.py`), mounted into every sandbox; set by
+        #: `start()` (None: the engine's architecture is not this host's, only the engine's profile holds).
+        self.seccomp_dir: Path | None = None
 
     @property
     def default_image(self) -> str:
@@ -174,14 +182,24 @@ class DockerBackend(SandboxBackend):
 
     async def start(self) -> None:
         """Connect to the engine (`SandboxError` with the cause if unreachable, or reached by plain tcp off the
-        loopback) and remove the containers of dead owners."""
+        loopback), remove the containers of dead owners, and make the seccomp wrapper for the engine's
+        architecture (`SandboxError` saying what to install when it cannot be built)."""
         reaped = await self.engine.open()
         if reaped:
             log.info("removed %d leftover sandbox containers: %s", len(reaped), ", ".join(reaped))
+        try:
+            info = await self.submit(self.client.info)
+            self.seccomp_dir = await self.submit(mount_dir, info.get("Architecture", ""))
+        except ENGINE_ERRORS as e:
+            raise SandboxError(f"cannot ask the Docker engine its architecture: {e}") from e
+        except NativeBuildError as e:
+            raise SandboxError(str(e)) from e
 
     async def create(self, task: Task, mounts: Sequence[Mount] = (), *, network: bool = False) -> DockerSandbox:
         """See `SandboxBackend.create`; `network=True` gives the sandbox the backend's `network`."""
         image = await self.images.get(task)
+        if self.seccomp_dir is not None:
+            mounts = [*mounts, Mount(self.seccomp_dir, SECCOMP_MOUNT)]
         slug = re.sub(r"[^a-zA-Z0-9_.-]", "-", task.instance_id)[:40]
         kwargs: dict[str, Any] = {
             "image": image,
@@ -237,6 +255,7 @@ class DockerBackend(SandboxBackend):
             output_bytes=self.limits.output_bytes,
             writable_paths=self.writable_paths(),
             cgroups=None if self.remote else self.cgroups,
+            exec_prefix=wrap([]) if self.seccomp_dir is not None else [],
             on_removed=self.live.discard,
         )
         self.live.add(sandbox)

@@ -5,7 +5,9 @@ each hold a thread). `docker exec` has no timeout: on timeout or cancellation ev
 killed by its environment marker (see `swe_grpo.sandbox.process`), `setsid` children included, before `exec`
 returns or raises. An exec whose sandbox is destroyed under it ends with exit code 137 (or `SandboxError`
 when it loses the race with the removal). `put_file` writes as the sandbox user would, `get_file` reads
-through the engine's archive API, bounded by `max_bytes`.
+through the engine's archive API, bounded by `max_bytes`. Every exec, the backend's own (the kill, the
+counters) included, runs under the seccomp wrapper (`seccomp.py`): its tools are the image's, which a
+sandbox running as root could have replaced.
 
 `exhausted()`: "memory" and "pids" from the container's cgroup counters (memory `oom_kill`, pids `max`; see
 `swe_grpo.sandbox.process.CgroupLayout`): on the host when the engine runs here (readable even while the
@@ -55,8 +57,9 @@ exit 0
 class DockerSandbox(Sandbox):
     """One running container, made by `DockerBackend.create`: its calls go through `engine`; `output_bytes`
     caps what `exec` keeps of each stream; `writable_paths` are its tmpfs mounts; `cgroups` is this host's
-    cgroup layout where the engine runs here (None: read the counters from inside); `on_removed` is told once
-    the container is gone."""
+    cgroup layout where the engine runs here (None: read the counters from inside); every exec's command
+    runs under `exec_prefix` (the seccomp wrapper, `seccomp.py`); `on_removed` is told once the container
+    is gone."""
 
     def __init__(
         self,
@@ -67,6 +70,7 @@ class DockerSandbox(Sandbox):
         output_bytes: int,
         writable_paths: Sequence[str],
         cgroups: CgroupLayout | None,
+        exec_prefix: Sequence[str],
         on_removed: Callable[[DockerSandbox], None],
     ) -> None:
         self._engine = engine
@@ -75,6 +79,7 @@ class DockerSandbox(Sandbox):
         self._output_bytes = output_bytes
         self._writable_paths = list(writable_paths)
         self._cgroups = cgroups
+        self._exec_prefix = list(exec_prefix)
         self._on_removed = on_removed
         self._removal: asyncio.Future[None] | None = None
         self._exhaustion: Exhaustion | None = None
@@ -89,7 +94,7 @@ class DockerSandbox(Sandbox):
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
     ) -> ExecResult:
-        argv = ["bash", "-lc", command] if isinstance(command, str) else list(command)
+        argv = [*self._exec_prefix, *(["bash", "-lc", command] if isinstance(command, str) else command)]
         marker = uuid.uuid4().hex
         started = time.monotonic()
         run = self._engine.submit(self._run, argv, {**(env or {}), EXEC_MARKER_VAR: marker}, cwd or self.workdir)
@@ -129,7 +134,7 @@ class DockerSandbox(Sandbox):
 
     async def _kill(self, marker: str, run: asyncio.Future[Any]) -> None:
         """Kill every process of the exec tagged `marker` and wait for the exec to end."""
-        killer = self._engine.submit(self._container.exec_run, kill_tree_argv(marker))
+        killer = self._engine.submit(self._container.exec_run, [*self._exec_prefix, *kill_tree_argv(marker)])
         try:
             exit_code, output = await asyncio.wait_for(killer, _KILL_GRACE_S)
         except docker.errors.NotFound:
@@ -219,7 +224,8 @@ class DockerSandbox(Sandbox):
         pids limit: the counters are read once its processes are gone)."""
         paths = " ".join(self._writable_paths)
         try:
-            exit_code, output = self._container.exec_run(["sh", "-c", _READ_INSIDE.format(paths=paths)])
+            argv = [*self._exec_prefix, "sh", "-c", _READ_INSIDE.format(paths=paths)]
+            exit_code, output = self._container.exec_run(argv)
         except ENGINE_ERRORS:
             return None
         if exit_code != 0:

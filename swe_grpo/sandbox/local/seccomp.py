@@ -1,6 +1,7 @@
-"""A seccomp filter for `local` sandboxes: the kernel interfaces a coding agent never needs and that are the
-usual way from an unprivileged process to a kernel exploit fail with EPERM, as Docker's default profile
-makes them fail in `docker` sandboxes.
+"""The sandboxes' seccomp filter: the kernel interfaces a coding agent never needs and that are the usual way
+from an unprivileged process to a kernel exploit fail with EPERM. `local` sandboxes get it from bwrap
+(`filter_fd`); `docker` sandboxes from a wrapper that starts every exec (`swe_grpo.sandbox.docker.seccomp`),
+on top of the engine's default profile (which refuses io_uring only from Docker 25 on).
 
 Refused: io_uring (`io_uring_setup`, `_enter`, `_register`), the kernel keyrings (`add_key`, `request_key`,
 `keyctl`), `bpf`, `perf_event_open` and `userfaultfd`; on x86-64 also every call of the x32 ABI (another
@@ -9,8 +10,9 @@ threads on EPERM (libuv, in Node, does). Everything else is allowed: the sandbox
 unprivileged user, its user namespace in which no other can be made, no capabilities) hold the rest.
 
 The filter is a classic BPF program (`struct sock_filter` records), which bwrap installs with `--seccomp FD`
-just before it runs the command; children inherit it and cannot remove it. Only for x86-64 and aarch64,
-whose syscall numbers are below; elsewhere `program()` is None and the caller warns.
+(the docker wrapper with `prctl(PR_SET_SECCOMP)`) just before it runs the command; children inherit it and
+cannot remove it. Only for x86-64 and aarch64, whose syscall numbers are below; elsewhere `program()` is
+None and the caller warns.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def _op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
 
 @functools.cache
 def program(machine: str | None = None) -> bytes | None:
-    """The filter for `machine` (default: this one) as bwrap's `--seccomp` reads it; None where unsupported."""
+    """The filter for `machine` (default: this one; `uname -m`'s name) as bwrap's `--seccomp` and the docker
+    wrapper read it; None where unsupported."""
     machine = machine or platform.machine()
     if machine not in _ARCHES:
         return None
