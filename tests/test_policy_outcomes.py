@@ -235,7 +235,7 @@ async def test_an_agent_that_read_its_reply_or_exits_0_is_graded_end_to_end(
 
 
 # The cases of issue 23 §2, as an agent's bash tool runs them after the policy's first turn: (command, outcome).
-# Each took the rollout out of its group (infra_error, reward None), or hung its diff for 300 s.
+# Each but the huge file once took the rollout out of its group (infra_error, reward None), or hung its diff.
 AGENT_ACTIONS = {
     "fifo-replaces-readme": ("rm README.md && mkfifo README.md", "diff_unreadable"),
     "chmod-000-tracked-file": ("chmod 000 strutil.py", "diff_unreadable"),
@@ -243,6 +243,8 @@ AGENT_ACTIONS = {
     "symlink-target-not-utf8": ("ln -s $'\\xff\\xfe' badlink", "diff_unreadable"),
     "fifo-alternates": ("mkfifo .git/objects/info/alternates", "diff_unreadable"),
     "kill-9-ppid": ("kill -9 $PPID", "agent_killed"),  # the tool's parent is the agent
+    # 40 MB of text: over the patch limit (`MAX_PATCH_BYTES`, 32 MiB).
+    "huge-file": ("head -c 30000000 /dev/urandom | base64 > noise.txt", "patch_too_large"),
 }
 
 
