@@ -127,6 +127,7 @@ class Trajectory:
             "rollout_id": self.rollout_id,
             "reward": self.reward,
             "reward_mode": g.reward_mode if g else None,  # the mode that produced a graded reward
+            "witnesses": list(g.witnesses) if g else [],  # the grader's tamper witnesses armed for this grade
             "outcome": self.outcome,
             "f2p_passed": g.f2p_passed if g else 0,
             "f2p_total": g.f2p_total if g else 0,
@@ -216,7 +217,7 @@ def outcome_before_grading(
     abandoned: bool = False,
 ) -> tuple[str, float | None, str] | None:
     """The (outcome, reward, error) the agent's run already settles, before any grading; None: grade it.
-    `abandoned`: one of the agent's requests was still being served when it exited (`reply_on_its_way`)."""
+    `abandoned`: one of the agent's requests was still in flight when it exited (`InterceptionServer.in_flight`)."""
     if exhausted:
         return "resource_exhausted", 0.0, f"the agent ran its sandbox out of {exhausted} (its {exhausted} limit)"
     kinds = [e.kind for e in errors]
@@ -243,15 +244,6 @@ def outcome_before_grading(
     if unpatchable is not None:
         return unpatchable.outcome, 0.0, str(unpatchable)
     return None
-
-
-def reply_on_its_way(server: InterceptionServer, rollout_id: str) -> bool:
-    """Whether one of the rollout's requests is being served now (`last_activity` is then the present). Asked as
-    its agent exits: a reply the agent will never read. The server notices a dropped connection only at its next
-    look (`InterceptionServer.keepalive_s`) or when the reply is written, and closing the rollout abandons the
-    request unrecorded, so an agent that gives up and exits at once leaves no `client_disconnected` behind."""
-    asked = time.monotonic()
-    return server.last_activity(rollout_id) >= asked
 
 
 async def run_rollout(
@@ -299,7 +291,7 @@ async def run_rollout(
                     door=door,
                 )
                 timings["agent"] = ran.wall_s
-                abandoned = reply_on_its_way(server, rollout_id)
+                abandoned = server.in_flight(rollout_id)
                 exhausted = await sandbox.exhausted()
                 if exhausted is None:
                     try:

@@ -91,7 +91,9 @@ async def test_a_rollouts_sandbox_work_on_a_remote_engine(
         result = await agent.exec("bash /opt/agent/bin/agent.sh && touch /opt/agent/x", timeout_s=60)
         assert result.stdout == "agent ran\n" and "Read-only file system" in result.stderr, result
         copies = [name for name, labels in volumes(remote) if labels.get(MOUNT_LABEL) == "1"]
-        assert len(copies) == 1, copies
+        assert len(copies) == 2, copies  # the bundle's and the seccomp wrapper's
+        filters = await agent.exec(["grep", "Seccomp_filters", "/proc/self/status"], timeout_s=60)
+        assert filters.stdout == "Seccomp_filters:\t2\n", filters  # the engine's profile and ours
 
         await agent.exec("printf 'def add(a, b):\\n    return b + a\\n' > calc.py", timeout_s=60)
         await agent.put_file("/testbed/notes/new.txt", b"hello\n")

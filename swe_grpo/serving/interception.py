@@ -265,6 +265,12 @@ class InterceptionServer:
         rollout = self._rollouts[rollout_id]
         return time.monotonic() if rollout.serving is not None else rollout.last_activity
 
+    def in_flight(self, rollout_id: str) -> bool:
+        """Whether a chat request of the open rollout `rollout_id` is being served or waits its turn: a reply its
+        agent has not had. Asked as the agent exits: the server notices a dropped connection only at its next
+        keep-alive or when the reply is written, and closing the rollout abandons such a request."""
+        return bool(self._rollouts[rollout_id].pending)
+
     def oldest_version(self, rollout_id: str) -> int | None:
         """The oldest policy version that produced any of the rollout's tokens; None before its first
         token or when the rollout is not open."""
