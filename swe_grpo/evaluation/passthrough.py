@@ -203,6 +203,10 @@ class PassthroughServer:
         rollout = self._rollouts[rollout_id]
         return time.monotonic() if rollout.in_flight else rollout.last_activity
 
+    def in_flight(self, rollout_id: str) -> bool:
+        """Whether a request of the rollout is being forwarded: a reply its agent has not had."""
+        return self._rollouts[rollout_id].in_flight > 0
+
     @property
     def open_rollouts(self) -> int:
         return len(self._rollouts)
