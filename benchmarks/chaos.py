@@ -24,7 +24,8 @@ recorded with its cause; TRL's trainer would stop there). Faults, each a named i
   a command printing ~16k tokens (the next prompt outgrows the context), a command filling the sandbox's
   disk (a `LocalLimits.disk_bytes` tmpfs).
 
-Faults stop for the run's last tenth, so that the run shows whether training goes on after them.
+Faults stop for the run's last tenth, once every enabled kind has been injected (the run goes on, up to its own
+length again, until then), so that the run shows whether training goes on after them.
 The rest of the policy's turns are scripted too (list the repository, run its tests, append a line to a
 source file) or free (the random tiny model's text, which ends Pi's run), so a rollout takes a few turns.
 
@@ -726,6 +727,9 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
         shares.append((time.monotonic() - started) / config.duration_s if config.duration_s else 0.0)
         return max(shares)
 
+    def uncovered() -> set[str]:
+        return set(config.faults) - {kind for kind, _ in injected.events()}
+
     try:
         with worker_log() as recoveries:
             adapters.publish(version)
@@ -734,10 +738,15 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
             hosts.update(rollout_host_pids())  # before host_kill can pick one
             faults.start()
             next_sync, next_sample = config.sync_every, started
-            while (share := progress()) < 1.0:
-                if share >= config.calm_after and not injected.calmed:
+            end = 1.0  # in progress(): later when the calm had to wait for every kind to be injected
+            while (share := progress()) < end:
+                # The calm waits until every enabled kind has been injected (a short run could end before the
+                # cycle reached the last kind), or until the run has waited its own length again for that.
+                waited = share >= config.calm_after + 1.0
+                if share >= config.calm_after and not injected.calmed and (waited or not uncovered()):
                     injected.calm()
                     faults.stopping.set()
+                    end = max(1.0, share + 1.0 - config.calm_after)
                 poll()
                 doors.update(door_dirs())
                 hosts.update(rollout_host_pids())
