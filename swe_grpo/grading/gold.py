@@ -22,7 +22,7 @@ from swe_grpo.grading.run import GradeResult, grade
 from swe_grpo.grading.steps import DEFAULT_TIMEOUT_S
 from swe_grpo.sandbox.base import SandboxBackend
 from swe_grpo.tasks import Task
-from swe_grpo.tasks.task import TaskFormatError, tasks_from_rows
+from swe_grpo.tasks.task import jsonl_rows, tasks_from_rows
 
 #: The statuses a gold run may record for a FAIL_TO_PASS test besides PASSED.
 RECORDABLE = ("xfail", "xpass")
@@ -95,14 +95,8 @@ async def calibrate_file(
     whatever the row had; {} for none) and nothing else changed but a local `repo` path, rewritten relative
     to `out`'s directory. A row whose gold does not resolve is left out of `out` and returned with its
     `error`. `out` is replaced whole, once every row is done. Malformed rows raise `TaskFormatError` first."""
-    rows: list[dict[str, Any]] = []
-    for number, line in enumerate(source.read_text(encoding="utf-8").splitlines(), start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise TaskFormatError(str(source), f"line {number}", None, f"not valid JSON: {exc}") from None
-    pairs = ((f"row {index + 1}", row) for index, row in enumerate(rows))
+    pairs = list(jsonl_rows(source))
+    rows: list[dict[str, Any]] = [row for _, row in pairs]
     tasks = tasks_from_rows(pairs, source=str(source), base_dir=source.parent.resolve())
     semaphore = asyncio.Semaphore(jobs)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -225,23 +225,24 @@ def tasks_from_rows(
     return list(tasks.values())
 
 
+def jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """The rows of the JSONL task file `path` as `(where, row)` pairs ("line N"), blank lines skipped, read as
+    they are asked for; a line that is not JSON raises `TaskFormatError`."""
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TaskFormatError(str(path), f"line {number}", None, f"not valid JSON: {exc}") from None
+            yield f"line {number}", row
+
+
 def load_jsonl(path: str | Path) -> list[Task]:
     """Tasks from a JSONL file, one row per non-blank line; local `repo` paths are relative to the file."""
     path = Path(path)
-    source = str(path)
-
-    def rows() -> Iterable[tuple[str, Mapping[str, Any]]]:
-        with path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise TaskFormatError(source, f"line {number}", None, f"not valid JSON: {exc}") from None
-                yield f"line {number}", row
-
-    return tasks_from_rows(rows(), source=source, base_dir=path.parent.resolve())
+    return tasks_from_rows(jsonl_rows(path), source=str(path), base_dir=path.parent.resolve())
 
 
 def tasks_from_dataset(dataset: Iterable[Mapping[str, Any]], *, source: str) -> list[Task]:
