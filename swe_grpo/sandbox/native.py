@@ -22,6 +22,10 @@ log = logging.getLogger(__name__)
 
 # -static: the binary runs in any sandbox image, whatever its C library; -Os: small and plenty fast.
 _CFLAGS = ("-static", "-Os", "-s")
+_INSTALL = (
+    "needs a C compiler with a static C library (Debian/Ubuntu: apt-get install gcc libc6-dev; Fedora: gcc "
+    "glibc-static; or set CC), which scripts/setup.sh installs"
+)
 
 
 class NativeBuildError(RuntimeError):
@@ -34,12 +38,13 @@ def build_static(
     name: str,
     *,
     what: str,
-    hint: str,
+    otherwise: str = "",
     error: type[NativeBuildError] = NativeBuildError,
 ) -> Path:
     """The static binary built from `source`: `directory/name-<hash>` (see the module docstring). Raises
     `error` (a `NativeBuildError`) saying which compiler failed at building `what` (e.g. "the door's
-    forwarder"), followed by `hint` (what to install)."""
+    forwarder"), what to install, and `otherwise` (what else the user can do, if anything)."""
+    hint = f"{what} {_INSTALL}{'; ' + otherwise if otherwise else ''}"
     compiler = os.environ.get("CC", "cc")
     command = (compiler, *_CFLAGS)
     digest = hashlib.sha256(source.read_bytes() + "\0".join(command).encode()).hexdigest()[:16]

@@ -62,10 +62,6 @@ log = logging.getLogger(__name__)
 _DIR_PREFIX = "swe-grpo-door-"  # then the pid of the process serving it
 _SOURCE = Path(__file__).with_name("door_forwarder.c")
 _FORWARDER = "door-forwarder"  # its name in a door's directory
-_INSTALL_HINT = (
-    "the door needs a C compiler with a static C library (Debian/Ubuntu: apt-get install gcc libc6-dev; "
-    "Fedora: gcc glibc-static; or set CC), which scripts/setup.sh installs; or run without the door (--no-door)"
-)
 _UNIX_PATH_MAX = 107  # sun_path holds 108 bytes, NUL included
 _PROXY_TIMEOUT_S = 30.0
 _FORBIDDEN = b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
@@ -174,7 +170,7 @@ def forwarder() -> Path:
         cache_root() / "door",
         _FORWARDER,
         what="the door's forwarder",
-        hint=_INSTALL_HINT,
+        otherwise="or run without the door (--no-door)",
         error=ForwarderBuildError,
     )
 

@@ -36,18 +36,12 @@ MOUNT = "/run/swe-grpo-seccomp"
 _SOURCE = Path(__file__).with_name("seccomp_exec.c")
 _WRAPPER = "seccomp-exec"
 _FILTER = "filter"
-_INSTALL_HINT = (
-    "docker sandboxes need a C compiler with a static C library for it (Debian/Ubuntu: apt-get install gcc "
-    "libc6-dev; Fedora: gcc glibc-static; or set CC), which scripts/setup.sh installs"
-)
 
 
 def wrapper() -> Path:
     """The wrapper binary, built from `seccomp_exec.c` into `cache_root()/seccomp/` the first time any
     process asks (`swe_grpo.sandbox.native.build_static`). Raises `NativeBuildError` saying what to install."""
-    return build_static(
-        _SOURCE, cache_root() / "seccomp", _WRAPPER, what="the docker sandbox's seccomp wrapper", hint=_INSTALL_HINT
-    )
+    return build_static(_SOURCE, cache_root() / "seccomp", _WRAPPER, what="the docker sandbox's seccomp wrapper")
 
 
 def mount_dir(machine: str) -> Path | None:
