@@ -200,8 +200,7 @@ class PassthroughServer:
         )
 
     def last_activity(self, rollout_id: str) -> float:
-        rollout = self._rollouts[rollout_id]
-        return time.monotonic() if rollout.in_flight else rollout.last_activity
+        return time.monotonic() if self.in_flight(rollout_id) else self._rollouts[rollout_id].last_activity
 
     def in_flight(self, rollout_id: str) -> bool:
         """Whether a request of the rollout is being forwarded: a reply its agent has not had."""

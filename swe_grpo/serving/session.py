@@ -5,8 +5,8 @@ and the errors recorded against it. It serialises the rollout's requests: `lock`
 `supersede` ends every older request of the rollout when a newer one arrives, so that at most one reply is ever
 delivered, the newest's; `pace` holds its requests to a rate. `record_error` keeps a named `RequestError` per
 failure, at most `ERRORS_PER_KIND` of each kind (an attacker's rollout can send bad requests without end; later ones
-are only counted). `close` refuses
-further requests and abandons those in flight; `record()` is the `RolloutRecord` that `close_rollout` returns.
+are only counted). `close` refuses further requests and abandons those in flight; `record()` is the
+`RolloutRecord` that `close_rollout` returns.
 Single event loop, no threads: nothing here locks beyond the rollout's `lock`.
 """
 
