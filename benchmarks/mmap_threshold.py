@@ -1,9 +1,10 @@
 """Does pinning glibc's mmap threshold (what the InterceptionServer does to its process) slow a trainer's step?
 
-Why. `swe_grpo.serving.limits.return_big_buffers` has glibc serve every allocation over 128 KiB with a mapping of
+Why. `swe_grpo.serving.limits.pin_mmap_threshold` has glibc serve every allocation over 128 KiB with a mapping of
 its own, returned to the system when freed, so that request bodies do not stay in the server's heap. It is
 process-wide: with `rollout_hosts=0` the server runs in the trainer's process, and torch's CPU tensors come from
-the same malloc, so each big tensor of each step would then be a fresh mapping (page faults, zeroed pages).
+the same malloc, so each big tensor of each step would then be a fresh mapping (page faults, zeroed pages). What
+this measured is why `return_big_buffers` no longer pins it in a process with torch loaded.
 
 What. P7's training step of the demo's policy (`p7_trainer_step.Trainer`: the tiny Qwen3, forward + backward +
 AdamW, one thread) timed in fresh processes, alternately without and with the pin, `--rounds` of each, `--steps`
@@ -31,11 +32,12 @@ def timed_steps(pinned: bool, batch: int, seq_len: int, warmup: int, steps: int,
     import torch
     from p7_trainer_step import Trainer
 
-    from swe_grpo.serving.limits import return_big_buffers
+    from swe_grpo.serving.limits import pin_mmap_threshold
 
     torch.set_num_threads(1)
-    if pinned:
-        return_big_buffers()
+    # The pin itself: `return_big_buffers` would now refuse it here, torch being loaded (this benchmark is why).
+    if pinned and not pin_mmap_threshold():
+        raise RuntimeError("glibc's mmap threshold could not be pinned here")
     trainer = Trainer(batch, seq_len)
     for _ in range(warmup):
         trainer.step()

@@ -81,8 +81,12 @@ def return_big_buffers() -> bool:
     trains (torch loaded: a server in the trainer's process, `rollout_hosts=0`): each of its tensors would then be
     a fresh mapping, and the demo policy's step took 1.8x as long (`benchmarks/mmap_threshold.py`); its freed
     bodies are reused by its heap instead. A no-op where the C library is not glibc."""
-    if "torch" in sys.modules:
-        return False
+    return "torch" not in sys.modules and pin_mmap_threshold()
+
+
+def pin_mmap_threshold() -> bool:
+    """Pin glibc's mmap threshold at 128 KiB in this process, whatever it runs (`return_big_buffers` decides
+    when; `benchmarks/mmap_threshold.py` pins it in a training process on purpose); whether it was done."""
     name = ctypes.util.find_library("c")
     with contextlib.suppress(OSError, AttributeError, TypeError):
         return ctypes.CDLL(name).mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
