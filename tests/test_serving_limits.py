@@ -390,7 +390,7 @@ print(return_big_buffers())
 def test_a_process_that_trains_keeps_glibcs_allocation_threshold(process: str) -> None:
     """Pinning glibc's mmap threshold (so that freed request bodies go back to the system) is process-wide: with
     `rollout_hosts=0` the server runs in the trainer's process, whose tensors then each became a fresh mapping, and
-    the demo policy's training step took 1.8x as long (benchmarks/mmap_threshold.py). A process with torch loaded
+    the demo policy's training step took 1.5x as long (benchmarks/mmap_threshold.py). A process with torch loaded
     keeps glibc's default; a server's own process (a rollout host: no torch) still pins it."""
     ran = subprocess.run([sys.executable, "-c", PINS, process], capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr

@@ -79,7 +79,7 @@ def return_big_buffers() -> bool:
     say whether it was done. By default glibc raises that threshold after the first such free (up to 32 MiB), and
     request bodies read after that would stay in its heap once freed. Process-wide, so not in a process that
     trains (torch loaded: a server in the trainer's process, `rollout_hosts=0`): each of its tensors would then be
-    a fresh mapping, and the demo policy's step took 1.8x as long (`benchmarks/mmap_threshold.py`); its freed
+    a fresh mapping, and the demo policy's step took 1.5x as long (`benchmarks/mmap_threshold.py`); its freed
     bodies are reused by its heap instead. A no-op where the C library is not glibc."""
     return "torch" not in sys.modules and pin_mmap_threshold()
 
