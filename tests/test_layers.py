@@ -123,9 +123,7 @@ def test_every_room_is_placed() -> None:
 @pytest.mark.parametrize("arrow", sorted(arrows()), ids=lambda a: f"{a[0]}->{a[1]}")
 def test_imports_run_down_the_layers(arrow: tuple[str, str]) -> None:
     importer, target = arrow
-    culprits = sorted(
-        f"{a} -> {b}" for a, targets in GRAPH.items() for b in targets if (room(a), room(b)) == arrow
-    )
+    culprits = sorted(f"{a} -> {b}" for a, targets in GRAPH.items() for b in targets if (room(a), room(b)) == arrow)
     if importer in BESIDE:
         return  # extras, testing and demo may use anything
     if target in BESIDE:

@@ -113,8 +113,7 @@ def two_files_task(tmp_path_factory: pytest.TempPathFactory) -> Task:
     """A task whose FAIL_TO_PASS tests (tests/test_fix.py) and PASS_TO_PASS tests (tests/test_keep.py)
     live in different files, each importing its own function from the package `calc`."""
     ops = (
-        "def add(a, b):\n    return a - b\n\n\ndef double(a):\n    return a - a\n\n\n"
-        "def sub(a, b):\n    return a - b\n"
+        "def add(a, b):\n    return a - b\n\n\ndef double(a):\n    return a - a\n\n\ndef sub(a, b):\n    return a - b\n"
     )
     files = {
         "calc/__init__.py": "from calc.ops import add, double, sub\n",
