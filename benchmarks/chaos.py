@@ -58,7 +58,6 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -74,6 +73,7 @@ import aiohttp
 import orjson
 import psutil
 import requests
+from _provenance import Provenance
 from aiohttp import web
 from transformers import AutoTokenizer
 
@@ -560,7 +560,7 @@ def worker_log() -> Iterator[_WorkerLog]:
 
 
 def door_dirs() -> set[Path]:
-    """The door directories (`swe_grpo.serving.door`) whose socket this process or a Python child of it (a rollout
+    """The door directories (`swe_grpo.sandbox.door`) whose socket this process or a Python child of it (a rollout
     host) serves."""
     me = psutil.Process()
     sockets = []
@@ -635,12 +635,49 @@ def _describe(p: psutil.Process) -> str:
         return f"{p.pid} (gone)"
 
 
-def _accumulate(totals: dict[str, float], metrics: dict[str, Any]) -> None:
-    for key, value in metrics.items():
-        if key.endswith("_total"):
-            totals[key] = totals.get(key, 0.0) + float(value)
-        else:
-            totals[key] = float(value[0] if isinstance(value, tuple) else value)  # the latest gauge
+# The metrics whose push comes just before the engine adds (+1) or removes (-1) a rollout in `rollout/in_flight`:
+# a rollout's start (and its sandbox retry's) is pushed before it is registered, a cancellation before it is removed.
+_IN_FLIGHT_AFTER_PUSH = {
+    "rollout/started_total": 1,
+    "rollout/sandbox_retries_total": 1,
+    "rollout/stale_cancelled_total": -1,
+    "rollout/stop_cancelled_total": -1,
+}
+
+
+class Accounting:
+    """The worker's own accounting of its rollouts, from the metrics its rollout host delivers, and what a
+    SIGKILLed host took with it. The worker runs one host (`WorkerConfig.rollout_hosts=1`), so every metric
+    is that host's: `host_killed()` books as `died_with_host` exactly the rollouts its engine held in flight
+    when it last reported (its `rollout/in_flight` gauge, which every push carries); whatever else went
+    unaccounted, before or after a kill, stays `lost`."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self.died_with_host = 0
+        self._in_flight = 0  # in the live host's engine, as of the last push delivered
+
+    def add(self, metrics: dict[str, Any]) -> None:
+        for key, value in metrics.items():
+            if key.endswith("_total"):
+                self.totals[key] = self.totals.get(key, 0.0) + float(value)
+            else:
+                self.totals[key] = float(value[0] if isinstance(value, tuple) else value)  # the latest gauge
+        if "rollout/in_flight" in metrics:
+            change = sum(n * metrics.get(key, 0.0) for key, n in _IN_FLIGHT_AFTER_PUSH.items())
+            self._in_flight = int(metrics["rollout/in_flight"] + change)
+
+    def host_killed(self) -> int:
+        """Book the dead host's rollouts in flight (call after every metric it delivered was added); how many."""
+        died, self._in_flight = self._in_flight, 0
+        self.died_with_host += died
+        return died
+
+    def accounted(self) -> float:
+        """Rollouts that ended as an outcome or cancelled as stale (those `stop()` cancelled apart)."""
+        return sum(v for k, v in self.totals.items() if k.startswith("rollout/outcome_")) + self.totals.get(
+            "rollout/stale_cancelled_total", 0.0
+        )
 
 
 def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: Path) -> RunReport:
@@ -675,6 +712,7 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
         adapter_prefix=ADAPTER_PREFIX,
         adapter_dir=str(adapter_dir),
         seed=config.seed,
+        rollout_hosts=1,  # `Accounting` reads one host's in-flight count
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
@@ -694,7 +732,8 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
         random.Random(rng.random()),
         injected,
     )
-    totals: dict[str, float] = {}
+    accounting = Accounting()
+    totals = accounting.totals
     health: Counter = Counter()
     resource: list[Sample] = []
     sample_times: list[float] = []
@@ -702,7 +741,7 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
     me = psutil.Process()
     doors: set[Path] = set()  # every door this process served: none may be left
     hosts: set[int] = set()  # every rollout host the run had: none of their sandboxes may be left
-    died_with_host, restarts = 0, 0
+    restarts = 0
     started = time.monotonic()
 
     def poll() -> None:
@@ -710,20 +749,11 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
             worker.rollout_buffer.get()
             sample_times.append(time.monotonic())
         while not worker.metrics_queue.empty():
-            _accumulate(totals, worker.metrics_queue.get())
-
-    def accounted() -> float:
-        return sum(v for k, v in totals.items() if k.startswith("rollout/outcome_")) + totals.get(
-            "rollout/stale_cancelled_total", 0.0
-        )
-
-    def unaccounted() -> int:
-        ended = accounted() + totals.get("rollout/stop_cancelled_total", 0.0)
-        return int(totals.get("rollout/started_total", 0.0) - ended) - died_with_host
+            accounting.add(worker.metrics_queue.get())
 
     def progress() -> float:
         """How far the run is, 0 to 1 (the larger of its two limits' shares)."""
-        shares = [accounted() / config.rollouts if config.rollouts else 0.0]
+        shares = [accounting.accounted() / config.rollouts if config.rollouts else 0.0]
         shares.append((time.monotonic() - started) / config.duration_s if config.duration_s else 0.0)
         return max(shares)
 
@@ -768,8 +798,8 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
                         health[_cause(e)] += 1
                         if "was killed by SIGKILL" in str(e):  # host_kill: restart, as the trainer's operator would
                             worker.stop()
-                            poll()  # a host's metrics up to its death arrive: what is missing died with it
-                            died_with_host += unaccounted()
+                            poll()  # a host's metrics up to its death arrive: its last in-flight count died with it
+                            accounting.host_killed()
                             worker, restarts = new_worker(), restarts + 1
                             worker.update_model_version(version)
                             worker.start()
@@ -825,7 +855,7 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
         sync_failures=sync_failures,
         resource_samples=resource,
         leftovers=left,
-        died_with_host=died_with_host,
+        died_with_host=accounting.died_with_host,
         worker_restarts=restarts,
         load=(load_before, os.getloadavg()),
         trainer_fds=trainer_fds,
@@ -892,19 +922,6 @@ def markdown(report: RunReport) -> str:
     return "\n".join(lines)
 
 
-def provenance() -> dict[str, Any]:
-    """When and from what code: the date (UTC), the commit checked out, and the files of the code under
-    test (swe_grpo/, this script) that differed from it. Taken at a run's start and end: others commit to
-    a shared checkout meanwhile, and a rollout host started after a `host_kill` imports the tree then."""
-    git = ["git", "-C", str(Path(__file__).resolve().parents[1])]
-    status = [*git, "status", "--porcelain", "--", "swe_grpo", "benchmarks/chaos.py"]
-    return {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "uncommitted": subprocess.run(status, capture_output=True, text=True).stdout.splitlines(),
-    }
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollouts", type=int, default=200, help="stop after this many (0: no limit)")
@@ -931,7 +948,7 @@ def main() -> int:
         seed=args.seed,
         samples_path=args.output.with_suffix(".samples.json") if args.output else None,
     )
-    started = provenance()
+    run = Provenance()
     model_dir = build_tiny_model()
     with tempfile.TemporaryDirectory(prefix="swe_grpo_chaos_") as work:
         Path(work).chmod(0o711)  # the sandbox user traverses it to the sandboxes' directories
@@ -948,13 +965,9 @@ def main() -> int:
             report = run_chaos(config, vllm, model_dir, Path(work))
     print(markdown(report))
     if args.output:
-        summary = {
-            "started": started,
-            "ended": provenance(),
-            "machine": f"{os.cpu_count()} CPUs",
-            "passed": report.passed,
-        }
-        args.output.write_text(json.dumps(summary | asdict(report), indent=1))
+        # The run's own load (`provenance.load`: around vLLM's start too) and machine are in its provenance.
+        result = {"provenance": run.record(), "passed": report.passed} | asdict(report)
+        args.output.write_text(json.dumps(result, indent=1) + "\n")
     return 0 if report.passed else 1
 
 

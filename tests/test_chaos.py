@@ -6,6 +6,7 @@ goes on. And a burst of 5xx at a weight sync does not stop training."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import http.server
 import json
 import multiprocessing
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from chaos import (
     FAULTS,
     PROCESS_FAULTS,
+    Accounting,
     ChaosConfig,
     ProcessFaults,
     RunReport,
@@ -181,6 +183,100 @@ def test_a_shuffled_cycle_draws_every_kind_once_a_round_and_a_put_back_kind_next
     kind = cycle.draw()
     cycle.put_back(kind)  # it could not be injected (no Pi running): it keeps its turn
     assert cycle.draw() == kind
+
+
+class HostPushes:
+    """What a rollout host's engine delivers, in `RolloutEngine`'s order (swe_grpo/worker/engine.py): every push
+    carries `rollout/in_flight`, its registry's size at that moment; a rollout's start and its sandbox retry are
+    pushed before it is registered, a cancellation before it is removed, an outcome after (a FAKE engine: the
+    order of its pushes only; the short chaos run above drives the real one)."""
+
+    def __init__(self, accounting: Accounting) -> None:
+        self.accounting = accounting
+        self.registry: set[str] = set()
+
+    def push(self, metrics: dict[str, float]) -> None:
+        self.accounting.add({**metrics, "rollout/in_flight": float(len(self.registry))})
+
+    def start(self, rollout: str) -> None:
+        self.push({"rollout/started_total": 1.0})
+        self.registry.add(rollout)
+
+    def retry_sandbox(self, rollout: str) -> None:
+        self.registry.remove(rollout)
+        self.push({"rollout/sandbox_retries_total": 1.0})
+        self.registry.add(rollout)
+
+    def end(self, rollout: str) -> None:
+        self.registry.remove(rollout)
+        self.push({"rollout/outcome_unresolved_total": 1.0, "rollout/finished_total": 1.0})
+
+    def cancel_stale(self, rollout: str) -> None:
+        self.push({"rollout/stale_cancelled_total": 1.0})
+        self.registry.remove(rollout)
+
+    def lose(self, rollout: str) -> None:
+        """The engine drops a rollout without ending it: the defect the accounting must catch."""
+        self.registry.remove(rollout)
+
+
+def report_of(accounting: Accounting) -> RunReport:
+    return dataclasses.replace(
+        report_with(dict.fromkeys(FAULTS, 1)),
+        metrics={k: v for k, v in accounting.totals.items() if k.endswith("_total")},
+        died_with_host=accounting.died_with_host,
+    )
+
+
+def test_a_rollout_lost_before_a_host_kill_is_counted_lost_not_died_with_the_host() -> None:
+    """Chaos booked every rollout unaccounted at a host kill as died with the host, so a rollout lost before
+    the kill was never counted lost. Only the rollouts the dead host last reported in flight died with it."""
+    accounting = Accounting()
+    host = HostPushes(accounting)
+    for rollout in "abcde":
+        host.start(rollout)
+    host.end("a")
+    host.lose("b")  # gone from the engine, never ended
+    host.cancel_stale("c")
+    host.retry_sandbox("d")
+    host.push({"rollout/grading_started_total": 1.0})  # a later push: the engine's count no longer holds b
+    assert accounting.host_killed() == 2  # d and e
+    report = report_of(accounting)
+    assert (report.started, report.died_with_host, report.lost) == (5, 2, 1)
+    assert not report.passed
+
+    accounting = Accounting()  # nothing lost: the same run without the defect
+    host = HostPushes(accounting)
+    for rollout in "abcde":
+        host.start(rollout)
+    host.end("a")
+    host.end("b")
+    host.cancel_stale("c")
+    host.retry_sandbox("d")
+    assert accounting.host_killed() == 2
+    assert report_of(accounting).lost == 0
+
+
+def test_a_rollout_lost_after_a_host_kill_is_counted_lost() -> None:
+    """The new host's rollouts are its own: the dead host's are booked once, and a loss after the kill stays
+    lost, through the next kill too."""
+    accounting = Accounting()
+    host = HostPushes(accounting)
+    host.start("a")
+    host.start("b")  # the host dies with both in flight
+    assert accounting.host_killed() == 2
+    host = HostPushes(accounting)  # the new worker's host
+    host.start("c")
+    host.start("d")
+    host.end("c")
+    host.lose("d")
+    host.push({"groups/pushed_total": 1.0})
+    report = report_of(accounting)
+    assert (report.started, report.died_with_host, report.lost) == (4, 2, 1)
+    host.start("e")
+    assert accounting.host_killed() == 1  # a second kill takes e, not the lost d with it
+    report = report_of(accounting)
+    assert (report.started, report.died_with_host, report.lost) == (5, 3, 1)
 
 
 def report_with(injected: dict[str, int]) -> RunReport:
