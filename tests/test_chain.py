@@ -6,8 +6,9 @@ import copy
 import json
 
 import pytest
+from chain_driver import REPLIES, Driver, assert_conversation_exact, replies_for
 from conftest import TEMPLATES, tiny_tokenizer
-from pi_shapes import PiConversation, scripted_output, tool_call
+from pi_shapes import scripted_output
 
 from swe_grpo.tokens.chain import (
     MessageFormatError,
@@ -17,102 +18,11 @@ from swe_grpo.tokens.chain import (
     TrainingTemplate,
     normalize_message,
 )
-from swe_grpo.tokens.responses import ResponseParser
-
-REPLIES = [
-    {
-        "role": "assistant",
-        "content": "",
-        "reasoning_content": "Look first.",
-        "tool_calls": [tool_call("bash", command="ls -la")],
-    },
-    {
-        "role": "assistant",
-        "content": "Reading both files.",
-        "tool_calls": [tool_call("read", path="src/parse.py"), tool_call("read", path="tests/test_parse.py", offset=1)],
-    },
-    {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [tool_call("edit", path="src/parse.py", oldText="if s:", newText="if s is not None:")],
-    },
-    {"role": "assistant", "content": "Fixed: empty input no longer raises."},
-]
-
-
-def replies_for(template: str) -> list[dict]:
-    """REPLIES, minus the parallel tool call for templates that allow one call per turn (Llama 3.x)."""
-    if not template.startswith("llama3"):
-        return REPLIES
-    single = copy.deepcopy(REPLIES)
-    single[1]["tool_calls"] = single[1]["tool_calls"][:1]
-    return single
-
-
-class Driver:
-    """Plays an agent (Pi-shaped requests) against a chain, with scripted model outputs."""
-
-    def __init__(self, template_name: str):
-        tokenizer = tiny_tokenizer(template_name)
-        self.template = TrainingTemplate(tokenizer)
-        self.parser = ResponseParser(tokenizer)
-        self.chain = TokenChain(self.template)
-        self.convo = PiConversation()
-        self.sent: list[list[int]] = []  # prompt ids of each turn
-        self.outputs: list[tuple[list[int], list[float]]] = []
-
-    def turn(self, reply: dict, version: int = 0, truncate_to: int | None = None):
-        request = self.convo.request()
-        prepared = self.chain.prepare(request["messages"], request["tools"])
-        output = scripted_output(self.template, normalize_message(reply))
-        if truncate_to is not None:
-            output = output[:truncate_to]
-        log_probs = [-0.001 * (i + 1) - len(self.sent) for i in range(len(output))]
-        parsed = self.parser.parse(output, prepared.prompt_ids, "length" if truncate_to else "stop", request["tools"])
-        record = self.chain.commit(prepared, output, log_probs, version, parsed.message, parsed.finish_reason)
-        self.sent.append(prepared.prompt_ids)
-        self.outputs.append((output, log_probs))
-        self.convo.add_reply(parsed.message)
-        return prepared, record, parsed
-
-    def full_render_text(self) -> str:
-        request = self.convo.request()
-        messages = [normalize_message(m) for m in request["messages"]]
-        return self.template.render(messages, request["tools"], generation_prompt=True)
 
 
 @pytest.mark.parametrize("template", TEMPLATES)
 def test_tool_call_conversation_is_clean_and_bridge_exact(template: str) -> None:
-    d = Driver(template)
-    replies = replies_for(template)
-    for k, reply in enumerate(replies):
-        expected_text = d.full_render_text()
-        prepared, record, parsed = d.turn(reply, version=10 - k)
-        assert record.kind == "clean" and record.drift_tokens == 0 and not prepared.fork
-        # The prompt decodes to exactly what the template renders for the whole history...
-        assert d.template.tokenizer.decode(prepared.prompt_ids) == expected_text
-        if k:
-            # ...and its ids start with every earlier prompt and output token, untouched.
-            previous = d.sent[k - 1] + d.outputs[k - 1][0]
-            assert prepared.prompt_ids[: len(previous)] == previous
-            assert record.new_prompt_tokens == len(prepared.prompt_ids) - len(previous)
-        names = [c["function"]["name"] for c in parsed.message.get("tool_calls") or []]
-        assert names == [c["function"]["name"] for c in reply.get("tool_calls") or []]
-
-    assert len(d.chain.rows) == 1
-    row = d.chain.rows[0]
-    assert row.input_ids.tolist() == d.sent[-1] + d.outputs[-1][0]
-    assert len(row.completion_mask) == len(row.old_log_probs) == len(row.input_ids)
-    trained = [i for i, m in enumerate(row.completion_mask) if m]
-    expected_positions, expected_log_probs = [], []
-    for prompt, (output, log_probs) in zip(d.sent, d.outputs, strict=True):
-        expected_positions += range(len(prompt), len(prompt) + len(output))
-        expected_log_probs += log_probs
-    assert trained == expected_positions
-    assert [row.old_log_probs[i] for i in trained] == expected_log_probs
-    assert all(row.old_log_probs[i] == 0.0 for i, m in enumerate(row.completion_mask) if not m)
-    assert row.model_version == 10 - (len(REPLIES) - 1)  # the oldest policy that produced a token
-    assert row.num_turns == len(REPLIES)
+    assert_conversation_exact(template)  # every other template TRL ships: tests/test_template_matrix.py
 
 
 def test_bridge_keeps_model_tokens_where_a_rerender_drifts() -> None:

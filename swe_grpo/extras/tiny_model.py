@@ -44,6 +44,79 @@ LLAMA3_SPECIALS = [
     "<|eom_id|>",
     "<|python_tag|>",
 ]
+
+
+@dataclass(frozen=True)
+class TokenFamily:
+    """The single tokens a model family's chat template writes, as its released tokenizer has them: `specials`
+    (special tokens: dropped by `skip_special_tokens`), `markup` (added tokens kept in decoded text) and the
+    `roles` (bos/eos/pad) they fill."""
+
+    specials: tuple[str, ...]
+    markup: tuple[str, ...]
+    roles: dict[str, str]
+
+
+_CHATML = TokenFamily(
+    tuple(CHATML_SPECIALS), tuple(CHATML_MARKUP), {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+)
+_GEMMA4 = TokenFamily(
+    ("<bos>", "<eos>", "<pad>", "<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>", "<|tool>", "<tool|>",
+     "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>', "<|image|>", "<|audio|>",
+     "<|video|>"),
+    (),
+    {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"},
+)  # fmt: skip
+_LFM2 = TokenFamily(
+    ("<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>", "<|tool_list_start|>", "<|tool_list_end|>",
+     "<|tool_call_start|>", "<|tool_call_end|>", "<|tool_response_start|>", "<|tool_response_end|>"),
+    ("<think>", "</think>", "<image>"),
+    {"bos_token": "<|startoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|pad|>"},
+)  # fmt: skip
+# By template-name prefix (first match wins); any other template is ChatML (Qwen, Nemotron).
+FAMILIES: dict[str, TokenFamily] = {
+    "llama3": TokenFamily(
+        tuple(LLAMA3_SPECIALS),
+        (),
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": "<|end_of_text|>"},
+    ),
+    "gptoss": TokenFamily(
+        ("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+         "<|return|>", "<|call|>"),
+        (),
+        {"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "pad_token": "<|endoftext|>"},
+    ),
+    "glm4moe": TokenFamily(
+        ("<|endoftext|>", "[gMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"),
+        ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<arg_key>",
+         "</arg_key>", "<arg_value>", "</arg_value>"),
+        {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
+    ),
+    "gemma4": _GEMMA4,
+    "diffusion_gemma": _GEMMA4,
+    "deepseek": TokenFamily(
+        ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+        ("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+         "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
+         "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "<｜tool▁sep｜>"),
+        {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
+         "pad_token": "<｜end▁of▁sentence｜>"},
+    ),
+    "lfm2": _LFM2,
+    "muse_glimmer": TokenFamily(
+        ("<|begin_of_text|>", "<|end_of_text|>", "<|start|>", "<|message|>", "<|eot|>", "<|eom|>", "<|patch|>",
+         "<|video|>"),
+        (),
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>", "pad_token": "<|end_of_text|>"},
+    ),
+}  # fmt: skip
+
+
+def token_family(chat_template: str) -> TokenFamily:
+    """The family of the TRL template named `chat_template` (a file name in trl/chat_templates/, no `.jinja`)."""
+    return next((f for prefix, f in FAMILIES.items() if chat_template.startswith(prefix)), _CHATML)
+
+
 # Standard-library modules whose source trains the tokenizer: ordinary Python, shell and prose.
 CORPUS_MODULES = [
     "argparse.py", "difflib.py", "json/decoder.py", "json/encoder.py", "pathlib.py", "shlex.py",
@@ -77,14 +150,6 @@ def chat_template_text(name: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def _specials(chat_template: str) -> tuple[list[str], list[str], dict[str, str]]:
-    """Special tokens a template needs, its non-special markup tokens, and the bos/eos/pad roles."""
-    if chat_template.startswith("llama3"):
-        roles = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": "<|end_of_text|>"}
-        return LLAMA3_SPECIALS, [], roles
-    return CHATML_SPECIALS, CHATML_MARKUP, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-
-
 def _corpus(template: str) -> list[str]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     texts = [(stdlib / name).read_text(encoding="utf-8") for name in CORPUS_MODULES]
@@ -99,7 +164,8 @@ def build_tiny_tokenizer(spec: TinyModelSpec = TinyModelSpec()):
     from transformers import PreTrainedTokenizerFast
 
     template = chat_template_text(spec.chat_template)
-    specials, markup, roles = _specials(spec.chat_template)
+    family = token_family(spec.chat_template)
+    specials, markup, roles = list(family.specials), list(family.markup), family.roles
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
