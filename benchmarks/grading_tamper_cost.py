@@ -27,6 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _provenance import Provenance
+
 from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.grading import DEFAULT_TEST_CMD, grade, scan_patch
 from swe_grpo.grading.probe import witnessed_run
@@ -105,6 +109,7 @@ async def main() -> None:
     parser.add_argument("--real", action="store_true", help="also the real-project tasks (tests/real_projects.py)")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "grading_tamper_cost.json")
     args = parser.parse_args()
+    provenance = Provenance()
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp).chmod(0o755)  # the sandbox user binds from it
         run_dir = Path(tmp) / "run"
@@ -122,7 +127,8 @@ async def main() -> None:
     for row in rows:
         print(json.dumps(row))
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"repeat": args.repeat, "rows": rows}, indent=1) + "\n")
+    result = {"provenance": provenance.record(), "repeat": args.repeat, "real": args.real, "rows": rows}
+    args.output.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ main module, so anything imported here would be counted as the host's. That is w
 script whose top level imports TRL: `HOST_START_MAIN_IMPORTS=trl.experimental.async_grpo` makes this
 script's top level import that module too (in the host as well), to measure such a script's hosts.
 
-Run: `SWE_GRPO_CACHE=/tmp/swecache .venv/bin/python benchmarks/host_start.py --label after` (about a
-minute); the result is merged into benchmarks/results/host_start.json under the label.
+Run: `.venv/bin/python benchmarks/host_start.py` (about a minute), which writes
+benchmarks/results/host_start.json (`--output` for another file), with its provenance.
 """
 
 from __future__ import annotations
@@ -115,25 +115,20 @@ def start_once(url: str, model: str) -> dict[str, float | bool]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--label", required=True, help="key of this run in the JSON (e.g. before, after)")
+    parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
     from _agent_farm import STUB_MODEL, serving_process, stub_vllm
+    from _provenance import Provenance
 
+    provenance = Provenance()
     with serving_process(stub_vllm, set(os.sched_getaffinity(0)), 1, 0.05) as (url, _):
-        load_before = os.getloadavg()
         probes = [import_probe() for _ in range(args.repeats)]
         starts = [start_once(url, STUB_MODEL) for _ in range(args.repeats)]
     run = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{os.cpu_count()} CPUs, {_cpu_model()}",
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
+        "provenance": provenance.record(),
         "main_module_imports": os.environ.get("HOST_START_MAIN_IMPORTS", ""),
-        "git_head": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
-        ).stdout.strip(),
         "import_host_main": probes,
         "host_start": starts,
         "summary": {
@@ -142,19 +137,9 @@ def main() -> int:
             "pss_mib_median": sorted(s["pss_mib"] for s in starts)[len(starts) // 2],
         },
     }
-    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    results[args.label] = run
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    args.output.write_text(json.dumps(run, indent=2) + "\n")
     print(json.dumps(run, indent=2))
     return 0
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -19,13 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _provenance import Provenance
 
 
 def timed_steps(pinned: bool, batch: int, seq_len: int, warmup: int, steps: int, out: multiprocessing.Queue) -> None:
@@ -54,7 +55,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     ctx = multiprocessing.get_context("spawn")
-    load_before, t0 = os.getloadavg(), time.perf_counter()
+    provenance, t0 = Provenance(), time.perf_counter()
     times: dict[str, list[float]] = {"default": [], "pinned": []}
     for _ in range(args.rounds):
         for variant in ("default", "pinned"):
@@ -67,16 +68,13 @@ def main() -> int:
             process.join()
     medians = {k: statistics.median(v) for k, v in times.items()}
     result = {
+        "provenance": provenance.record(),
         "step_s_median": {k: round(v, 4) for k, v in medians.items()},
         "pinned_over_default": round(medians["pinned"] / medians["default"], 3),
         "steps_per_variant": len(times["default"]),
         "batch": args.batch,
         "seq_len": args.seq_len,
-        "cpus": os.cpu_count(),
-        "load_before": [round(x, 2) for x in load_before],
-        "load_after": [round(x, 2) for x in os.getloadavg()],
         "run_s": round(time.perf_counter() - t0, 1),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     print(json.dumps(result, indent=1))
     if args.json:

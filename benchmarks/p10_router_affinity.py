@@ -28,10 +28,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
-import datetime
 import json
-import os
-import platform
 import random
 import re
 import sys
@@ -43,6 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _pi_agent import markdown_table
+from _provenance import Provenance
 
 from swe_grpo.extras.tiny_model import TinyModelSpec, build_tiny_model
 from swe_grpo.extras.vllm_router import VLLMRouter
@@ -67,13 +65,6 @@ _COUNTERS = {
     "prompt_tokens": "vllm:prompt_tokens_total",
     "requests": "vllm:request_success_total",
 }
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def counters(url: str) -> dict[str, float]:
@@ -184,7 +175,7 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    load_before = os.getloadavg()
+    provenance = Provenance()
     model = build_tiny_model()
     results: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
@@ -196,11 +187,8 @@ def main() -> int:
                 results[phase].update(asyncio.run(run_policy(router, servers, args, seed)))
             print(phase, json.dumps(results[phase]), flush=True)
     report = {
+        "provenance": provenance.record(),
         "benchmark": "p10_router_affinity",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "cpu": cpu_model()},
-        "load_avg_before": load_before,
-        "load_avg_after": os.getloadavg(),
         "vllm_router": "0.1.17",
         "routing_header": DEFAULT_ROUTING_HEADER,
         "workload": {k: v for k, v in vars(args).items() if k not in ("out", "policies")},

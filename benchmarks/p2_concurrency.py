@@ -82,6 +82,7 @@ from _pi_agent import (
     post,
     server_process,
 )
+from _provenance import Provenance
 
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import VLLMClient
@@ -511,13 +512,6 @@ def _row(r: Result, rollouts: int) -> dict[str, Any]:
     }
 
 
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -543,8 +537,8 @@ def main() -> int:
         parser.error(f"unknown generator(s) {sorted(unknown)}; choose from {sorted(_GENERATORS)}")
     logging.basicConfig(level=logging.WARNING)
 
-    load_before = os.getloadavg()[0]
-    load_avg_before = os.getloadavg()
+    provenance = Provenance()
+    load_before = provenance.load_before[0]
     cpus = sorted(os.sched_getaffinity(0))
     args.placement = "no CPU pinning"
     if len(cpus) >= 2:  # the load generator never takes more than one core from the server
@@ -566,23 +560,20 @@ def main() -> int:
                     print(f"running {scenario.name} over {hosts} host(s), {generator} ...", file=sys.stderr, flush=True)
                     with asyncio.Runner(loop_factory=uvloop and uvloop.new_event_loop) as runner:
                         results.append(runner.run(run_scenario(args, scenario, hosts, set(cpus), vllm)))
-                    write_json(args, results, load_avg_before)  # after each scenario: a cut-short run keeps its rows
+                    write_json(args, results, provenance)  # after each scenario: a cut-short run keeps its rows
         print(report([r for r in results if r.generator == generator], args, load_before), "\n", flush=True)
     print(f"(run time {time.perf_counter() - t0:.0f} s)")
     return 0
 
 
-def write_json(args: argparse.Namespace, results: list[Result], load_avg_before: tuple[float, float, float]) -> None:
-    """The run so far, with the date, the machine and its load average, to `args.json`."""
+def write_json(args: argparse.Namespace, results: list[Result], provenance: Provenance) -> None:
+    """The run so far, with its provenance, to `args.json`."""
     args.json.parent.mkdir(parents=True, exist_ok=True)
     options = {k: v for k, v in vars(args).items() if k in ("rollouts", "turns", "think", "tool_output", "max_seconds")}
     args.json.write_text(
         json.dumps(
             {
-                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "machine": f"{os.cpu_count()} CPUs, {_cpu_model()}",
-                "load_average_before": load_avg_before,
-                "load_average_after": os.getloadavg(),
+                "provenance": provenance.record(),
                 "placement": args.placement,
                 "stub_latency_ms": STUB_LATENCY_S * 1e3,
                 "options": options,

@@ -18,11 +18,16 @@ import asyncio
 import dataclasses
 import json
 import os
+import sys
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _provenance import Provenance
 
 from swe_grpo.grading import grade
 from swe_grpo.sandbox.local import LocalBackend
@@ -88,7 +93,8 @@ async def measure(args: argparse.Namespace, out: Path, write: Callable[..., None
 
 def merge(parts: list[Path], output: Path) -> None:
     """One result from several runs over disjoint projects (run side by side to finish sooner): the projects
-    in `PROJECTS` order, the totals summed, and each run's date, load, wall time and settings under `runs`."""
+    in `PROJECTS` order, the totals summed, one provenance from the first run's start to the last run's end (the
+    runs must share their code and machine), and each run's own provenance, wall time and settings under `runs`."""
     runs = [json.loads(path.read_text()) for path in parts]
     projects = sorted((p for run in runs for p in run["projects"]), key=lambda p: PROJECTS.index(p["source"]))
     names = [p["source"] for p in projects]
@@ -97,13 +103,22 @@ def merge(parts: list[Path], output: Path) -> None:
     total = Counter()
     for run in runs:
         total.update(run["regrade"])
+    first = min(runs, key=lambda run: run["provenance"]["date"])["provenance"]
+    last = max(runs, key=lambda run: run["provenance"]["ended"]["date"])["provenance"]
+    for key in ("commit", "dirty", "machine"):
+        if any(run["provenance"][key] != first[key] for run in runs):
+            raise SystemExit(f"the runs differ in their {key}: they are not one measurement")
+    provenance = first | {
+        "ended": last["ended"],
+        "load": {"before": first["load"]["before"], "after": last["load"]["after"]},
+    }
     result = {
+        "provenance": provenance,  # from the first run's start to the last run's end
         "complete": all(run["complete"] for run in runs),
         "projects": projects,
         "tasks": sum(p["accepted"] for p in projects),
         "projects_with_tasks": sum(p["accepted"] > 0 for p in projects),
         "regrade": dict(total),
-        "cpus": os.cpu_count(),
         "runs": [
             {"file": str(path), **{k: v for k, v in run.items() if k not in ("projects", "regrade", "tasks")}}
             for path, run in zip(parts, runs, strict=True)
@@ -133,7 +148,7 @@ def main() -> None:
     if args.merge:
         merge(args.merge, args.output)
         return
-    load_before = os.getloadavg()
+    provenance = Provenance()
     begin = time.monotonic()
 
     def write(projects: list[dict], complete: bool) -> None:
@@ -142,15 +157,13 @@ def main() -> None:
             total.update({f"gold_{k}": v for k, v in project["regrade"]["gold"].items()})
             total.update({f"empty_{k}": v for k, v in project["regrade"]["empty"].items()})
         result = {
+            "provenance": provenance.record(),
             "complete": complete,
             "projects": projects,
             "tasks": sum(p["accepted"] for p in projects),
             "projects_with_tasks": sum(p["accepted"] > 0 for p in projects),
             "regrade": dict(total),
             "wall_s": round(time.monotonic() - begin, 1),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "cpus": os.cpu_count(),
-            "load_average": {"before": load_before, "after": os.getloadavg()},
             "settings": {"per_project": args.per_project, "jobs": args.jobs, "timeout_s": args.timeout, "seed": 0},
             "projects_asked": args.projects,
         }
