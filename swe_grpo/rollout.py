@@ -8,11 +8,17 @@ records from the TokenChain, the reward, and an outcome with its provenance:
                        share of FAIL_TO_PASS tests passing under the "fraction" reward mode)
     setup_failed       the task's `setup_cmd` failed, timed out, exhausted the sandbox or changed the
                        repository: the task's (or the host's) failure, the agent never ran   reward None
-    context_overflow   the conversation outgrew the model's context      reward None
-    timeout            the agent hit its wall-clock limit or stalled, or grading timed out without a verdict
-    infra_error        vLLM unreachable or unusable, a sandbox failure, the agent dying before its first
-                       turn, crashing with a status that is no signal's, or killed from the host (a
-                       negative status: `local`'s bwrap was signalled): the host's doing   reward None
+    context_overflow   the conversation outgrew the model's context: after the policy's first turn reward 0.0,
+                       the task's first prompt alone (before it)                         reward None
+    agent_stalled      after the policy's first turn, no model request within the stall limit  reward 0.0
+    agent_timeout      after the policy's first turn, the agent's wall-clock limit         reward 0.0
+    agent_crashed      after the policy's first turn, the agent exited with a status that is neither 0, 1
+                       nor a signal's (a crash, `process.exit(3)` reached through Node's inspector)  reward 0.0
+    timeout            the agent stalled or hit its limit before its first model request was served, grading
+                       timed out without a verdict, or the rollout outlived the worker's limit  reward None
+    infra_error        vLLM unreachable or unusable (at any turn), a sandbox failure, the agent ending
+                       before its first turn, or killed from the host (a negative status: `local`'s bwrap
+                       was signalled, which nothing inside can reach): the host's doing   reward None
     resource_exhausted the agent ran its own sandbox out of memory, processes or disk,   reward 0.0
                        or its patch's code ran the grading sandbox out (`swe_grpo.grading`)
     agent_killed       the agent's process died of a signal after its first turn (`kill -9 $PPID` from
@@ -34,9 +40,13 @@ the agent's intended work, and may not even give a diff). It takes precedence ov
 but a sandbox failure; the outcome keeps it apart from `unresolved` in the metrics.
 
 A reward of None means "do not train on this as 0": the worker keeps such rollouts out of group
-baselines. So it is kept for what the host did (decision 4): whatever happens inside the agent's sandbox
-or to the agent's own processes after the policy's first turn is the policy's doing, a named outcome
-with reward 0.0, or a policy could leave its group (and its negative advantage) at will.
+baselines. So it is kept for what the host did (decision 4), as our own components witness it (a failed
+generation, a status only the host can give, a limit of ours that did not hold): whatever happens inside
+the agent's sandbox, to the agent's own processes, its clock or its context after the policy's first turn
+is the policy's doing, a named outcome with reward 0.0, or a policy could leave its group (and its negative
+advantage) at will: `sleep 3600` or `kill -STOP $PPID` from its bash tool, a conversation grown past the
+context, `exit 3`. Before the first turn the policy has said nothing, so nothing can be its doing. Masking
+the truncations (`TRUNCATED_OUTCOMES`) instead is `WorkerConfig.mask_truncated`, never the default.
 
 The patch is the agent's final tree against the task's base commit (`Sandbox.diff`: whatever the agent
 did to git), never cut. `patch_too_large`, `base_commit_lost`, `diff_unreadable` and `diff_timeout` are
@@ -208,6 +218,11 @@ async def run_setup(sandbox: Sandbox, task: Task, config: RolloutConfig) -> str 
     return None
 
 
+#: The policy's outcomes that are a limit cutting its run short, not a verdict on its work: what
+#: `WorkerConfig.mask_truncated` (DeepSWE's "compact filtering") masks instead of training on as 0.
+TRUNCATED_OUTCOMES = frozenset({"context_overflow", "agent_timeout", "agent_stalled"})
+
+
 def outcome_before_grading(
     agent: AgentResult,
     errors: list[RequestError],
@@ -217,26 +232,40 @@ def outcome_before_grading(
     abandoned: bool = False,
 ) -> tuple[str, float | None, str] | None:
     """The (outcome, reward, error) the agent's run already settles, before any grading; None: grade it.
-    `abandoned`: one of the agent's requests was still in flight when it exited (`InterceptionServer.in_flight`)."""
+    `abandoned`: one of the agent's requests was still in flight when it exited (`InterceptionServer.in_flight`).
+
+    Reward None only for what our own components witnessed (a generation that failed, a status only the host
+    can give) or before the policy's first turn; after it, the clock, the context, the exit status and the
+    agent's processes are the policy's (the module docstring's table)."""
     if exhausted:
         return "resource_exhausted", 0.0, f"the agent ran its sandbox out of {exhausted} (its {exhausted} limit)"
-    kinds = [e.kind for e in errors]
-    if "context_overflow" in kinds:
-        return "context_overflow", None, next(e.message for e in errors if e.kind == "context_overflow")
-    infra = [e for e in errors if e.kind in _INFRA_REQUEST_ERRORS]
-    if infra:
-        return "infra_error", None, f"generation failed: {infra[-1].kind}: {infra[-1].message}"
-    if agent.stalled:
-        return "timeout", None, "agent stalled: no model request within the stall limit"
-    if agent.timed_out:
-        return "timeout", None, "agent hit its wall-clock limit"
     code, tail = agent.exit_code, agent.stderr_tail[-500:]
+    overflow = next((e.message for e in errors if e.kind == "context_overflow"), None)
+    infra = [e for e in errors if e.kind in _INFRA_REQUEST_ERRORS]
     if turns == 0:  # the policy had not said anything yet: nothing that happened can be its doing
+        if overflow is not None:
+            return "context_overflow", None, f"the task's first prompt does not fit the context: {overflow}"
+        if infra:
+            return "infra_error", None, f"generation failed: {infra[-1].kind}: {infra[-1].message}"
+        if agent.stalled:
+            return "timeout", None, "agent stalled before its first model request was served"
+        if agent.timed_out:
+            return "timeout", None, "agent hit its wall-clock limit before its first model request was served"
         return "infra_error", None, f"agent made no model request (exit {code}): {tail}"
+    if infra:  # witnessed by our own server: never the policy's, whatever else happened
+        return "infra_error", None, f"generation failed: {infra[-1].kind}: {infra[-1].message}"
+    if overflow is not None:
+        return "context_overflow", 0.0, overflow
+    if agent.stalled:
+        return "agent_stalled", 0.0, "agent stalled: no model request within the stall limit"
+    if agent.timed_out:
+        return "agent_timeout", 0.0, "agent hit its wall-clock limit"
+    if code is not None and code < 0:  # bwrap itself signalled: nothing inside the sandbox can reach it
+        return "infra_error", None, f"the agent's sandbox process was killed from the host (status {code}): {tail}"
     if code is not None and code > _SIGNALLED:
         return "agent_killed", 0.0, f"the agent's process died of signal {code - _SIGNALLED}: {tail}"
     if code not in (0, 1):
-        return "infra_error", None, f"agent crashed (exit {code}): {tail}"
+        return "agent_crashed", 0.0, f"the agent exited with status {code}: {tail}"
     if code == 1 and abandoned:
         return "agent_disconnected", 0.0, f"the agent exited while its reply was on its way: {tail}"
     if code == 1 and errors and errors[-1].kind == "client_disconnected":
@@ -365,7 +394,13 @@ async def run_rollout_within(
 ) -> Trajectory:
     """`run_rollout` within `limit_s` seconds, for a caller that runs many (the worker's training and held-out
     rollouts): whatever goes wrong inside it is its outcome, never an exception: `timeout` past the limit, else
-    `rollout_error`, reward None, logged. Cancellation passes through."""
+    `rollout_error`, reward None, logged. Cancellation passes through.
+
+    Past the limit is the host's (reward None), even after the policy's first turn: every stage the policy
+    paces has its own, shorter bound inside, and each is the policy's outcome when it passes (the agent's
+    wall clock and stall limit, the diff's, grading's); the worker's limit is their sum plus an allowance
+    for our sandboxes (`WorkerConfig.rollout_limit_s`). Reaching it means a bound of ours did not hold (a
+    sandbox that would not start or go, a hung component): our failure, witnessed by our clock."""
     deadline = asyncio.timeout(limit_s)
     try:
         async with deadline:

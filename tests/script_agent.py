@@ -8,6 +8,8 @@ reads the reply whole: the policy's first turn. Then it does what its `behaviour
 
 - `finish`: run `action` (a shell command, its "bash tool", in the repository), exit 0;
 - `finish_1`: the same, then exit 1 (a failed agent that lost no reply);
+- `finish_3`: the same, then exit 3 (a crash after the first turn, as `process.exit(3)` through Pi's inspector);
+- `overflow`: ask again with a message longer than the model's context (refused: `context_overflow`), exit 1;
 - `drop`: ask again and, once the response headers are in (the server sends them when it starts generating),
   close the connection without reading the reply and exit 1: a client that gave up while its reply was on its
   way, as Pi does once its retries are spent;
@@ -27,7 +29,7 @@ from swe_grpo.serving.door import Door
 from swe_grpo.types import RolloutEndpoint
 
 MOUNT = "/opt/swe_grpo/script-agent"
-BEHAVIOURS = ("finish", "finish_1", "drop", "drop_0")
+BEHAVIOURS = ("finish", "finish_1", "finish_3", "overflow", "drop", "drop_0")
 
 # Run in the sandbox: argv[1] the behaviour, argv[2] the action; OPENAI_BASE_URL, OPENAI_MODEL, OPENAI_API_KEY.
 SCRIPT = r"""
@@ -56,6 +58,10 @@ def read_whole(reply):
     return "".join(d.get("content") or "" for d in deltas)
 
 read_whole(ask()[1])  # the policy's first turn
+if behaviour == "overflow":
+    long = " ".join(map(str, range(30000)))  # ~170 kB: tens of thousands of tokens
+    messages += [{"role": "assistant", "content": "Looking."}, {"role": "user", "content": long}]
+    ask()  # refused: it exits 1
 if behaviour.startswith("drop"):
     messages += [{"role": "assistant", "content": "Looking."}, {"role": "user", "content": "Go on."}]
     conn, reply = ask()
@@ -64,7 +70,7 @@ if behaviour.startswith("drop"):
     sys.exit(0 if behaviour == "drop_0" else 1)
 if action:
     subprocess.run(["bash", "-c", action])  # its bash tool: the tool's parent is this process
-sys.exit(1 if behaviour == "finish_1" else 0)
+sys.exit({"finish_1": 1, "finish_3": 3}.get(behaviour, 0))
 """
 
 

@@ -134,6 +134,10 @@ def test_infra_failures_are_the_hosts_only() -> None:
     assert not is_infra(record("x", 0, "timeout", 0.0))  # the patch made the tests hang
     assert not is_infra(record("x", 0, "context_overflow", None))
     assert not is_infra(record("x", 0, "unresolved", 0.0))
+    assert is_infra(record("x", 0, "rollout_error", None))  # our own code failed
+    # What the policy's run chose after its first turn is an unresolved attempt, never re-run by --retry-infra.
+    for outcome in ("agent_stalled", "agent_timeout", "agent_crashed", "agent_killed", "context_overflow"):
+        assert not is_infra(record("x", 0, outcome, 0.0))
 
 
 def test_report_arithmetic_from_synthetic_attempts() -> None:

@@ -74,6 +74,24 @@ def test_advantages_use_valid_members_only(assemble) -> None:
     assert first.prompt == [{"role": "user", "content": demo_tasks()[0].problem_statement}]
 
 
+@pytest.mark.parametrize("outcome", ["agent_stalled", "agent_timeout", "context_overflow"])
+def test_the_policys_truncations_are_trained_on_as_0_unless_masked(assemble, outcome: str) -> None:
+    """A stall, the wall clock or the context after the policy's first turn earns 0.0 in its group (it cannot
+    escape its baseline so); `mask_truncated` (DeepSWE's compact filtering) leaves it out instead, and nothing
+    else: a crash or a wrong patch still counts."""
+    members = [trajectory(1.0, [row(5, 3, 1)]), trajectory(0.0, [row(5, 2, 1)])]
+    cut = trajectory(0.0, [row(5, 4, 1)], outcome)
+    crashed = trajectory(0.0, [row(5, 4, 1)], "agent_crashed")
+    samples, reason = assemble([*members, cut, crashed])
+    assert reason is None and len(samples) == 4
+    assert samples[2].advantage == samples[3].advantage < 0
+    masked = dataclasses.replace(KEEP_ALL, mask_truncated=True)
+    samples, reason = assemble([*members, cut, crashed], config=masked)
+    assert reason is None and len(samples) == 3  # the truncated one is neither in the baseline nor trained on
+    mean, eps = 1 / 3, KEEP_ALL.advantage_eps
+    assert [s.advantage for s in samples] == pytest.approx([(r - mean) / ((2 / 9) ** 0.5 + eps) for r in (1, 0, 0)])
+
+
 def test_a_forked_rollout_gives_one_sample_per_row_with_its_advantage_and_the_groups_version(assemble) -> None:
     forked = trajectory(1.0, [row(5, 3, 2), row(9, 2, 3)])
     samples, reason = assemble([forked, trajectory(0.0, [row(5, 3, 3)])], version=3)

@@ -23,6 +23,9 @@ from script_agent import ScriptAgent
 
 from swe_grpo.agents.base import AgentConfig, AgentResult, Launch, run_agent
 from swe_grpo.demo.tasks import demo_tasks
+from swe_grpo.evaluation.metrics import build_report
+from swe_grpo.evaluation.run import attempt_record
+from swe_grpo.evaluation.store import done
 from swe_grpo.extras.vllm_server import VLLMServer
 from swe_grpo.rollout import RolloutConfig, Trajectory, outcome_before_grading, run_rollout
 from swe_grpo.sandbox.base import PatchError, SandboxBackend
@@ -151,6 +154,41 @@ def test_host_failures_stay_infra() -> None:
     )
 
 
+def ran(*, exit_code: int | None = 0, stalled: bool = False, timed_out: bool = False) -> AgentResult:
+    return AgentResult(exit_code, timed_out, stalled, 1.0, "", "")
+
+
+# How an agent's run can end that once took the rollout out of its group (reward None) after the policy's first
+# turn: (how it ended, its request errors) -> the policy's named outcome, reward 0.0.
+OVERFLOW = RequestError("context_overflow", "prompt of 9000 tokens is over the context of 8192", 2, 0.0)
+CUT_SHORT = {
+    "stalled": (ran(exit_code=None, stalled=True), [], "agent_stalled"),
+    "wall-clock": (ran(exit_code=None, timed_out=True), [], "agent_timeout"),
+    "exit-3": (ran(exit_code=3), [], "agent_crashed"),
+    "exit-127": (ran(exit_code=127), [], "agent_crashed"),
+    "context-overflow": (ran(exit_code=1), [OVERFLOW], "context_overflow"),
+}
+
+
+@pytest.mark.parametrize("case", CUT_SHORT)
+def test_after_the_first_turn_the_clock_the_context_and_the_exit_status_are_the_policys(case: str) -> None:
+    result, errors, outcome = CUT_SHORT[case]
+    decided = outcome_before_grading(result, errors, turns=1, exhausted=None, unpatchable=None)
+    assert decided is not None and decided[:2] == (outcome, 0.0), decided
+    # Before the policy's first turn it had said nothing: the same ends are not its doing.
+    before = outcome_before_grading(result, errors, turns=0, exhausted=None, unpatchable=None)
+    assert before is not None and before[1] is None, before
+    assert before[0] == ("context_overflow" if errors else "timeout" if result.exit_code is None else "infra_error")
+
+
+def test_a_generation_failure_stays_infra_whatever_the_agent_did() -> None:
+    """A failure our own server witnessed wins over any end the policy could choose: never trained on as 0."""
+    down = RequestError("server_unavailable", "vLLM is down", 1, 0.0)
+    for result, errors, _ in CUT_SHORT.values():
+        decided = outcome_before_grading(result, [*errors, down], turns=2, exhausted=None, unpatchable=None)
+        assert decided is not None and decided[:2] == ("infra_error", None), decided
+
+
 # --- whole rollouts: a real agent, through its door, on the real stack -----------------------------------------
 
 
@@ -186,12 +224,21 @@ def agent_home() -> Iterator[Path]:
 
 
 async def whole_rollout(
-    vllm_server: VLLMServer, tokenizer, backend: SandboxBackend, task: Task, agent: ScriptAgent, hold_s: float = 0.0
+    vllm_server: VLLMServer,
+    tokenizer,
+    backend: SandboxBackend,
+    task: Task,
+    agent: ScriptAgent,
+    hold_s: float = 0.0,
+    stall_timeout_s: float = 300.0,
 ) -> Trajectory:
     """`agent` on `task` through `run_rollout`, as training runs it (with the door); nothing is left open."""
     client = HeldClient(vllm_server.url, SERVED_NAME, stop_token_ids=[tokenizer.eos_token_id], hold_s=hold_s)
     async with client, InterceptionServer(client, tokenizer, model_name=SERVED_NAME) as server:
-        config = RolloutConfig(agent=AgentConfig(context_window=client.max_model_len, max_tokens=8, timeout_s=120))
+        limits = AgentConfig(
+            context_window=client.max_model_len, max_tokens=8, timeout_s=120, stall_timeout_s=stall_timeout_s
+        )
+        config = RolloutConfig(agent=limits)
         trajectory = await run_rollout(task, server, backend, agent, config)
         assert server.open_rollouts == 0
     return trajectory
@@ -263,3 +310,34 @@ async def test_what_the_agent_does_to_its_sandbox_is_named_end_to_end(
     assert len(trajectory.turns) == 1 and trajectory.grade is None
     assert rollout_metrics(trajectory)[f"rollout/outcome_{outcome}_total"] == 1.0
     assert trajectory.timings["total"] < QUICK_S * 3
+
+
+# Ends the policy once chose from its bash tool after its first turn, each a rollout out of its group (reward None):
+# (behaviour, action, outcome). A stall limit of 3 s keeps the stalls short.
+POLICY_ENDS = {
+    "sleep-3600": ("finish", "sleep 3600", "agent_stalled"),  # the agent waits on its tool for ever
+    "stop-the-agent": ("finish", "kill -STOP $PPID", "agent_stalled"),  # the tool's parent is the agent
+    "exit-3": ("finish_3", "", "agent_crashed"),
+    "context-overflow": ("overflow", "", "context_overflow"),
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("case", POLICY_ENDS)
+async def test_the_policys_own_end_is_its_outcome_end_to_end(
+    vllm_server, tokenizer, backend: SandboxBackend, strutil: Task, agent_home: Path, case: str
+) -> None:
+    """Whole rollouts whose agent, after the policy's first turn, stalls for ever, is stopped by its own tool,
+    exits 3 or outgrows the context: the policy's named outcome, reward 0.0, in its group's baseline, not graded;
+    and in `swe-grpo eval`, an unresolved attempt (not an infra failure, never re-run by --retry-infra)."""
+    behaviour, action, outcome = POLICY_ENDS[case]
+    agent = ScriptAgent(agent_home, behaviour, action)
+    trajectory = await whole_rollout(vllm_server, tokenizer, backend, strutil, agent, stall_timeout_s=3.0)
+    assert (trajectory.outcome, trajectory.reward) == (outcome, 0.0), (trajectory.error, trajectory.agent)
+    assert len(trajectory.turns) == 1 and trajectory.grade is None
+    assert rollout_metrics(trajectory)[f"rollout/outcome_{outcome}_total"] == 1.0
+    assert trajectory.timings["total"] < QUICK_S * 3
+    record = attempt_record(trajectory, 0, None)
+    assert not record["infra"] and done([record], retry_infra=True) == {(strutil.instance_id, 0)}
+    report = build_report([record], k=1)
+    assert (report["attempts_scored"], report["infra_failures"], report["resolved_rate"]) == (1, 0, 0.0)

@@ -136,7 +136,8 @@ async def test_sandbox_that_cannot_be_created(vllm_client, tokenizer, pi_bundle,
 
 async def test_stalled_agent_is_killed_and_named(vllm_server, tokenizer, pi_bundle, backend, strutil) -> None:
     """An agent that stops asking the model (here: stuck in a tool that never returns) is killed by the stall
-    watchdog. A generation in flight is not a stall (tests/test_interception.py shows it counts as activity)."""
+    watchdog: after the policy's first turn, the policy's outcome (reward 0.0). A generation in flight is not a
+    stall (tests/test_interception.py shows it counts as activity)."""
     client = RecordingClient(
         vllm_server.url,
         SERVED_NAME,
@@ -145,7 +146,7 @@ async def test_stalled_agent_is_killed_and_named(vllm_server, tokenizer, pi_bund
     )
     async with client:
         trajectory, server = await rollout(client, tokenizer, backend, strutil, pi_bundle, stall_timeout_s=4)
-    assert trajectory.outcome == "timeout" and trajectory.reward is None
+    assert (trajectory.outcome, trajectory.reward) == ("agent_stalled", 0.0), trajectory.error
     assert "stalled" in trajectory.error and trajectory.agent.stalled
     assert_nothing_left(backend, server)
 

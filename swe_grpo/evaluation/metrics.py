@@ -22,10 +22,13 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-# Outcomes that are the host's failure, not the model's, when they carry no reward (a grading `timeout`
-# with reward 0.0 is the patch's doing: its tests hang only with it). `context_overflow` is the model's:
-# its conversation outgrew the context, and it counts as not resolved.
-INFRA_OUTCOMES = frozenset({"infra_error", "timeout", "setup_failed"})
+# Outcomes that are the host's failure, not the model's, when they carry no reward: what our own components
+# witnessed (vLLM, a sandbox, our code: `rollout_error`), a task that cannot be set up, a run that ended before
+# the policy's first turn or without a verdict. Whatever the policy's run chose after its first turn (a stall,
+# the wall clock, the context, an exit status, a grading `timeout` its patch's tests caused) earns 0.0 and is
+# an unresolved attempt (swe_grpo/rollout.py); so is a `context_overflow` before it (the model's context is
+# the model's).
+INFRA_OUTCOMES = frozenset({"infra_error", "timeout", "setup_failed", "rollout_error"})
 Z_95 = 1.959963984540054  # the standard normal's 97.5th percentile
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0

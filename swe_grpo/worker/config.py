@@ -51,6 +51,11 @@ class WorkerConfig:
     # so a policy that solves every task does not leave the trainer waiting on ever rarer mixed groups.
     max_zero_variance_drops: int | None = None  # None: no limit
     advantage_eps: float = 1e-6
+    # DeepSWE's "compact filtering": the policy's truncations after its first turn (a context overflow, its
+    # wall-clock or stall limit: `swe_grpo.rollout.TRUNCATED_OUTCOMES`) are left out of their group's baseline
+    # and not trained on, instead of earning 0.0. Off by default: with it, a policy that cannot solve a task
+    # loses nothing by running out the clock or the context there (docs/training.md says what it costs).
+    mask_truncated: bool = False
     agent_timeout_s: float = 1800.0
     stall_timeout_s: float = 300.0
     grade_timeout_s: float = DEFAULT_TIMEOUT_S

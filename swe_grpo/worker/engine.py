@@ -46,7 +46,7 @@ from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient, VLLMError
 from swe_grpo.tasks import Task
 from swe_grpo.types import Policy, RolloutOutlet, RolloutWorkerError
 from swe_grpo.worker.config import WorkerConfig
-from swe_grpo.worker.groups import GroupAssembler
+from swe_grpo.worker.groups import GroupAssembler, masked_outcomes
 from swe_grpo.worker.heldout import HeldOutEval
 from swe_grpo.worker.task_sampling import TaskSampler
 from swe_grpo.worker.telemetry import Metrics, group_traces, rollout_metrics
@@ -465,6 +465,8 @@ class RolloutEngine:
             log.warning("skipping %s from now on: %s", group.task.instance_id, cause)
             self._push_metrics({"tasks/skipped_total": 1.0})
         samples, reason = self._groups.assemble(group.group_id, group.task, trajectories, self._policy.version)
+        if masked := sum(t.outcome in masked_outcomes(self.config) for t in trajectories):
+            self._push_metrics({"groups/masked_rollouts_total": float(masked)})  # WorkerConfig.mask_truncated
         if self.config.log_traces and self._traced_version < self._policy.version:
             self._traced_version = self._policy.version
             await asyncio.to_thread(self._log_traces, group, trajectories, reason)
@@ -482,7 +484,9 @@ class RolloutEngine:
     def _log_traces(self, group: _Group, trajectories: list[Trajectory], dropped: str | None) -> None:
         """Log the group's whole agent conversations to the trainer's trackio run (`group_traces`). Best
         effort: a tracing failure is logged and never stops training."""
-        traces = group_traces(group.group_id, trajectories, dropped, self.config.advantage_eps)
+        traces = group_traces(
+            group.group_id, trajectories, dropped, self.config.advantage_eps, masked_outcomes(self.config)
+        )
         self.outlet.put_traces(self._policy.version, traces)
 
     def _push_metrics(self, metrics: Metrics) -> None:

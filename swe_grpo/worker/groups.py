@@ -11,14 +11,14 @@ group's oldest version on each, and no row the trainer's `token_budget` would dr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from swe_grpo.rollout import Trajectory
+from swe_grpo.rollout import TRUNCATED_OUTCOMES, Trajectory
 from swe_grpo.tasks import Task
 from swe_grpo.worker.config import WorkerConfig
 
@@ -43,16 +43,23 @@ class Sample:
     enqueued_at: float | None = None
 
 
-def group_advantages(trajectories: Sequence[Trajectory], eps: float) -> tuple[dict[str, float], float]:
-    """Rollout id -> advantage over the group's valid members (a reward and some tokens), and the
-    rewards' std."""
-    valid = [t for t in trajectories if t.reward is not None and t.rows]
+def group_advantages(
+    trajectories: Sequence[Trajectory], eps: float, masked: Collection[str] = ()
+) -> tuple[dict[str, float], float]:
+    """Rollout id -> advantage over the group's valid members (a reward, some tokens and an outcome not in
+    `masked`), and the rewards' std."""
+    valid = [t for t in trajectories if t.reward is not None and t.rows and t.outcome not in masked]
     if not valid:
         return {}, 0.0
     rewards = np.array([t.reward for t in valid], dtype=np.float64)
     std = float(rewards.std())
     advantages = (rewards - rewards.mean()) / (std + eps)
     return {t.rollout_id: float(a) for t, a in zip(valid, advantages, strict=True)}, std
+
+
+def masked_outcomes(config: WorkerConfig) -> frozenset[str]:
+    """The outcomes kept out of every group under `config` (`WorkerConfig.mask_truncated`)."""
+    return TRUNCATED_OUTCOMES if config.mask_truncated else frozenset()
 
 
 class GroupAssembler:
@@ -68,7 +75,7 @@ class GroupAssembler:
     ) -> tuple[list[Sample], DropReason | None]:
         """The group's samples at the trainer's `policy_version`, or the reason it is dropped."""
         c = self.config
-        advantages, std = group_advantages(trajectories, c.advantage_eps)
+        advantages, std = group_advantages(trajectories, c.advantage_eps, masked_outcomes(c))
         if len(advantages) < 2:
             return [], "too_few_valid"
         limit = c.max_zero_variance_drops

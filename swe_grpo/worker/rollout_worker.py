@@ -13,8 +13,10 @@ What it guarantees:
   Pi runs its own tool loop) is refused with the reason.
 - Groups (assembled by swe_grpo/worker/groups.py). Each task drawn is attempted `num_generations` times.
   Advantages are `(r - mean) / (std + eps)` over the group's *valid* members: a rollout that ended in an
-  infrastructure outcome (reward None: infra_error, rollout_error, timeout, context_overflow,
-  setup_failed, or cancelled as stale) is left out of the baseline and not trained on. A group with fewer than two
+  infrastructure outcome (reward None: infra_error, rollout_error, timeout, setup_failed, a context_overflow
+  before the policy's first turn, or cancelled as stale) is left out of the baseline and not trained on; what
+  the policy's run chose after its first turn (a stall, its wall clock, the context, its exit status) earns
+  0.0 (swe_grpo/rollout.py), unless `mask_truncated` leaves the truncations out. A group with fewer than two
   valid members, with zero reward variance (configurable, and boundable: `max_zero_variance_drops`), whose
   oldest tokens are too stale, or a row over the trainer's `token_budget`, is dropped and counted. A group
   is pushed whole or not at all, one `RolloutSample` per training row (a forked conversation gives several

@@ -9,7 +9,7 @@ turns one round of the held-out eval (swe_grpo/worker/heldout.py) into its `eval
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from swe_grpo.evaluation.metrics import build_report, pass_at_k
@@ -45,12 +45,19 @@ def rollout_metrics(t: Trajectory) -> Metrics:
     return metrics
 
 
-def group_traces(group_id: int, trajectories: list[Trajectory], dropped: str | None, advantage_eps: float) -> list[Any]:
+def group_traces(
+    group_id: int,
+    trajectories: list[Trajectory],
+    dropped: str | None,
+    advantage_eps: float,
+    masked: Collection[str] = (),
+) -> list[Any]:
     """One `trackio.Trace` per member of the group `group_id`; `dropped` is why the group was dropped
-    (None: it was trained). Imports trackio, which only tracing needs."""
+    (None: it was trained), `masked` the outcomes its advantages left out. Imports trackio, which only
+    tracing needs."""
     import trackio
 
-    advantages, _ = group_advantages(trajectories, advantage_eps)
+    advantages, _ = group_advantages(trajectories, advantage_eps, masked)
     return [
         trackio.Trace(
             messages=t.messages,
