@@ -34,7 +34,7 @@ from aiohttp import web
 
 from swe_grpo.agents import AgentConfig, AgentResult
 from swe_grpo.sandbox.base import Mount, Sandbox
-from swe_grpo.serving.door import Door
+from swe_grpo.sandbox.door import Door
 from swe_grpo.types import RolloutEndpoint
 
 STUB_MODEL = "stub"

@@ -1,4 +1,4 @@
-"""P6: the latency the agent's door (`swe_grpo.serving.door`) adds to each request. Target: p50 <= 1 ms.
+"""P6: the latency the agent's door (`swe_grpo.sandbox.door`) adds to each request. Target: p50 <= 1 ms.
 
 What. A client inside a real `local` sandbox sends `GET /rollout/<id>/v1/models` (authenticated; no
 generation, so the time is transport and aiohttp) to a real InterceptionServer, one request after another,
@@ -36,8 +36,8 @@ from sandbox_helpers import calc_task, make_repo
 
 from swe_grpo.agents.pi import PiBundle
 from swe_grpo.sandbox.base import Sandbox
+from swe_grpo.sandbox.door import DOOR_PORT, Door
 from swe_grpo.sandbox.local import LocalBackend
-from swe_grpo.serving.door import DOOR_PORT
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.limits import ServingLimits
 from swe_grpo.serving.vllm_client import VLLMClient
@@ -92,7 +92,8 @@ async def run(requests: int) -> dict:
         limits = ServingLimits(door_accepts_per_s=1e6)
         async with unused, InterceptionServer(unused, tokenizer, limits=limits) as server:
             endpoint = server.open_rollout()
-            door = await server.open_door(endpoint.rollout_id)
+            door = Door.make(endpoint.rollout_id)
+            await server.open_door(endpoint.rollout_id, door.socket)
             path = f"/rollout/{endpoint.rollout_id}/v1/models"
             try:
                 direct = await backend.create(task, mounts=[bundle.mount()], network=True)
@@ -110,7 +111,8 @@ async def run(requests: int) -> dict:
                             o = percentile(door_run["times"], q) * 1e3
                             rows.append({"connection": label, "percentile": q, "direct_ms": d, "door_ms": o})
             finally:
-                await server.close_door(door)
+                await server.close_door(door.socket)
+                door.remove()
                 server.close_rollout(endpoint.rollout_id)
     for row in rows:
         row["added_ms"] = row["door_ms"] - row["direct_ms"]

@@ -80,9 +80,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # module again, so what is imported here (the worker's TRL and torch, by `run_step`) would count as theirs.
 from swe_grpo.agents.mini_swe import MINI_MOUNT
 from swe_grpo.agents.pi import PI_MOUNT
+from swe_grpo.sandbox.door import DOOR_MOUNT
 from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend
 from swe_grpo.sandbox.process import CgroupLayout
-from swe_grpo.serving.door import DOOR_MOUNT
 from swe_grpo.worker.config import WorkerConfig
 
 if TYPE_CHECKING:

@@ -69,8 +69,8 @@ from _pi_agent import (
 
 from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.sandbox import make_backend
+from swe_grpo.sandbox.door import DOOR_MOUNT, Door
 from swe_grpo.sandbox.local.limits import LocalLimits
-from swe_grpo.serving.door import DOOR_MOUNT, Door
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.tokens.template import (
     TemplateKey,
@@ -108,7 +108,9 @@ async def _serve(conn: Connection, tokenizer: PreTrainedTokenizerBase, rollouts:
     server = await InterceptionServer(StubGenerator(tokenizer, 1, STUB_LATENCY_S), tokenizer).start()
     good = [server.open_rollout() for _ in range(rollouts)]
     bad = [server.open_rollout() for _ in range(attackers)]
-    doors = [await server.open_door(e.rollout_id) for e in bad]
+    doors = [Door.make(e.rollout_id) for e in bad]
+    for endpoint, door in zip(bad, doors, strict=True):
+        await server.open_door(endpoint.rollout_id, door.socket)
     process = psutil.Process()
     peak = {"rss": 0, "fds": 0, "cpu_s": 0.0}
 
@@ -136,6 +138,8 @@ async def _serve(conn: Connection, tokenizer: PreTrainedTokenizerBase, rollouts:
             )
     sampling.cancel()
     await server.stop()
+    for door in doors:
+        door.remove()
 
 
 # --------------------------------------------------------------------------- the attacker

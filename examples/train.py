@@ -24,7 +24,7 @@ from trl import ModelConfig, TrlParser, get_peft_config
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
 from swe_grpo import SWERolloutWorker, WorkerConfig, load_tasks, use_cpu_fallbacks
-from swe_grpo.serving.door import check_allow
+from swe_grpo.sandbox.door import check_allow
 from swe_grpo.tasks import Task
 
 

@@ -4,7 +4,7 @@
 #   .deps/pi/     portable Node + the Pi coding agent from npm (mounted read-only into sandboxes later)
 #   .deps/pi-0.73.1/  the same with Pi 0.73.1 (the old scope's last release, still supported and tested)
 #   .deps/mini-swe-agent/  a portable Python + mini-swe-agent (the second harness), mounted the same way
-#   ~/.cache/swe_grpo/door/  the agents' door forwarder, a static binary built from swe_grpo/serving/door_forwarder.c
+#   ~/.cache/swe_grpo/door/  the agents' door forwarder, a static binary built from swe_grpo/sandbox/door_forwarder.c
 #   ~/.cache/swe_grpo/seccomp/  the docker sandboxes' seccomp wrapper, built from swe_grpo/sandbox/docker/seccomp_exec.c
 #   bubblewrap, gcc, ...  from apt, when missing
 # `setup.sh --demo` (what `make demo` runs) stops at what the demo needs: no docker, no Pi 0.73.1, no
@@ -103,7 +103,7 @@ fi
 # Built here so that the first rollout does not wait for them (else the first door, or the first docker
 # backend's start(), builds them: the same code, `swe_grpo.sandbox.native.build_static`, which names each
 # binary by a hash of its source, so this is idempotent).
-"$VENV/bin/python" -c "from swe_grpo.serving.door import forwarder; forwarder()"
+"$VENV/bin/python" -c "from swe_grpo.sandbox.door import forwarder; forwarder()"
 "$VENV/bin/python" -c "from swe_grpo.sandbox.docker.seccomp import wrapper; wrapper()"
 
 # --- Pi + portable Node -----------------------------------------------------------------------------

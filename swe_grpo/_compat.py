@@ -1,7 +1,9 @@
-"""Module paths from before the package layout of 0.2 keep working until 0.3, with a DeprecationWarning.
+"""Module paths from before the package layout of 0.2, and those that moved within 0.2, keep working until 0.3,
+with a DeprecationWarning.
 
-`swe_grpo.chain` is now `swe_grpo.tokens.chain`, and so on (`MOVED`). Importing an old path returns the
-new module itself, so a name patched through either path is patched for both.
+`swe_grpo.chain` is now `swe_grpo.tokens.chain`, `swe_grpo.serving.door` is `swe_grpo.sandbox.door`, and so on
+(`MOVED`). Importing an old path returns the new module itself, so a name patched through either path is
+patched for both.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ MOVED = {
     "swe_grpo.openai_wire": "swe_grpo.serving.openai_wire",
     "swe_grpo.serving_limits": "swe_grpo.serving.limits",
     "swe_grpo.vllm_client": "swe_grpo.serving.vllm_client",
-    "swe_grpo.door": "swe_grpo.serving.door",
+    "swe_grpo.door": "swe_grpo.sandbox.door",
+    "swe_grpo.serving.door": "swe_grpo.sandbox.door",  # moved beside the sandbox after 0.2.0
     "swe_grpo.rollout_hosts": "swe_grpo.worker.hosts",
     "swe_grpo.ray_hosts": "swe_grpo.worker.ray_hosts",
     "swe_grpo.groups": "swe_grpo.worker.groups",

@@ -32,7 +32,7 @@ from rich.table import Table
 from swe_grpo.demo import DemoConfig, plot_results, run_in_terminal
 from swe_grpo.evaluation.command import add_eval_parser
 from swe_grpo.plugins import check_choice
-from swe_grpo.serving.door import check_allow
+from swe_grpo.sandbox.door import check_allow
 from swe_grpo.tasks.task import REWARD_MODES
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ import aiohttp
 
 from swe_grpo.agents.base import AgentConfig, AgentResult
 from swe_grpo.sandbox.base import Mount, Sandbox
-from swe_grpo.serving.door import Door
+from swe_grpo.sandbox.door import Door
 from swe_grpo.types import RolloutEndpoint
 
 

@@ -28,7 +28,7 @@ from swe_grpo.cli import parse_args, rollout_config
 from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
 from swe_grpo.sandbox.base import SandboxBackend
-from swe_grpo.serving.door import PROXY_PORT
+from swe_grpo.sandbox.door import PROXY_PORT
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import SamplingParams
 

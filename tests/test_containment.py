@@ -30,8 +30,8 @@ from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.grading import DEFAULT_TEST_CMD, grade
 from swe_grpo.sandbox.base import ExecResult, Sandbox, SandboxBackend
 from swe_grpo.sandbox.docker import DockerLimits
+from swe_grpo.sandbox.door import Door
 from swe_grpo.sandbox.local import LocalBackend, LocalLimits
-from swe_grpo.serving.door import Door
 from swe_grpo.tasks import Task
 
 STRUTIL_TASK = next(t for t in demo_tasks() if t.instance_id == STRUTIL)

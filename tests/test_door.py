@@ -1,4 +1,4 @@
-"""The agent's one door (`swe_grpo.serving.door`) on real sandboxes and a real InterceptionServer: from inside an
+"""The agent's one door (`swe_grpo.sandbox.door`) on real sandboxes and a real InterceptionServer: from inside an
 agent sandbox its own rollout's endpoint answers (and still wants the token), while the server's other
 routes and rollouts, its TCP port, vLLM's port and another host loopback port are out of reach, and the
 sandbox has no interface or route but its own loopback. A real Pi run goes through the door.
@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -27,9 +28,9 @@ from sandbox_helpers import calc_task, make_repo
 
 from swe_grpo.agents.base import AgentConfig
 from swe_grpo.agents.pi import PiBundle, run_pi
+from swe_grpo.sandbox import door as door_module
 from swe_grpo.sandbox.base import Sandbox, SandboxBackend
-from swe_grpo.serving import door as door_module
-from swe_grpo.serving.door import DOOR_PORT, PROXY_PORT, Door, ForwarderBuildError
+from swe_grpo.sandbox.door import DOOR_PORT, PROXY_PORT, Door, ForwarderBuildError
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient
 from swe_grpo.tasks import Task
@@ -88,8 +89,9 @@ async def probe(
 ) -> dict:
     """Open two rollouts, give the first a door, run PROBE behind it in an agent sandbox; what it saw."""
     own, other = server.open_rollout(), server.open_rollout()
-    door = await server.open_door(own.rollout_id)
+    door = Door.make(own.rollout_id)
     try:
+        await server.open_door(own.rollout_id, door.socket)
         sandbox: Sandbox = await backend.create(task, mounts=[bundle.mount(), door.mount()], network=False)
         async with sandbox:
             args = {"rollout": own.rollout_id, "token": own.token, "other": other.rollout_id}
@@ -99,7 +101,8 @@ async def probe(
             # The forwarder passes the agent's exit status on.
             assert (await sandbox.exec(door.wrap(["sh", "-c", "exit 7"]), timeout_s=60)).exit_code == 7
     finally:
-        await server.close_door(door)
+        await server.close_door(door.socket)
+        door.remove()
         server.close_rollout(own.rollout_id)
         server.close_rollout(other.rollout_id)
     assert not door.host_dir.exists()
@@ -137,8 +140,9 @@ async def test_pi_through_the_door(vllm_server, vllm_client, tokenizer, pi_bundl
     async with InterceptionServer(vllm_client, tokenizer, model_name=SERVED_NAME, sampling=sampling) as server:
         assert_only_the_door(await probe(server, local_backend, task, pi_bundle, [vllm_port]), [vllm_port])
         endpoint = server.open_rollout()
-        door = await server.open_door(endpoint.rollout_id)
+        door = Door.make(endpoint.rollout_id)
         try:
+            await server.open_door(endpoint.rollout_id, door.socket)
             async with await local_backend.create(
                 task, mounts=[pi_bundle.mount(), door.mount()], network=False
             ) as sandbox:
@@ -146,25 +150,31 @@ async def test_pi_through_the_door(vllm_server, vllm_client, tokenizer, pi_bundl
                 activity = lambda: server.last_activity(endpoint.rollout_id)  # noqa: E731
                 result = await run_pi(sandbox, pi_bundle, endpoint, "Fix calc.py.", config, activity, door=door)
         finally:
-            await server.close_door(door)
+            await server.close_door(door.socket)
+            door.remove()
             record = server.close_rollout(endpoint.rollout_id)
     assert len(record.turns) >= 1, result
     assert not [e for e in record.errors if e.kind != "client_disconnected"], record.errors
 
 
-async def test_door_is_removed_however_the_server_ends(tokenizer) -> None:
-    """A door closed after its server stopped (a rollout's `finally` after Ctrl-C), or never closed,
-    leaves no directory behind; closing is idempotent."""
+async def test_a_served_socket_is_removed_however_the_server_ends(tokenizer, tmp_path: Path) -> None:
+    """A socket the server was handed, closed after its server stopped (a rollout's `finally` after Ctrl-C), or
+    never closed, is no longer served and leaves no file behind; closing is idempotent; a path served already is
+    refused. The door's directory is its maker's: the server leaves it."""
     unused = VLLMClient("http://127.0.0.1:9", SERVED_NAME, max_model_len=8192)
+    closed_late, never_closed = tmp_path / "late", tmp_path / "never"
     async with unused:
         server = await InterceptionServer(unused, tokenizer).start()
-        closed_late = await server.open_door(server.open_rollout().rollout_id)
-        never_closed = await server.open_door(server.open_rollout().rollout_id)
-        assert closed_late.socket.is_socket() and never_closed.socket.is_socket()
+        rollout = server.open_rollout().rollout_id
+        await server.open_door(rollout, closed_late)
+        await server.open_door(server.open_rollout().rollout_id, never_closed)
+        assert closed_late.is_socket() and never_closed.is_socket()
+        with pytest.raises(ValueError, match="already served"):
+            await server.open_door(rollout, closed_late)
         await server.stop()
         await server.close_door(closed_late)
         await server.close_door(closed_late)
-    assert not closed_late.host_dir.exists() and not never_closed.host_dir.exists()
+    assert sorted(tmp_path.iterdir()) == []
 
 
 # Run inside the sandbox behind a door with an allowlist; argv[1] is JSON {allowed, refused} (host:port).
@@ -206,7 +216,8 @@ async def test_allowlist_admits_only_the_listed_targets(
     unused = VLLMClient("http://127.0.0.1:9", SERVED_NAME, max_model_len=8192)
     async with echo_server, unused, InterceptionServer(unused, tokenizer) as server:
         endpoint = server.open_rollout()
-        door = replace(await server.open_door(endpoint.rollout_id), allow=(allowed,))
+        door = replace(Door.make(endpoint.rollout_id), allow=(allowed,))
+        await server.open_door(endpoint.rollout_id, door.socket)
         proxy = await door.serve_allowlist()
         try:
             async with await backend.create(task, mounts=[pi_bundle.mount(), door.mount()], network=False) as sandbox:
@@ -214,7 +225,8 @@ async def test_allowlist_admits_only_the_listed_targets(
                 result = await sandbox.exec(door.wrap(["python3", "-c", TUNNEL, args]), timeout_s=120)
         finally:
             proxy.close()
-            await server.close_door(door)
+            await server.close_door(door.socket)
+            door.remove()
             server.close_rollout(endpoint.rollout_id)
     assert result.exit_code == 0, result
     seen = json.loads(result.stdout)
@@ -351,3 +363,17 @@ def test_forwarder_build_error_says_what_to_install(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(ForwarderBuildError, match="libc6-dev"):
         Door.make("no-compiler")
+
+
+def test_the_first_door_a_process_makes_removes_the_doors_dead_processes_left(tmp_path: Path) -> None:
+    """The server no longer reaps doors (it knows none): the first `Door.make` of each process does. A fresh
+    process (the reap runs once per process) makes a door; one left by a dead pid is gone, one of a live process
+    (younger than the reaper's grace) stays."""
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process has it
+    left = tmp_path / f"swe-grpo-door-{dead}-x"
+    live = tmp_path / f"swe-grpo-door-{os.getpid()}-x"
+    for directory in (left, live):
+        directory.mkdir()
+    make = "from swe_grpo.sandbox.door import Door; Door.make('reaper').remove()"
+    subprocess.run([sys.executable, "-c", make], check=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert sorted(tmp_path.iterdir()) == [live]

@@ -105,7 +105,7 @@ GRAPH = {name: imported(name, path) for name, path in MODULES.items()}
 
 
 def room(module: str) -> str:
-    """`swe_grpo.serving.door` -> `serving`; the package's own `__init__` -> `__init__`."""
+    """`swe_grpo.sandbox.door` -> `sandbox`; the package's own `__init__` -> `__init__`."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 

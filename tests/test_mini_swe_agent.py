@@ -20,6 +20,7 @@ from swe_grpo.agents.base import AgentConfig
 from swe_grpo.agents.mini_swe import MINI_SWE_AGENT_VERSION, MiniSweAgent
 from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.rollout import RolloutConfig, run_rollout
+from swe_grpo.sandbox.door import Door
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import SamplingParams
@@ -109,8 +110,9 @@ async def test_a_repository_cannot_configure_mini_and_the_token_stays_in_its_env
     )
     async with client, InterceptionServer(client, tokenizer, model_name=SERVED_NAME) as server:
         endpoint = server.open_rollout()
-        door = await server.open_door(endpoint.rollout_id)
+        door = Door.make(endpoint.rollout_id)
         try:
+            await server.open_door(endpoint.rollout_id, door.socket)
             async with await backend.create(task, mounts=[mini.mount(), door.mount()], network=False) as sandbox:
                 result = await mini.run(
                     sandbox,
@@ -122,7 +124,8 @@ async def test_a_repository_cannot_configure_mini_and_the_token_stays_in_its_env
                 )
                 after = await sandbox.exec(f"grep -rlsF -e {endpoint.token} /tmp /testbed; ls /tmp", timeout_s=60)
         finally:
-            await server.close_door(door)
+            await server.close_door(door.socket)
+            door.remove()
         record = server.close_rollout(endpoint.rollout_id)
 
     assert result.exit_code == 0, result.stderr_tail

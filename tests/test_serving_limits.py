@@ -15,6 +15,7 @@ import time
 import tracemalloc
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -72,18 +73,19 @@ async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bytes:
     return data
 
 
-async def test_a_flood_of_idle_door_connections_holds_only_the_doors_cap(http) -> None:
+async def test_a_flood_of_idle_door_connections_holds_only_the_doors_cap(http, tmp_path: Path) -> None:
     """A flood of idle connections to a door cannot exhaust the server's descriptors: the door holds at most
     `door_connections`, accepts at most `door_accepts_per_s` more a second (each answered 503 while it is full),
     leaves the rest in the kernel, and the server stays healthy for everyone."""
     async with limited_server(replace(LIMITS, idle_timeout_s=5.0)) as srv:
         attacker, victim = srv.open_rollout(), srv.open_rollout()
-        door = await srv.open_door(attacker.rollout_id)
+        door = tmp_path / "door"  # a unix socket the server is handed
+        await srv.open_door(attacker.rollout_id, door)
         fds = psutil.Process().num_fds()
         flood = []
         for _ in range(300):  # a connect the full backlog refuses is the attacker's loss, not the server's
             with contextlib.suppress(OSError):
-                flood.append(await asyncio.open_unix_connection(str(door.socket)))
+                flood.append(await asyncio.open_unix_connection(str(door)))
         await asyncio.sleep(1.0)
         assert srv.open_connections()[f"door of {attacker.rollout_id}"] == LIMITS.door_connections
         # The flood's own client sockets are this process's too: the server's share is what is left.
@@ -113,15 +115,16 @@ print(opened)
 """
 
 
-async def test_opening_and_closing_door_connections_in_a_loop_costs_the_loop_little(http) -> None:
+async def test_opening_and_closing_door_connections_in_a_loop_costs_the_loop_little(http, tmp_path: Path) -> None:
     """Churn, from a process of its own (as a sandbox): connections opened and closed as fast as it can. The door
     accepts them at its rate only; another rollout's requests are answered about as fast as without the churn."""
     async with limited_server() as srv:
         attacker, victim = srv.open_rollout(), srv.open_rollout()
-        door = await srv.open_door(attacker.rollout_id)
+        door = tmp_path / "door"  # a unix socket the server is handed
+        await srv.open_door(attacker.rollout_id, door)
         quiet = sorted([await served(http, srv, victim) for _ in range(5)])[2]
         churn = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", CHURN, str(door.socket), "3", stdout=asyncio.subprocess.PIPE
+            sys.executable, "-c", CHURN, str(door), "3", stdout=asyncio.subprocess.PIPE
         )
         await asyncio.sleep(0.5)
         busy = sorted([await served(http, srv, victim) for _ in range(5)])[2]
@@ -132,15 +135,16 @@ async def test_opening_and_closing_door_connections_in_a_loop_costs_the_loop_lit
 
 
 @pytest.mark.parametrize("speaks", [b"", b"POST /rollout/x/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"])
-async def test_a_connection_that_never_completes_its_request_head_is_closed(speaks: bytes) -> None:
+async def test_a_connection_that_never_completes_its_request_head_is_closed(speaks: bytes, tmp_path: Path) -> None:
     """Silent, or dribbling a head it never finishes (slowloris): closed after `idle_timeout_s`, over TCP and
     through a door, and its slot in the door's cap is free again."""
     async with limited_server() as srv:
         endpoint = srv.open_rollout()
-        door = await srv.open_door(endpoint.rollout_id)
+        door = tmp_path / "door"  # a unix socket the server is handed
+        await srv.open_door(endpoint.rollout_id, door)
         opened = [
             await asyncio.open_connection("127.0.0.1", srv.port),
-            *[await asyncio.open_unix_connection(str(door.socket)) for _ in range(LIMITS.door_connections)],
+            *[await asyncio.open_unix_connection(str(door)) for _ in range(LIMITS.door_connections)],
         ]
         started = time.monotonic()
         for _, writer in opened:
@@ -148,7 +152,7 @@ async def test_a_connection_that_never_completes_its_request_head_is_closed(spea
         for reader, _ in opened:
             await closed_within(reader, LIMITS.idle_timeout_s + 2)
         assert time.monotonic() - started >= LIMITS.idle_timeout_s * 0.9
-        reader, writer = await asyncio.open_unix_connection(str(door.socket))  # the door has room again
+        reader, writer = await asyncio.open_unix_connection(str(door))  # the door has room again
         writer.write(head(endpoint, 2) + b"{}")
         assert (await closed_within(reader, 5)).startswith(b"HTTP/1.1 400")
         writer.close()
@@ -345,7 +349,9 @@ print(answered)
 """
 
 
-async def test_requests_back_to_back_on_a_kept_alive_connection_are_held_to_the_rollouts_rate(http) -> None:
+async def test_requests_back_to_back_on_a_kept_alive_connection_are_held_to_the_rollouts_rate(
+    http, tmp_path: Path
+) -> None:
     """A rollout that sends valid requests back to back on one kept-alive door connection (each superseding the one
     before; no new connection, so no accept rate held it) had thousands a second served: one rollout kept the
     server's event loop busy. Now a rollout's requests are held to `rollout_requests_per_s` (bursts of
@@ -353,13 +359,14 @@ async def test_requests_back_to_back_on_a_kept_alive_connection_are_held_to_the_
     request costs a sleeping handler, and another rollout is served as fast as before."""
     async with limited_server() as srv:
         attacker, victim = srv.open_rollout(), srv.open_rollout()
-        door = await srv.open_door(attacker.rollout_id)
+        door = tmp_path / "door"  # a unix socket the server is handed
+        await srv.open_door(attacker.rollout_id, door)
         quiet = sorted([await served(http, srv, victim) for _ in range(5)])[2]
         flood = await asyncio.create_subprocess_exec(
             sys.executable,
             "-c",
             KEEPALIVE_FLOOD,
-            str(door.socket),
+            str(door),
             attacker.rollout_id,
             attacker.token,
             "3",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -196,7 +197,9 @@ async def _request_then_vanish(path: str, token: str, rollout_id: str, body: dic
 
 
 @pytest.mark.parametrize("stream", [True, False])
-async def test_a_connection_lost_while_a_big_reply_is_written_is_a_client_disconnection(stream: bool) -> None:
+async def test_a_connection_lost_while_a_big_reply_is_written_is_a_client_disconnection(
+    stream: bool, tmp_path: Path
+) -> None:
     """aiohttp reports a connection lost mid-write as `ConnectionError("Connection lost")` (not only as
     `ConnectionResetError`): the agent went away, which is no failure of the host (it was recorded `internal`,
     an infra_error)."""
@@ -204,9 +207,10 @@ async def test_a_connection_lost_while_a_big_reply_is_written_is_a_client_discon
     generator = ScriptedGenerator.texts(training("qwen3"), [big + "<|im_end|>"])
     async with stub_server("qwen3", generator) as srv:
         endpoint = srv.open_rollout()
-        door = await srv.open_door(endpoint.rollout_id)
+        door = tmp_path / "door"  # a unix socket the server is handed
+        await srv.open_door(endpoint.rollout_id, door)
         body = PiConversation().request(stream=stream)
-        await _request_then_vanish(str(door.socket), endpoint.token, endpoint.rollout_id, body)
+        await _request_then_vanish(str(door), endpoint.token, endpoint.rollout_id, body)
         await asyncio.sleep(0.5)
         record = srv.close_rollout(endpoint.rollout_id)
         await srv.close_door(door)

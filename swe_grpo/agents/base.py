@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from swe_grpo.sandbox.base import Mount, Sandbox
-from swe_grpo.serving.door import Door
+from swe_grpo.sandbox.door import Door
 from swe_grpo.types import RolloutEndpoint
 
 #: How much of an agent's stdout and stderr an `AgentResult` keeps (the end).

@@ -27,7 +27,7 @@ from swe_grpo.agents.base import AgentConfig, AgentResult, Launch, behind_door, 
 from swe_grpo.agents.mini_swe_install import LOADER, PY_VERSION
 from swe_grpo.paths import mini_swe_agent_dir
 from swe_grpo.sandbox.base import Mount, Sandbox
-from swe_grpo.serving.door import Door
+from swe_grpo.sandbox.door import Door
 from swe_grpo.types import RolloutEndpoint
 
 MINI_SWE_AGENT_VERSION = "2.4.6"  # the pin in mini_swe_requirements.txt

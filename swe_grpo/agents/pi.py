@@ -42,7 +42,7 @@ from pathlib import Path
 from swe_grpo.agents.base import AgentConfig, AgentResult, Launch, behind_door, run_agent
 from swe_grpo.paths import pi_bundle_dir
 from swe_grpo.sandbox.base import Mount, Sandbox
-from swe_grpo.serving.door import Door
+from swe_grpo.sandbox.door import Door
 from swe_grpo.types import RolloutEndpoint
 
 # The newest release that installs from npm with its declared dependencies here (every 1.x and 0.99.1 pin

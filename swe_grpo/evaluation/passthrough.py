@@ -10,8 +10,8 @@ reply's `usage` when the endpoint reports it) and no training rows. The upstream
 InterceptionServer names vLLM's: unreachable or 5xx `server_unavailable`, a context-length refusal
 `context_overflow`, another 4xx `bad_response`, so attempts end with the same outcomes.
 
-There is no door (`swe_grpo.serving.door` belongs to the InterceptionServer): the agent reaches this server
-over the sandbox backend's network, as with `--no-door`.
+There is no door (a sandbox's door, `swe_grpo.sandbox.door`, is served by the InterceptionServer): the agent
+reaches this server over the sandbox backend's network, as with `--no-door`.
 """
 
 from __future__ import annotations

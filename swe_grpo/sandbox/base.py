@@ -261,7 +261,7 @@ class SandboxBackend(ABC):
 
     name: str
     #: Whether a mount is the host directory itself, live (a unix socket in it can be connected to from
-    #: inside), not a copy: what an agent's door (`swe_grpo.serving.door`) needs.
+    #: inside), not a copy: what an agent's door (`swe_grpo.sandbox.door`) needs.
     live_mounts: bool = True
 
     async def start(self) -> None:  # noqa: B027  (optional hook)

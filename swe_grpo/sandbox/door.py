@@ -3,10 +3,11 @@
 An agent sandbox (`local`, `docker`) is created with `network=False`: a network namespace of its own with
 only its own loopback, no route anywhere. The door is how its agent still reaches its model:
 
-- host side: `InterceptionServer.open_door(rollout_id)` serves that rollout on a unix socket of its own
-  (`Door.socket`, in a fresh host directory with the forwarder beside it). A request that arrives
-  on a door socket is served only if its path names the door's rollout (its two routes); anything else
-  (`/health`, another rollout, an unknown path) gets 403. The rollout's token is checked as over TCP.
+- host side: `Door.make(rollout_id)` makes a fresh host directory with the forwarder in it, and
+  `InterceptionServer.open_door(rollout_id, door.socket)` serves that rollout on the unix socket `Door.socket`
+  there (the server knows no sandbox: it is handed a path). A request that arrives on a door socket is served
+  only if its path names the door's rollout (its two routes); anything else (`/health`, another rollout, an
+  unknown path) gets 403. The rollout's token is checked as over TCP.
 - sandbox side: the directory is mounted at `DOOR_MOUNT`, and the agent runs under the forwarder
   (`door_forwarder.c`: a static binary, so it runs in any image and needs nothing from the agent's bundle),
   which listens on `127.0.0.1:DOOR_PORT` inside the sandbox's namespace, pipes each connection to the
@@ -23,7 +24,8 @@ the build command: `forwarder()`. Without a compiler that links statically, open
 So from inside, 127.0.0.1 is the sandbox's own loopback: vLLM, the trainer, the InterceptionServer's TCP
 port and every other host service are unreachable, as is anything beyond the host. A unix socket is
 reached by path, not by network namespace: the sandbox sees no host path but its mounts.
-`close_door` stops serving the socket and removes the directory.
+`InterceptionServer.close_door(door.socket)` stops serving the socket, and `Door.remove` removes the directory;
+the first door a process makes removes the doors that dead processes left (`remove_orphaned_doors`).
 
 An allowlist (off by default: `Door.allow`, e.g. `("pypi.org:443", "files.pythonhosted.org:443")`) opens
 more: `serve_allowlist` runs a host-side proxy on a second socket in the directory that answers HTTP
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -86,6 +89,7 @@ class Door:
         traverse: it opens the mount) with the forwarder in it. Raises `ForwarderBuildError` if the
         forwarder cannot be built."""
         binary = forwarder()
+        _remove_orphaned_doors_once()
         host_dir = Path(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-"))
         host_dir.chmod(0o711)
         door = cls(rollout_id, host_dir)
@@ -196,6 +200,11 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             await writer.drain()
         if writer.can_write_eof():
             writer.write_eof()
+
+
+@functools.cache
+def _remove_orphaned_doors_once() -> None:
+    remove_orphaned_doors()
 
 
 def remove_orphaned_doors(grace_s: float = 10.0) -> None:

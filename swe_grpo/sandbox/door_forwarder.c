@@ -1,5 +1,5 @@
-/* The sandbox side of a rollout's door (swe_grpo/serving/door.py): a static binary, built once on the host
- * (`swe_grpo.serving.door.forwarder`), copied into the door's directory and run inside the sandbox's own
+/* The sandbox side of a rollout's door (swe_grpo/sandbox/door.py): a static binary, built once on the host
+ * (`swe_grpo.sandbox.door.forwarder`), copied into the door's directory and run inside the sandbox's own
  * network namespace as
  *
  *     door-forwarder PORT SOCKET [PROXY_PORT PROXY_SOCKET] -- CMD ARGS...

@@ -1,5 +1,5 @@
 """Small helper programs that run inside sandboxes, built from their C source on this host: the door's
-forwarder (`swe_grpo.serving.door`) and the `docker` sandbox's seccomp wrapper
+forwarder (`swe_grpo.sandbox.door`) and the `docker` sandbox's seccomp wrapper
 (`swe_grpo.sandbox.docker.seccomp`). Linked statically, so each runs in any sandbox image whatever its C
 library (or none).
 

@@ -1,5 +1,5 @@
 """The agent-facing model server: the InterceptionServer, its routes and rollouts (`interception`), one rollout's
 state and record (`session`), the turn transaction (`turn`), the OpenAI wire format (`openai_wire`), the limits
-that keep one rollout from starving the others (`limits`), the vLLM client (`vllm_client`) and the unix-socket
-door from a sandbox to the server (`door`). It may import `swe_grpo.tokens`, `swe_grpo.types` and
-`swe_grpo.sandbox.base`, nothing above."""
+that keep one rollout from starving the others (`limits`) and the vLLM client (`vllm_client`). It may import
+`swe_grpo.tokens` and `swe_grpo.types`, nothing above: it knows no sandbox, and serves a sandbox's door
+(`swe_grpo.sandbox.door`) as the unix socket path it is handed."""

@@ -10,9 +10,10 @@ or SSE (`swe_grpo.serving.openai_wire`). Routes:
     POST /rollout/{rollout_id}/v1/chat/completions  stream true (SSE) or false (JSON)
     GET  /rollout/{rollout_id}/v1/models
 
-A rollout may also be served on a door of its own (`open_door`: a unix socket for a sandbox without a
-network, `swe_grpo.serving.door`); a request that comes through a door reaches only that rollout's two routes
-(anything else: 403), with its token checked as over TCP.
+A rollout may also be served on a unix socket it is handed (`open_door`: the socket of a sandbox's door, for a
+sandbox without a network; the door itself, its directory and forwarder, is the caller's: `swe_grpo.sandbox.door`);
+a request that comes through such a socket reaches only that rollout's two routes (anything else: 403), with its
+token checked as over TCP. The server knows no sandbox: it serves a path.
 
 Every rollout route checks the rollout's own token (constant-time): no or wrong token -> 401, unknown
 rollout -> 404, closed rollout -> 410, malformed body or messages the chat template refuses -> 400; all
@@ -39,9 +40,11 @@ generation in flight) as activity for stall watchdogs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import hmac
 import logging
+import os
 import re
 import secrets
 import time
@@ -54,7 +57,6 @@ from typing import Any
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
-from swe_grpo.serving.door import Door, remove_orphaned_doors
 from swe_grpo.serving.limits import ConnectionBudget, Listener, ServingLimits, return_big_buffers
 from swe_grpo.serving.openai_wire import Answer, APIError, errors_as_json, json_response, read_body, stream_mode
 from swe_grpo.serving.session import RolloutRecord, RolloutSession
@@ -114,7 +116,7 @@ class InterceptionServer:
         self._closed: OrderedDict[str, str] = OrderedDict()  # rollout_id -> token
         self._runner: web.AppRunner | None = None
         self._bulk: ThreadPoolExecutor | None = None
-        self._doors: dict[str, tuple[Door, Listener]] = {}  # socket path -> the door and its listener
+        self._doors: dict[str, tuple[str, Listener]] = {}  # socket path -> its rollout and listener
         self._tcp: Listener | None = None
         self._tcp_owners: dict[asyncio.BaseTransport, RolloutSession] = {}  # a TCP connection -> its rollout
         self._budget = ConnectionBudget(0)  # set at start
@@ -140,7 +142,6 @@ class InterceptionServer:
         # every rollout's requests. (Undone by stop(), so that what was frozen can be freed at exit.)
         gc.freeze()
         return_big_buffers()
-        await asyncio.to_thread(remove_orphaned_doors)
         self._bulk = bulk_executor()  # big requests are prepared there (`swe_grpo.serving.turn`)
         # aiohttp's keepalive timeout runs from a connection's opening and from each reply until a whole
         # request head arrived: the header and idle timeout in one (`swe_grpo.serving.limits`).
@@ -159,9 +160,9 @@ class InterceptionServer:
     async def stop(self) -> None:
         for rollout in self._rollouts.values():  # a generation that never returns must not block shutdown
             rollout.close()
-        for door, listener in self._doors.values():
+        for path, (_, listener) in self._doors.items():
             listener.close()
-            door.remove()
+            _unlink(path)
         self._doors.clear()
         if self._tcp is not None:
             self._tcp.close()
@@ -217,45 +218,49 @@ class InterceptionServer:
             self._closed.popitem(last=False)
         return rollout.record()
 
-    # ----------------------------------------------------------------- doors (swe_grpo.serving.door)
+    # ----------------------------------------------------------------- doors (unix sockets it is handed)
 
-    async def open_door(self, rollout_id: str) -> Door:
-        """Serve the open rollout `rollout_id` also on a unix socket of its own, which answers only that
-        rollout's routes (for a sandbox whose only way out it is: `swe_grpo.serving.door`). `close_door` ends it."""
+    async def open_door(self, rollout_id: str, socket: str | os.PathLike[str]) -> None:
+        """Serve the open rollout `rollout_id` also on the unix socket `socket` (a path in a directory that exists,
+        where nothing is yet), which answers only that rollout's routes: a sandbox's door, whose only way out it
+        is (`swe_grpo.sandbox.door`). Anyone who can reach the path may connect (the rollout's token still guards
+        every route). `close_door` ends it."""
         if rollout_id not in self._rollouts:
             raise ValueError(f"rollout {rollout_id!r} is not open")
         if self._runner is None:
             raise RuntimeError("the InterceptionServer is not started")
-        door = Door.make(rollout_id)
+        path = os.fspath(socket)
+        if path in self._doors:
+            raise ValueError(f"{path} is already served")
         listener = Listener(f"door of {rollout_id}", self._runner.server, self.limits.door_connections, self._budget)
         try:
-            listener.serve_unix(str(door.socket), self.limits.door_accepts_per_s)
-            door.socket.chmod(0o666)  # the sandbox's user connects; the rollout's token still guards it
+            listener.serve_unix(path, self.limits.door_accepts_per_s)
+            os.chmod(path, 0o666)  # the sandbox's user connects; the rollout's token still guards it
         except BaseException:
             listener.close()
-            door.remove()
+            _unlink(path)
             raise
-        self._doors[str(door.socket)] = (door, listener)
-        return door
+        self._doors[path] = (rollout_id, listener)
 
-    async def close_door(self, door: Door) -> None:
-        """Stop serving `door`'s socket and remove its directory; idempotent, and safe after `stop()`.
-        The directory goes first, so a cancelled caller leaves none behind."""
-        entry = self._doors.pop(str(door.socket), None)
-        door.remove()
+    async def close_door(self, socket: str | os.PathLike[str]) -> None:
+        """Stop serving the unix socket `socket` and remove it; idempotent, and safe after `stop()`. The socket file
+        goes first, so a cancelled caller leaves none behind."""
+        path = os.fspath(socket)
+        entry = self._doors.pop(path, None)
         if entry is not None:
-            listener = entry[1]
+            _unlink(path)
+            rollout_id, listener = entry
             listener.close()
-            if rollout := self._rollouts.get(door.rollout_id):
+            if rollout := self._rollouts.get(rollout_id):
                 rollout.refused_connections += listener.refused
 
     @web.middleware
     async def _door_guard(self, request: web.Request, handler: Callable) -> web.StreamResponse:
-        """A request that came through a door (any unix socket) reaches only that door's rollout's routes."""
+        """A request that came through a unix socket reaches only the routes of the rollout that socket serves."""
         sockname = request.transport.get_extra_info("sockname") if request.transport else None
         if isinstance(sockname, str):
             door = self._doors.get(sockname)
-            if door is None or request.match_info.get("rollout_id") != door[0].rollout_id:
+            if door is None or request.match_info.get("rollout_id") != door[0]:
                 raise APIError(403, "this door serves only its own rollout's routes", "permission_error")
         return await handler(request)
 
@@ -387,3 +392,8 @@ class InterceptionServer:
             if rollout.serving is me:
                 rollout.serving = None
                 rollout.last_activity = self.last_request_at = time.monotonic()
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
