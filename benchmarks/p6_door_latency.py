@@ -12,9 +12,10 @@ connection per request waits ~50 ms for the server's accept by design, whatever 
 Behind the door the client, after its requests, also reads the memory of its parent process, the
 forwarder (`/proc/PPID/status` and `smaps_rollup`: RSS, its peak, PSS): the door's cost per rollout.
 
-Run as root: `.venv/bin/python benchmarks/p6_door_latency.py [--requests 2000] [--output FILE.json]`.
-Under a minute; the sandboxes and the door are removed at the end. Each run adds to the JSON file's
-`runs`: the rows, the forwarder's memory, the date, the CPU and the load average before and after.
+Run as root: `.venv/bin/python benchmarks/p6_door_latency.py [--requests 2000] [--runs 3] [--output FILE.json]`.
+Under a minute a run; the sandboxes and the door are removed at the end. Runs are noisy on a shared box, so
+`--runs` of them are kept side by side in the JSON file's `runs` (the rows and the forwarder's memory), under
+one provenance (benchmarks/_provenance.py).
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from _pi_agent import load_tokenizer, markdown_table, percentile
+from _provenance import Provenance
 from sandbox_helpers import calc_task, make_repo
 
 from swe_grpo.agents.pi import PiBundle
@@ -123,20 +125,18 @@ async def run(requests: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
-    load_before = os.getloadavg()
-    result = asyncio.run(run(args.requests))
-    meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count()}
-    meta["cpu"] = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if "model name" in line
-        ),
-        "",
-    )
-    result = meta | result | {"load_before": load_before, "load_after": os.getloadavg()}
+    provenance = Provenance()
+    runs = [report(asyncio.run(run(args.requests)), args.requests) for _ in range(args.runs)]
+    if args.output:
+        args.output.write_text(json.dumps({"provenance": provenance.record(), "runs": runs}, indent=1) + "\n")
+
+
+def report(result: dict[str, Any], requests: int) -> dict[str, Any]:
+    """Print one run's table; the run, with the load average at its end."""
+    result["load_after"] = [round(x, 2) for x in os.getloadavg()]
     rows = [
         [
             r["connection"],
@@ -147,12 +147,10 @@ def main() -> None:
         for r in result["rows"]
     ]
     load = ", ".join(f"{x:.1f}" for x in result["load_after"])
-    print(f"P6: door latency, {args.requests} sequential GET /v1/models per row (load average {load})\n")
+    print(f"P6: door latency, {requests} sequential GET /v1/models per row (load average {load})\n")
     print(markdown_table(["connection", "percentile", "direct (ms)", "door (ms)", "added (ms)"], rows))
     print(f"\nthe forwarder's memory (KiB): {result['forwarder_kib']}")
-    if args.output:  # each run is added to the file's runs (runs are noisy on a shared box: keep them all)
-        runs = json.loads(args.output.read_text())["runs"] if args.output.exists() else []
-        args.output.write_text(json.dumps({"runs": [*runs, result]}, indent=1) + "\n")
+    return result
 
 
 if __name__ == "__main__":

@@ -55,12 +55,10 @@ import json
 import logging
 import multiprocessing
 import os
-import platform
 import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -75,6 +73,9 @@ import psutil
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _provenance import Provenance
+from _provenance import machine as provenance_machine
 
 # Only what a rollout host imports anyway: the host and the stub are spawned, and a spawned child imports this
 # module again, so what is imported here (the worker's TRL and torch, by `run_step`) would count as theirs.
@@ -575,7 +576,7 @@ def summary(steps: list[Step], machine: dict[str, Any]) -> dict[str, Any]:
         "cpu_ms_per_request": round(cpu_step.cpu_ms_per_request, 1),
         "cpu_cores_per_rollout": round(cores_per_rollout, 4),
         "rollouts_per_core": round(1 / cores_per_rollout, 1) if cores_per_rollout else None,
-        "box": f"{machine['cores']} x {machine['cpu_model']}, {machine['memory_gib']} GiB",
+        "box": f"{machine['cores']} x {machine['cpu']}, {machine['memory_gib']} GiB",
     }
 
 
@@ -592,20 +593,9 @@ def resummarize(path: Path, args: argparse.Namespace) -> None:
             steps = steps[: i + 1]
             break
     result["steps"] = [asdict(s) for s in steps] + result["steps"][len(steps) :]
-    result["summary"] = summary(steps, result["machine"])
+    result["summary"] = summary(steps, result["provenance"]["machine"])
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["summary"], indent=1))
-
-
-def box() -> dict[str, Any]:
-    lines = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
-    return {
-        "cpu_model": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(psutil.virtual_memory().total / GIB, 1),
-        "kernel": platform.release(),
-    }
 
 
 def report(steps: list[Step], args: argparse.Namespace, machine: dict[str, Any]) -> str:
@@ -649,21 +639,11 @@ def report(steps: list[Step], args: argparse.Namespace, machine: dict[str, Any])
     return "\n".join(
         [
             f"### P8 ({args.agent}): {args.turns} turns a rollout, generation {args.latency} s, tools {args.sleep} s; "
-            f"{machine['cores']} x {machine['cpu_model']}, {machine['memory_gib']} GiB",
+            f"{machine['cores']} x {machine['cpu']}, {machine['memory_gib']} GiB",
             "",
             markdown_table(headers, rows),
         ]
     )
-
-
-def _code() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        )
-    except OSError:
-        return "?"
-    return out.stdout.strip() or "?"
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -693,16 +673,14 @@ def main() -> int:
     )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--summarize", type=Path, help="only re-apply the limits and the summary to this result file")
-    parser.add_argument("--code", default=_code(), help="the commit of the code measured (default: this checkout's)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.summarize:
         resummarize(args.summarize, args)
         return 0
     signal.signal(signal.SIGTERM, _interrupt)
-    machine = box()
-    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    load_start = os.getloadavg()
+    provenance = Provenance()
+    machine = provenance_machine()
     cpus = set(os.sched_getaffinity(0))
     steps: list[Step] = []
     stopped = "all steps ran"
@@ -730,13 +708,9 @@ def main() -> int:
         p.pid for p in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())
     ]  # multiprocessing's resource tracker ends with this process
     result = {
+        "provenance": provenance.record(),
         "benchmark": "p8_capacity",
-        "date": started,
-        "code": args.code,
-        "machine": machine,
-        "load_start": load_start,
-        "load_end": os.getloadavg(),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "code")},
+        "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "stopped_by": stopped,
         "sampler_cpu_s": round(sampler.sampling_cpu_s, 1),
         "leftover_processes": leftovers,
@@ -745,7 +719,8 @@ def main() -> int:
     }
     print(report(steps, args, machine))
     print(json.dumps(result["summary"], indent=1))
-    print(f"\nstopped by: {stopped}; load {load_start[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
+    load = result["provenance"]["load"]
+    print(f"\nstopped by: {stopped}; load {load['before'][0]:.2f} at the start, {load['after'][0]:.2f} at the end")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -66,6 +66,7 @@ from _pi_agent import (
     post,
     server_process,
 )
+from _provenance import Provenance
 
 from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.sandbox import make_backend
@@ -283,7 +284,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the results here as JSON")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    load_before = os.getloadavg()
+    provenance = Provenance()
     t0 = time.perf_counter()
     result = asyncio.run(run(args))
     others_errors = sum(r["errors"] for r in result["phases"]) + result["server"]["recorded_errors"]
@@ -301,11 +302,10 @@ def main() -> int:
         stub_latency_ms=STUB_LATENCY_S * 1e3,
         rss_bound_mib=RSS_BOUND_MIB,
         targets_met=met,
-        cpus=os.cpu_count(),
-        load_before=[round(x, 2) for x in load_before],
-        load_after=[round(x, 2) for x in os.getloadavg()],
         run_s=round(time.perf_counter() - t0, 1),
     )
+    result = {"provenance": provenance.record()} | result
+    load = result["provenance"]["load"]
     headers = ["phase", "others' requests", "errors", "added p50 ms", "added p99 ms", "max ms", "RSS peak +MiB"]
     headers += ["fds", "server CPU"]
     keys = ["phase", "requests", "errors", "added_ms_p50", "added_ms_p99", "added_ms_max", "rss_peak_over_start_mib"]
@@ -313,8 +313,8 @@ def main() -> int:
     print(markdown_table(headers, table))
     print(
         f"\nserver-recorded errors/forks of the others: {result['server']}; targets (0 errors, p99 <= 50 ms, RSS "
-        f"<= +{RSS_BOUND_MIB} MiB): {'met' if met else 'NOT met'}; load {result['load_before']} -> "
-        f"{result['load_after']} on {result['cpus']} CPUs; {result['run_s']} s"
+        f"<= +{RSS_BOUND_MIB} MiB): {'met' if met else 'NOT met'}; load {load['before']} -> {load['after']} "
+        f"on {result['provenance']['machine']['cores']} CPUs; {result['run_s']} s"
     )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
