@@ -8,7 +8,7 @@ import json
 import pytest
 from chain_driver import REPLIES, Driver, assert_conversation_exact, replies_for
 from conftest import TEMPLATES, tiny_tokenizer
-from pi_shapes import scripted_output
+from pi_shapes import scripted_output, tool_call
 
 from swe_grpo.tokens.chain import (
     MessageFormatError,
@@ -292,3 +292,66 @@ def test_a_conversation_the_template_refuses_is_a_named_error() -> None:
         d.chain.prepare(request["messages"], request["tools"])
     assert isinstance(refused.value, MessageFormatError)
     assert _state(d.chain) == before
+
+
+@pytest.mark.parametrize(
+    ("template", "ends"),
+    [
+        ("qwen3", ("<|im_end|>",)),
+        ("llama3_2", ("<|eot_id|>",)),
+        ("glm4moe", ("<|user|>", "<|observation|>")),  # the next turn's opener: GLM writes no closer of its own
+        ("gptoss", ("<|return|>", "<|call|>")),
+        ("gemma4", ("<turn|>", "<|tool_response>")),
+    ],
+)
+def test_end_of_turn_tokens_are_the_set_the_template_closes_turns_with(template: str, ends: tuple[str, ...]) -> None:
+    training = TrainingTemplate(tiny_tokenizer(template))
+    assert training.end_tokens == ends
+    ids = training.tokenizer.convert_tokens_to_ids([*ends, training.eos_token])
+    assert set(training.stop_token_ids) == set(ids)  # what generation stops at (vllm_client's stop_token_ids)
+
+
+GLM_CALL = {"role": "assistant", "content": "", "tool_calls": [tool_call("bash", command="ls")]}
+GLM_RESULT = {"role": "tool", "tool_call_id": "call_bash", "content": "a.py"}
+
+
+def _glm_turn() -> tuple[TrainingTemplate, list[dict], list[int]]:
+    """A GLM-4-MoE conversation up to a tool call, and the ids a model writes for the call (through the
+    `<|observation|>` that ends a call turn)."""
+    training = TrainingTemplate(tiny_tokenizer("glm4moe"))
+    history = [{"role": "user", "content": "list"}]
+    reply = training.encode(training.reply_text(normalize_message(GLM_CALL)))
+    return training, history, reply
+
+
+def test_a_turn_the_model_closes_with_the_next_turns_opener_is_bridged_exactly() -> None:
+    """GLM writes no closer for its own turn: the model ends a call turn with `<|observation|>`, which the
+    template renders as the start of the tool result. The interstitial starts after it: prompt + output +
+    interstitial is the template's render of the whole conversation."""
+    training, history, reply = _glm_turn()
+    assert training.tokenizer.convert_ids_to_tokens(reply[-1]) == "<|observation|>"
+    prompt = training.prompt_ids(history)
+    interstitial = training.interstitial_ids(normalize_message(GLM_CALL), [GLM_RESULT], None, reply[-1])
+    whole = training.render([*history, normalize_message(GLM_CALL), GLM_RESULT], generation_prompt=True)
+    assert interstitial is not None and training.tokenizer.decode(prompt + reply + interstitial) == whole
+
+
+def test_a_cut_turn_gets_the_end_token_its_template_writes() -> None:
+    """Cut at max_tokens, a GLM call turn is closed with `<|observation|>` (the template's, for a call turn),
+    a plain one with `<|user|>`."""
+    training, _, reply = _glm_turn()
+    interstitial = training.interstitial_ids(normalize_message(GLM_CALL), [GLM_RESULT], None, reply[-2])
+    assert interstitial is not None
+    assert training.tokenizer.convert_ids_to_tokens(interstitial[0]) == "<|observation|>"
+    plain = {"role": "assistant", "content": "Done."}
+    cut = training.encode("Don")[-1]
+    interstitial = training.interstitial_ids(plain, [{"role": "user", "content": "more"}], None, cut)
+    assert interstitial is not None and training.tokenizer.convert_ids_to_tokens(interstitial[0]) == "<|user|>"
+
+
+def test_a_turn_closed_with_another_end_token_than_the_templates_forks() -> None:
+    """A model that ends its GLM call turn with `<|user|>` wrote what the template never renders after a call:
+    no interstitial can bridge it (the chain forks)."""
+    training, _, _ = _glm_turn()
+    user = training.tokenizer.convert_tokens_to_ids("<|user|>")
+    assert training.interstitial_ids(normalize_message(GLM_CALL), [GLM_RESULT], None, user) is None

@@ -686,3 +686,22 @@ async def test_the_arguments_the_agent_receives_are_the_generated_ones(http, tem
             await r.read()
         record = srv.close_rollout(endpoint.rollout_id)
     assert [t.kind for t in record.turns] == ["clean", "clean"] and record.malformed_tool_calls == 0
+
+
+async def test_generation_stops_at_every_token_that_ends_a_turn(tokenizer, http) -> None:
+    """Each generation request carries the chat template's end-of-turn tokens, whatever the generator was
+    configured with (a GLM or gpt-oss turn ends with one of several tokens, not one EOS)."""
+
+    class Recording(ScriptedGenerator):
+        async def generate(self, prompt_ids, params, model=None) -> Generation:
+            self.params = params
+            return await super().generate(prompt_ids, params, model)
+
+    generator = Recording.texts(TrainingTemplate(tokenizer), ["Done.<|im_end|>"])
+    async with InterceptionServer(generator, tokenizer) as srv:
+        endpoint = srv.open_rollout()
+        async with await post_chat(http, endpoint, PiConversation().request(stream=False)) as r:
+            assert r.status == 200
+        srv.close_rollout(endpoint.rollout_id)
+    assert generator.params.stop_token_ids == TrainingTemplate(tokenizer).stop_token_ids
+    assert generator.params.stop_token_ids == (tokenizer.convert_tokens_to_ids("<|im_end|>"),)

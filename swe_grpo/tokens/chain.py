@@ -194,9 +194,7 @@ class TokenChain:
             return self._retry(norm, messages)
         if plan == "extend":
             held, chain = self._held, self.rows[-1].input_ids
-            new_ids = self.template.interstitial_ids(
-                held[-1], norm[len(held) :], tools, closed=chain[-1] == self.template.eos_token_id
-            )
+            new_ids = self.template.interstitial_ids(held[-1], norm[len(held) :], tools, chain[-1])
             if new_ids is not None:
                 return PreparedTurn(chain.tolist() + new_ids, new_ids, False, norm, messages, tools, 0)
         replaces = plan == "replace"

@@ -2,12 +2,16 @@
 
 `TrainingTemplate` installs TRL's prefix-preserving training template (`get_training_chat_template`, verified
 with `is_chat_template_prefix_preserving`) on its own copy of a tokenizer, and refuses, with the reason, a
-tokenizer that cannot provide one or whose template does not end an assistant turn with the EOS token. It
-renders and tokenises whole conversations (`prompt_ids`: a first turn or a fork) and the *interstitial*
-(`interstitial_ids`: the tokens between the last assistant turn's EOS and the next generation, rendered from a
-two-message context so that its cost grows with the new messages, not with the history). `check_reply` tells
-whether the template renders an assistant reply at all. Messages are normalised first (`swe_grpo.tokens.messages`);
-a template that raises on a conversation is reported as `TemplateRefusedError`, a `MessageFormatError`.
+tokenizer that cannot provide one or whose template does not close an assistant turn with a token. A model's
+end of turn is a set of tokens (`end_tokens`, found by rendering a plain reply and a tool call: ChatML's
+`<|im_end|>`; harmony's `<|return|>` and `<|call|>`; GLM's `<|user|>` and `<|observation|>`, the next turn's
+opener, which the model writes to end its own); generation stops at any of them (`stop_token_ids`). It renders
+and tokenises whole conversations (`prompt_ids`: a first turn or a fork) and the *interstitial*
+(`interstitial_ids`: the tokens between the token that closed the last assistant turn and the next generation,
+rendered from a two-message context so that its cost grows with the new messages, not with the history).
+`check_reply` tells whether the template renders an assistant reply at all. Messages are normalised first
+(`swe_grpo.tokens.messages`); a template that raises on a conversation is reported as `TemplateRefusedError`, a
+`MessageFormatError`.
 
 TRL's template utilities import torch (through `transformers.PreTrainedModel`): ~0.5 GB and seconds of
 start-up. They are imported only when a process first meets a chat template, and the verdict is remembered
@@ -85,8 +89,8 @@ class TrainingTemplate:
     """A tokenizer with TRL's prefix-preserving training chat template installed.
 
     Holds its own copy of the tokenizer (the caller's is not modified). Refuses, with the reason,
-    a tokenizer whose template cannot be made prefix-preserving or does not end an assistant turn
-    with the tokenizer's EOS token (the marker the interstitial is cut at).
+    a tokenizer whose template cannot be made prefix-preserving or does not close an assistant turn
+    with a token (`end_tokens`: the markers the interstitial is cut at).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, **template_kwargs: Any):
@@ -99,11 +103,58 @@ class TrainingTemplate:
         self._backend = self.tokenizer.backend_tokenizer
         self.eos_token: str = self.tokenizer.eos_token
         self.eos_token_id: int = self.tokenizer.convert_tokens_to_ids(self.eos_token)
-        probe = self.render([_CONTEXT_USER, {"role": "assistant", "content": "probe"}])
-        if self.eos_token not in probe[probe.rfind("probe") :]:
-            raise TemplateNotPrefixPreservingError(
-                f"the chat template does not end an assistant turn with the EOS token {self.eos_token!r}"
-            )
+        self._turn_start = len(self.render([_CONTEXT_USER]))
+        self._candidates = sorted(self.tokenizer.get_added_vocab(), key=len, reverse=True)
+        self.end_tokens: tuple[str, ...] = self._find_end_tokens()
+        self.end_token_ids: frozenset[int] = frozenset(self.tokenizer.convert_tokens_to_ids(list(self.end_tokens)))
+        # What generation stops at: every token that closes a turn, and the EOS (a model may end with it anyway).
+        self.stop_token_ids: tuple[int, ...] = tuple(sorted(self.end_token_ids | {self.eos_token_id}))
+
+    def _find_end_tokens(self) -> tuple[str, ...]:
+        """The tokens that close an assistant turn as the template renders one: a plain reply followed by a user
+        turn, and a tool call followed by its result. A closer is the last token of the turn's own text (ChatML's
+        `<|im_end|>`, harmony's `<|return|>` and `<|call|>`) or, for a template that writes none, the first token
+        of the next turn, which the model writes to end its own (GLM's `<|user|>` and `<|observation|>`)."""
+        plain: Message = {"role": "assistant", "content": "probe"}
+        follow: list[tuple[Message, Message]] = [(plain, {"role": "user", "content": "."})]
+        call = {"id": "call_probe", "type": "function", "function": {"name": "probe", "arguments": {"k": "v"}}}
+        calling: Message = {"role": "assistant", "content": "", "tool_calls": [call]}
+        follow.append((calling, {"role": "tool", "tool_call_id": "call_probe", "content": "."}))
+        found: list[str] = []
+        for i, (reply, after) in enumerate(follow):
+            try:
+                closer = self._closer(self.render([_CONTEXT_USER, reply]), self.render([_CONTEXT_USER, reply, after]))
+            except TemplateRefusedError:
+                if i == 0:
+                    raise
+                continue  # a template that writes no tool call this way: its plain turns decide
+            if closer is None:
+                if i == 0:
+                    raise TemplateNotPrefixPreservingError(
+                        "the chat template does not close an assistant turn with a single token: neither the turn "
+                        "it renders for a reply nor the turn after it ends or starts with one"
+                    )
+                continue
+            if closer[0] not in found:
+                found.append(closer[0])
+        return tuple(found)
+
+    def _closer(self, before: str, after: str, tokens: tuple[str, ...] | None = None) -> tuple[str, str] | None:
+        """(the token that closes the last assistant turn of `before`, the text after it in `after`), or None when
+        no token of `tokens` (by default: any of the tokenizer's added tokens) closes it. The turn's own last token
+        closes it whatever follows; only a turn that ends without one needs `after` to extend `before` (its closer
+        is then the first token of what follows). See `_find_end_tokens`."""
+        candidates = self._candidates if tokens is None else tokens
+        tail = before[self._turn_start :]
+        stripped = tail.rstrip()
+        rest = after[len(before) :] if after.startswith(before) else ""
+        for token in candidates:
+            if stripped.endswith(token):
+                return token, tail[len(stripped) :] + rest
+        for token in candidates:
+            if rest.startswith(token):
+                return token, rest[len(token) :]
+        return None
 
     def render(self, messages: list[Message], tools: list | None = None, generation_prompt: bool = False) -> str:
         """The template's text for `messages`. Raises TemplateRefusedError when the template raises: a
@@ -130,22 +181,44 @@ class TrainingTemplate:
         return self.encode(self.render(messages, tools, generation_prompt=True))
 
     def interstitial_ids(
-        self, last_assistant: Message, new_messages: list[Message], tools: list | None, closed: bool
+        self, last_assistant: Message, new_messages: list[Message], tools: list | None, last_output_id: int
     ) -> list[int] | None:
-        """Tokens that follow the last assistant turn's EOS: `new_messages` and the generation prompt.
+        """Tokens that follow the last assistant turn's end token: `new_messages` and the generation prompt.
 
-        `closed` says whether the model's output ended with the EOS token; if not (it hit max_tokens),
-        the EOS is prepended, as the template would have closed the turn. Returns None when this
-        conversation breaks prefix preservation (the caller forks instead).
+        `last_output_id` is the last token the model generated for that turn. When it is not an end token (the
+        output hit max_tokens), the end token the template writes for the turn is prepended, as the template would
+        have closed it. Returns None when this conversation breaks prefix preservation, or the model closed the
+        turn with another end token than the template writes after it (GLM's `<|user|>` after a tool call): the
+        caller forks instead.
         """
         context = [_CONTEXT_USER, last_assistant]
         before = self.render(context, tools)
         after = self.render(context + new_messages, tools, generation_prompt=True)
-        if not after.startswith(before):
+        closer = self._closer(before, after, self.end_tokens) if after.startswith(before) else None
+        if closer is None:
             return None
-        cut = before.rfind(self.eos_token) + len(self.eos_token)
-        text = before[cut:] + after[len(before) :]
-        return self.encode(text if closed else self.eos_token + text)
+        token, text = closer
+        if last_output_id in self.end_token_ids or last_output_id == self.eos_token_id:
+            if self.tokenizer.convert_tokens_to_ids(token) != last_output_id:
+                return None
+            return self.encode(text)
+        return self.encode(token + text)
+
+    def reply_text(self, message: Message, tools: list | None = None) -> str:
+        """The text a model writes for the (normalised) assistant `message`: the template's rendering of the turn
+        after its generation prompt, through the token that closes it (see `end_tokens`). ValueError when the
+        template writes the generation prompt differently from the start of an assistant turn."""
+        prompt = self.render([_CONTEXT_USER], tools, generation_prompt=True)
+        calls = message.get("tool_calls") or []
+        follow: list[Message] = [{"role": "tool", "tool_call_id": c.get("id"), "content": "."} for c in calls]
+        context = [_CONTEXT_USER, message]
+        before = self.render(context, tools)
+        after = self.render(context + (follow or [{"role": "user", "content": "."}]), tools)
+        closer = self._closer(before, after, self.end_tokens)
+        text = after if after.startswith(before) else before
+        if not text.startswith(prompt) or closer is None:
+            raise ValueError("the template writes the generation prompt differently from an assistant turn")
+        return text[len(prompt) : len(text) - len(closer[1])]
 
     def check_reply(self, message: Message, tools: list | None = None) -> None:
         """Render the (normalised) assistant `message` as `interstitial_ids` will render it after the turn; raises
