@@ -1,6 +1,5 @@
 """The training process SIGKILLed mid-run (no `finally`, no `stop()`): what its rollouts held on the host
-is gone once the next run starts its backend and its InterceptionServer (what `SWERolloutWorker.start`
-does first).
+is gone once the next run starts its backend and makes its first door.
 
 The dying process is a real one: a child running two real rollouts (real Pi in `local` or `docker`
 sandboxes, behind their doors) whose generation never answers, so that Pi, its door forwarder, the
@@ -27,9 +26,9 @@ import pytest
 from sandbox_helpers import marker
 
 from swe_grpo.sandbox.docker import OWNER_LABEL, SANDBOX_LABEL, DockerBackend
+from swe_grpo.sandbox.door import remove_orphaned_doors
 from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend
 from swe_grpo.sandbox.process import CgroupLayout
-from swe_grpo.serving.interception import InterceptionServer
 
 pytestmark = pytest.mark.integration
 
@@ -201,15 +200,10 @@ def test_a_sigkilled_run_leaves_docker_sandboxes_that_the_next_start_removes(doc
 
 
 async def next_start(backend: LocalBackend | DockerBackend) -> None:
-    """What the next run's `SWERolloutWorker.start` does first: start its backend and its InterceptionServer."""
-    from transformers import AutoTokenizer
-
-    from swe_grpo.extras.tiny_model import build_tiny_model
-
+    """What the next run does first: start its backend, and reap doors as the first door each of its processes
+    makes does (`Door.make`; here called directly, since this process made its first door long ago)."""
     await backend.start()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
-        async with InterceptionServer(None, tokenizer, model_name="tiny"):  # type: ignore[arg-type]
-            pass
+        await asyncio.to_thread(remove_orphaned_doors)
     finally:
         await backend.close()
