@@ -287,3 +287,83 @@ def test_plain_text_degrades_a_reply_with_calls(stop_reason: str) -> None:
         "content": 'Run it.\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>',
     }
     assert parsed.finish_reason == stop_reason and parsed.malformed_tool_calls == 1
+
+
+# A number a double cannot hold: the agent's JSON parser (JavaScript's, as Pi's) reads another value
+# (9007199254740993 -> ...992; 1 followed by 400 zeros -> Infinity). Such a call must not reach it.
+UNHOLDABLE = ["9007199254740993", "1" + "0" * 400, "-9007199254740993"]
+
+
+@pytest.mark.parametrize("number", UNHOLDABLE)
+@pytest.mark.parametrize("template", ["qwen3", "llama3_2"])
+def test_an_integer_a_double_cannot_hold_is_refused(template: str, number: str) -> None:
+    key = "arguments" if template == "qwen3" else "parameters"
+    body = f'{{"name": "read", "{key}": {{"path": "a", "offset": {number}}}}}'
+    text = f"<tool_call>\n{body}\n</tool_call><|im_end|>" if template == "qwen3" else body + "<|eot_id|>"
+    parsed = parse(template, text)
+    assert "tool_calls" not in parsed.message and parsed.malformed_tool_calls == 1
+
+
+def test_an_xml_integer_a_double_cannot_hold_is_refused_where_the_schema_wants_a_number() -> None:
+    for typed, number in (("offset", UNHOLDABLE[0]), ("timeout", UNHOLDABLE[1])):
+        name = "read" if typed == "offset" else "bash"
+        body = f"<function={name}>\n<parameter={typed}>\n{number}\n</parameter>\n</function>"
+        parsed = parse_with_tools("qwen3_6", THOUGHT + f"<tool_call>\n{body}\n</tool_call><|im_end|>")
+        assert "tool_calls" not in parsed.message and parsed.malformed_tool_calls == 1
+
+
+def test_an_integer_a_double_holds_is_a_call() -> None:
+    text = '<tool_call>\n{"name": "read", "arguments": {"path": "a", "offset": 9007199254740992}}\n</tool_call>'
+    (call,) = parse("qwen3", text + "<|im_end|>").message["tool_calls"]
+    assert json.loads(call["function"]["arguments"])["offset"] == 2**53
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"name": "bash", "arguments": {"command": "ls", "command": "rm -rf /"}}',  # the agent runs the last
+        '{"name": "bash", "name": "read", "arguments": {"command": "ls"}}',
+        '{"name": "bash", "arguments": {"command": "ls"}, "arguments": {"command": "pwd"}}',
+        '{"name": "bash", "arguments": {"command": "ls", "env": {"A": "1", "A": "2"}}}',
+    ],
+)
+def test_duplicate_keys_are_refused(body: str) -> None:
+    parsed = parse("qwen3", f"<tool_call>\n{body}\n</tool_call><|im_end|>")
+    assert "tool_calls" not in parsed.message and parsed.malformed_tool_calls == 1
+
+
+def parse_with_tools(template: str, text: str, tools: list | None = None):
+    tokenizer = tiny_tokenizer(template)
+    training = TrainingTemplate(tokenizer)
+    prompt = training.prompt_ids([{"role": "user", "content": "hi"}], tools or TOOLS)
+    return ResponseParser(tokenizer).parse(training.encode(text), prompt, "stop", tools or TOOLS)
+
+
+def _ref_tool(parameter: dict) -> list[dict]:
+    parameters = {
+        "type": "object",
+        "$defs": {"Mode": {"type": "string", "enum": ["42", "fast"]}, "Count": {"type": "integer"}},
+        "definitions": {"Name": {"type": "string"}},
+        "properties": {"mode": parameter},
+    }
+    return [{"type": "function", "function": {"name": "run", "parameters": parameters}}]
+
+
+@pytest.mark.parametrize(
+    ("parameter", "value"),
+    [
+        ({"$ref": "#/$defs/Mode"}, "42"),  # a string-typed enum through $ref: "42" stays the string the tokens say
+        ({"allOf": [{"$ref": "#/$defs/Mode"}]}, "42"),
+        ({"$ref": "#/definitions/Name"}, "42"),
+        ({"$ref": "#/$defs/Missing"}, "42"),  # unresolvable: a string
+        ({"$ref": "https://example.com/schema.json"}, "42"),
+        ({"$ref": "#/$defs/Count"}, 42),  # resolved to an integer: a number it is
+        ({"allOf": [{"$ref": "#/$defs/Count"}, {"minimum": 1}]}, 42),
+    ],
+)
+def test_a_parameter_typed_through_ref_or_allof_is_typed_as_its_schema_says(parameter: dict, value) -> None:
+    body = "<function=run>\n<parameter=mode>\n42\n</parameter>\n</function>"
+    tools = _ref_tool(parameter)
+    parsed = parse_with_tools("qwen3_6", THOUGHT + f"<tool_call>\n{body}\n</tool_call><|im_end|>", tools)
+    (call,) = parsed.message["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"mode": value}

@@ -91,13 +91,46 @@ def _finite_float(text: str) -> float:
     return value
 
 
+class _Unholdable(ValueError):
+    """A JSON number that an agent's parser (a double, as JavaScript's `JSON.parse`) would read as another value."""
+
+
+def _holdable_int(text: str) -> int:
+    """An integer as JSON text, refused unless a double holds it exactly (9007199254740993 would reach the agent as
+    ...992, and 1 followed by 400 zeros as Infinity)."""
+    try:
+        value = int(text)
+        if int(float(value)) == value:
+            return value
+    except (ValueError, OverflowError):
+        pass
+    raise _Unholdable(f"{text[:40]} is not a number a double holds")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object, refused when it repeats a key: agents' parsers keep the last value, ours would be a guess."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        raise ValueError("an object repeats a key")
+    return value
+
+
+_STRICT = {
+    "parse_constant": _reject_constant,
+    "parse_float": _finite_float,
+    "parse_int": _holdable_int,
+    "object_pairs_hook": _unique_keys,
+}
+
+
 def _strict_json(text: str) -> Any:
-    """JSON as an agent's parser reads it: no NaN or Infinity, no number that overflows to one."""
-    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    """JSON as an agent's parser reads it, refused where it would read something else: no NaN or Infinity, no number
+    that overflows to one or that a double cannot hold, no repeated key."""
+    return json.loads(text, **_STRICT)
 
 
 # Hermes call bodies, read as `_strict_json` reads them, to find where one ends.
-_JSON = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+_JSON = json.JSONDecoder(**_STRICT)
 _SPACE = re.compile(r"\s*")
 
 
@@ -118,44 +151,78 @@ def _json_types(value: Any) -> set[str]:
     return {"object"} if isinstance(value, dict) else {"array"}
 
 
-def _schema_types(schema: Any) -> set[str]:
-    """The JSON types a parameter schema allows (`type`, a list of types, `anyOf` / `oneOf`); empty: untyped."""
+_MAX_SCHEMA_DEPTH = 32  # `$ref`s followed before a schema counts as unresolvable (a reference cycle)
+
+
+def _resolve(ref: Any, root: Any) -> Any:
+    """The schema a local JSON pointer (`#/$defs/Mode`) names inside `root`, or None (a remote or missing one)."""
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        return None
+    node = root
+    for part in ref[2:].split("/") if ref != "#" else []:
+        key = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def _schema_types(schema: Any, root: Any = None, depth: int = 0) -> set[str]:
+    """The JSON types a parameter schema allows (`type`, a list of types, `anyOf` / `oneOf`, a local `$ref` into
+    `root`, the tool's parameters, and `allOf`, which narrows them); empty: untyped. A reference that cannot be
+    resolved, or an `allOf` nothing satisfies, allows a string only: the value is then the text the tokens say."""
     if not isinstance(schema, dict):
         return set()
+    if depth > _MAX_SCHEMA_DEPTH:
+        return {"string"}
     declared = schema.get("type")
     types = {declared} if isinstance(declared, str) else {t for t in declared or [] if isinstance(t, str)}
     for union in ("anyOf", "oneOf"):
         for choice in schema.get(union) or []:
-            types |= _schema_types(choice)
+            types |= _schema_types(choice, root, depth + 1)
+    if "$ref" in schema:
+        target = _resolve(schema["$ref"], root)
+        types |= {"string"} if target is None else _schema_types(target, root, depth + 1)
+    for part in schema.get("allOf") or []:
+        narrowed = _schema_types(part, root, depth + 1)
+        if narrowed:
+            types = (types & narrowed or {"string"}) if types else narrowed
     return types
 
 
-def _xml_value(text: str, schema: Any) -> Any:
+def _xml_value(text: str, types: set[str]) -> Any:
     """A `<parameter>` value. The template writes a string as its raw text and any other value as `tojson`, so
     the text means a non-string value only when it is exactly what `tojson` writes for one ("42", "true",
-    '{"a": 1}'; never "042", "1e3", " 42") and the tool's schema, where it types the parameter, allows that
-    value's type. Everything else is the string the tokens say."""
+    '{"a": 1}'; never "042", "1e3", " 42") and the parameter's `types` (`_schema_types`), where the schema types
+    it, allow that value's type. Everything else is the string the tokens say; a number a double cannot hold where
+    no string is allowed is refused (`_Malformed`)."""
     try:
         value = _strict_json(text)
+    except _Unholdable:
+        if types and "string" not in types:
+            raise _Malformed("a number the agent would read as another value") from None
+        return text
     except (ValueError, RecursionError):
         return text
     if isinstance(value, str) or _tojson(value) != text:
         return text
-    types = _schema_types(schema)
     return value if not types or _json_types(value) & types else text
 
 
-def _tool_properties(tools: list | None) -> dict[str, dict] | None:
-    """Tool name -> its parameters' schemas (for typing `<parameter>` values); None when the request named none."""
+def _tool_properties(tools: list | None) -> dict[str, dict[str, set[str]]] | None:
+    """Tool name -> its parameters' allowed JSON types (for typing `<parameter>` values); None when the request
+    named no tools."""
     if tools is None:
         return None
-    out: dict[str, dict] = {}
+    out: dict[str, dict[str, set[str]]] = {}
     for tool in tools:
         fn = tool.get("function", tool) if isinstance(tool, dict) else None
         if isinstance(fn, dict) and isinstance(fn.get("name"), str):
             parameters = fn.get("parameters")
             properties = parameters.get("properties") if isinstance(parameters, dict) else None
-            out[fn["name"]] = properties if isinstance(properties, dict) else {}
+            if not isinstance(properties, dict):
+                properties = {}
+            out[fn["name"]] = {key: _schema_types(schema, parameters) for key, schema in properties.items()}
     return out
 
 
@@ -196,7 +263,7 @@ def _json_call(body: str) -> tuple[Any, Any]:
     return obj["name"], obj.get("arguments", obj.get("parameters", {}))
 
 
-def _xml_call(body: str, schemas: dict[str, dict] | None) -> tuple[Any, Any]:
+def _xml_call(body: str, schemas: dict[str, dict[str, set[str]]] | None) -> tuple[Any, Any]:
     function = _XML_FUNCTION.fullmatch(body)
     if function is None:
         raise _Malformed("not a <function=...> block")
@@ -211,14 +278,14 @@ def _xml_call(body: str, schemas: dict[str, dict] | None) -> tuple[Any, Any]:
         if end == -1 or not key or key in arguments:
             raise _Malformed("an unclosed, nameless or repeated parameter")
         text = parameters[start:end].removeprefix("\n").removesuffix("\n")
-        arguments[key] = _xml_value(text, properties.get(key))
+        arguments[key] = _xml_value(text, properties.get(key, set()))
         pos = end + len(_XML_PARAMETER_CLOSER)
     if parameters[pos:].strip():
         raise _Malformed("text that is not a parameter")
     return name, arguments
 
 
-def _call(body: str, schemas: dict[str, dict] | None) -> dict[str, Any]:
+def _call(body: str, schemas: dict[str, dict[str, set[str]]] | None) -> dict[str, Any]:
     """One attempted call's text -> an OpenAI tool call. Raises ValueError (or RecursionError, for absurdly
     nested JSON) for any defect. `schemas` is `_tool_properties` of the request's tools."""
     name, arguments = _xml_call(body, schemas) if body.lstrip().startswith("<function=") else _json_call(body)
