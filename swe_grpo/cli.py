@@ -25,10 +25,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from swe_grpo.console import interval_from_env, make_console, progress, resolved_so_far
 from swe_grpo.demo import DemoConfig, plot_results, run_in_terminal
 from swe_grpo.evaluation.command import add_eval_parser
 from swe_grpo.plugins import check_choice
@@ -39,7 +38,7 @@ if TYPE_CHECKING:
     from swe_grpo.extras.vllm_server import VLLMServer
     from swe_grpo.rollout import RolloutConfig
 
-console = Console(stderr=True)
+console = make_console()
 
 
 # --------------------------------------------------------------------------- rollout
@@ -68,7 +67,6 @@ async def run_rollouts(args: argparse.Namespace) -> list:
     save_dir = Path(args.save_trajectories) if args.save_trajectories else None
     if save_dir:
         save_dir.mkdir(parents=True, exist_ok=True)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     serving = token_exact_server(
         args.vllm_url, args.model, sampling, tokenizer=args.tokenizer, host=args.host, port=args.port,
         public_url=args.public_url,
@@ -77,8 +75,8 @@ async def run_rollouts(args: argparse.Namespace) -> list:
         async with serving as (server, context_window):
             config = rollout_config(args, context_window)
             await backend.start()
-            with Progress(*columns, console=console, transient=False) as progress:
-                bar = progress.add_task("rollouts", total=len(jobs))
+            with progress(console) as shown:
+                bar = shown.add_task("rollouts", total=len(jobs))
 
                 async def one(task):
                     async with semaphore:
@@ -91,7 +89,7 @@ async def run_rollouts(args: argparse.Namespace) -> list:
                         path = save_dir / f"{trajectory.rollout_id}.json"
                         path.write_text(json.dumps(trajectory.to_json()))
                     resolved = sum(t.outcome == "resolved" for t in trajectories)
-                    progress.update(bar, advance=1, description=f"rollouts (resolved {resolved})")
+                    shown.update(bar, advance=1, detail=resolved_so_far(resolved, len(trajectories)))
 
                 await asyncio.gather(*(one(task) for task in jobs))
     finally:
@@ -412,6 +410,11 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        interval_from_env()  # refused before a long command starts, not at its first progress display
+    except ValueError as e:
+        console.print(f"error: {e}", style="red", markup=False)
+        return 2
     # `kill`, `timeout` and `docker stop` clean up like Ctrl-C: servers, agents, sandboxes and mounts.
     # A background job of a non-interactive shell starts with SIGINT ignored; Ctrl-C must still work.
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -4,7 +4,7 @@ and under `TYPE_CHECKING`: a function-local import is how a circle hides.
 
 The layers, lowest first (a room may import rooms on lower layers, never one on its own layer or above):
 
-    types, paths, plugins, _compat
+    types, paths, plugins, _compat, console (where the commands print)
     tasks | tokens
     sandbox
     serving | grading
@@ -32,7 +32,7 @@ SKIP = PACKAGE / "demo" / "tasks" / "src"  # the demo tasks' own repositories, n
 MAX_LINES = 500
 
 LAYERS = [
-    {"types", "paths", "plugins", "_compat"},
+    {"types", "paths", "plugins", "_compat", "console"},
     {"tasks", "tokens"},
     {"sandbox"},
     {"serving", "grading"},
@@ -47,6 +47,7 @@ LAYER = {room: rank for rank, rooms in enumerate(LAYERS) for room in rooms}
 FACE = LAYER["cli"]
 TOP_LEVEL = {
     *("__init__.py", "py.typed", "types.py", "paths.py", "plugins.py", "_compat.py", "rollout.py", "cli.py"),
+    "console.py",
     *("tasks", "tokens", "sandbox", "serving", "grading", "agents", "worker", "synth", "evaluation", *BESIDE),
 }
 

@@ -294,29 +294,24 @@ def _quiet_library_chatter() -> None:
 
 def run_in_terminal(config: DemoConfig, console: Console) -> DemoResult:
     """`swe-grpo demo`: `run_demo` with one progress bar per phase on `console` (each shows its elapsed
-    time, so a phase that waits still moves), then the curve (`reward_curve.png`), the summary
-    (`result.json`) in the output directory and a table of what happened."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    time, so a phase that waits still moves; in a log, a plain line every 30 s: `swe_grpo.console`), then
+    the curve (`reward_curve.png`), the summary (`result.json`) in the output directory and a table of
+    what happened."""
     from rich.table import Table
+
+    from swe_grpo.console import progress
 
     _quiet_library_chatter()
     console.print(f"[bold]swe-grpo demo[/bold]: GRPO on the bundled tasks, on this CPU (seed {config.seed}).")
-    columns = (
-        TextColumn("{task.fields[phase]:<11}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.description}"),
-    )
-    with Progress(*columns, console=console) as progress:
+    with progress(console) as shown:
         bars: dict[str, Any] = {}
 
         def report(phase: str, done: int | None, total: int | None, detail: str) -> None:
             if phase not in bars:
                 for bar in bars.values():  # the phases run one after the other
-                    progress.stop_task(bar)
-                bars[phase] = progress.add_task(detail, total=total, phase=phase)
-            progress.update(bars[phase], completed=done or 0, total=total, description=detail)
+                    shown.stop_task(bar)
+                bars[phase] = shown.add_task(phase, total=total)
+            shown.update(bars[phase], completed=done or 0, total=total, detail=detail)
 
         result = run_demo(config, report)
     curve = save_curve({f"seed {config.seed}": result.history}, result.output_dir / "reward_curve.png")

@@ -17,14 +17,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from swe_grpo.console import make_console, progress, resolved_so_far
 
 if TYPE_CHECKING:
     from swe_grpo.rollout import RolloutConfig
 
-console = Console(stderr=True)
+console = make_console()
 
 MakeConfig = Callable[[argparse.Namespace, int], "RolloutConfig"]
 # Rollout flags eval does not take: its outputs are its own (-k, --out, --save-trajectories).
@@ -160,7 +160,7 @@ def _serving(args: argparse.Namespace) -> Any:
 async def _run(args: argparse.Namespace, make_config: MakeConfig, jobs: list, attempts: Any, total: int) -> None:
     from swe_grpo.agents import make_agent
     from swe_grpo.evaluation.run import run_attempts
-    from swe_grpo.evaluation.store import TRAJECTORIES
+    from swe_grpo.evaluation.store import TRAJECTORIES, latest
     from swe_grpo.sandbox import make_backend
 
     agent = make_agent(args.agent)
@@ -171,12 +171,13 @@ async def _run(args: argparse.Namespace, make_config: MakeConfig, jobs: list, at
             config = replace(config, door=False, allow=())
         await backend.start()
         try:
-            with _progress() as progress:
-                bar = progress.add_task("attempts", total=total, completed=total - len(jobs))
+            with progress(console) as shown:
+                bar = shown.add_task("attempts", total=total, completed=total - len(jobs))
 
                 def finished(record: Mapping[str, Any]) -> None:
-                    resolved = sum(r["outcome"] == "resolved" for r in attempts.records)
-                    progress.update(bar, advance=1, description=f"attempts (resolved {resolved})")
+                    current = latest(attempts.records).values()  # a retried attempt counts once
+                    resolved = sum(r["outcome"] == "resolved" for r in current)
+                    shown.update(bar, advance=1, detail=resolved_so_far(resolved, len(current)))
 
                 await run_attempts(
                     jobs,
@@ -208,11 +209,6 @@ def write_outputs(
     write_atomic(out / PREDICTIONS, "".join(line + "\n" for line in lines))
     write_atomic(out / REPORT, json.dumps(report, indent=2) + "\n")
     return report
-
-
-def _progress() -> Progress:
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    return Progress(*columns, console=console, transient=False)
 
 
 def _interval(ci: list[float] | None) -> str:

@@ -7,15 +7,15 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import TaskID
 from rich.table import Table
 
+from swe_grpo.console import make_console, progress
 from swe_grpo.grading.gold import Calibration, calibrate_file
 from swe_grpo.synth.build import ProjectReport, SynthConfig, synthesize
 from swe_grpo.tasks.task import TaskFormatError
 
-console = Console(stderr=True)
+console = make_console()
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -142,20 +142,19 @@ def main(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         test_cmd=args.test_cmd,
     )
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
 
     async def run() -> list[ProjectReport]:
         backend = make_backend(args.sandbox)
         await backend.start()
         try:
-            with Progress(*columns, console=console) as progress:
-                bars: dict[str, object] = {}
+            with progress(console) as shown:
+                bars: dict[str, TaskID] = {}
 
                 def started(name: str, total: int) -> None:
-                    bars[name] = progress.add_task(name, total=total)
+                    bars[name] = shown.add_task(name, total=total)
 
                 def decided(name: str, accepted: int, tried: int) -> None:
-                    progress.update(bars[name], completed=accepted, description=f"{name} ({tried} tried)")
+                    shown.update(bars[name], completed=accepted, detail=f"{tried} candidates tried")
 
                 return await synthesize(args.sources, config, backend, started=started, decided=decided)
         finally:
