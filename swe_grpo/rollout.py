@@ -82,7 +82,7 @@ from typing import Any
 from swe_grpo.agents.base import Agent, AgentConfig, AgentResult
 from swe_grpo.grading import DEFAULT_TIMEOUT_S, GradeResult, grade
 from swe_grpo.sandbox.base import DIFF_TIMEOUT_S, MAX_PATCH_BYTES, PatchError, Sandbox, SandboxBackend, SandboxError
-from swe_grpo.serving.door import Door, check_allow
+from swe_grpo.sandbox.door import Door, check_allow
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.tasks import Task
 from swe_grpo.tasks.task import REWARD_MODES, RewardMode
@@ -179,11 +179,11 @@ class RolloutConfig:
     # How long taking the agent's patch may take before it is `diff_timeout` (the policy's); raise it for much
     # larger repositories.
     diff_timeout_s: float = DIFF_TIMEOUT_S
-    # The agent's sandbox has no network but its one door to its own endpoint (`swe_grpo.serving.door`); False:
+    # The agent's sandbox has no network but its one door to its own endpoint (`swe_grpo.sandbox.door`); False:
     # it shares the backend's network. Backends whose mounts are copies (`hf`) cannot have a door: their
     # agents reach the server's public, token-authenticated endpoint.
     door: bool = True
-    # With the door: the `host:port`s the agent may also reach, through an HTTPS proxy (`swe_grpo.serving.door`).
+    # With the door: the `host:port`s the agent may also reach, through an HTTPS proxy (`swe_grpo.sandbox.door`).
     allow: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -299,8 +299,8 @@ async def run_rollout(
     proxy: asyncio.Server | None = None
     try:
         if config.door and backend.live_mounts:
-            door = await server.open_door(rollout_id)
-            door = replace(door, allow=config.allow)
+            door = replace(Door.make(rollout_id), allow=config.allow)
+            await server.open_door(rollout_id, door.socket)
             proxy = await door.serve_allowlist() if door.allow else None
         mounts = [agent.mount(), *([door.mount()] if door else [])]
         sandbox = await backend.create(task, mounts=mounts, network=door is None)
@@ -337,7 +337,8 @@ async def run_rollout(
         if proxy is not None:
             proxy.close()
         if door is not None:
-            await server.close_door(door)
+            await server.close_door(door.socket)
+            door.remove()
         record = server.close_rollout(rollout_id)
         timings["generation"] = record.generation_s
 
