@@ -25,7 +25,7 @@ from pathlib import Path
 
 from swe_grpo.agents.base import AgentConfig, AgentResult, Launch, behind_door, run_agent
 from swe_grpo.sandbox.base import Mount, Sandbox
-from swe_grpo.serving.door import Door
+from swe_grpo.sandbox.door import Door
 from swe_grpo.types import RolloutEndpoint
 
 MOUNT = "/opt/swe_grpo/script-agent"

@@ -62,7 +62,7 @@ class WorkerConfig:
     plugin_autoload: bool = True  # pytest plugin autoload when grading; a task's own setting wins
     reward_mode: RewardMode = "binary"  # or "fraction" (see swe_grpo.grading); a task's own setting wins
     max_patch_bytes: int = MAX_PATCH_BYTES  # a larger patch ends the rollout patch_too_large (reward 0.0)
-    door: bool = True  # the agent's only network is its own endpoint (swe_grpo.serving.door); False: the backend's
+    door: bool = True  # the agent's only network is its own endpoint (swe_grpo.sandbox.door); False: the backend's
     allow: tuple[str, ...] = ()  # with the door: host:port targets the agent may also reach (HTTPS proxy)
     adapter_prefix: str = "trl-policy"  # what AsyncGRPOTrainer names the adapters it publishes
     adapter_dir: str | None = None

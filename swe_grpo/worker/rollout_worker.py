@@ -98,7 +98,7 @@ from urllib3.util.retry import Retry
 
 from swe_grpo.agents import Agent, make_agent
 from swe_grpo.sandbox.base import SandboxBackend
-from swe_grpo.serving.door import remove_orphaned_doors
+from swe_grpo.sandbox.door import remove_orphaned_doors
 from swe_grpo.tasks import Task, tasks_from_dataset
 from swe_grpo.types import Policy, RolloutWorkerError
 from swe_grpo.worker.config import WorkerConfig
