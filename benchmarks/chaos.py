@@ -67,7 +67,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
@@ -75,7 +75,6 @@ import psutil
 import requests
 from _provenance import Provenance
 from aiohttp import web
-from transformers import AutoTokenizer
 
 from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.extras.tiny_model import build_tiny_model
@@ -84,8 +83,12 @@ from swe_grpo.sandbox.base import SandboxError
 from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend, LocalLimits
 from swe_grpo.sandbox.process import CgroupLayout
 from swe_grpo.types import RolloutWorkerError
-from swe_grpo.worker import SWERolloutWorker
 from swe_grpo.worker.config import WorkerConfig
+
+# A rollout host is spawned and imports this module again (`FaultyBackend` is pickled into it): what is imported
+# here loads into every host. TRL and torch (the worker's class, the tokenizer) are imported where they are used.
+if TYPE_CHECKING:
+    from swe_grpo.worker import SWERolloutWorker
 
 log = logging.getLogger("chaos")
 
@@ -714,6 +717,10 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
         seed=config.seed,
         rollout_hosts=1,  # `Accounting` reads one host's in-flight count
     )
+    from transformers import AutoTokenizer
+
+    from swe_grpo.worker import SWERolloutWorker
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     def new_worker() -> SWERolloutWorker:
