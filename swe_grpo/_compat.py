@@ -13,6 +13,7 @@ import importlib.abc
 import importlib.util
 import sys
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 
 MOVED = {
@@ -34,7 +35,8 @@ MOVED = {
     "swe_grpo.vllm_server": "swe_grpo.extras.vllm_server",
     "swe_grpo.tiny_model": "swe_grpo.extras.tiny_model",
     "swe_grpo.sandbox._common": "swe_grpo.sandbox.process",
-    "swe_grpo.sandbox.seccomp": "swe_grpo.sandbox.local.seccomp",
+    # back beside the backends after 0.2.0: `local` and `docker` sandboxes and the grader share it
+    "swe_grpo.sandbox.local.seccomp": "swe_grpo.sandbox.seccomp",
 }
 # Names that left a module which stayed: {old module: {name: new module}}.
 _PI_CAPTURE = ("CapturedRequests", "PiRun", "ScriptedGenerator", "capture_pi_run", "completion_ids", "recording_hop")
@@ -42,6 +44,8 @@ MOVED_NAMES = {
     "swe_grpo.tasks": {name: "swe_grpo.demo.tasks" for name in ("demo_tasks", "demo_tasks_path")},
     "swe_grpo.demo.warm_start": {name: "swe_grpo.testing.pi_capture" for name in _PI_CAPTURE},
 }
+# Of those, the modules of the data path: `install` gives them their `__getattr__` (the others write their own).
+_GIVEN_BACK_HERE = ("swe_grpo.tasks",)
 
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -68,7 +72,18 @@ def moved_name(module: str, name: str) -> object:
     return getattr(importlib.import_module(new), name)
 
 
+def _getattr_of(module: str) -> Callable[[str], object]:
+    def __getattr__(name: str) -> object:
+        return moved_name(module, name)
+
+    return __getattr__
+
+
 def install() -> None:
-    """Let the old module paths import (idempotent)."""
+    """Let the old module paths import, and the modules of the data path that lost names (`MOVED_NAMES`) give
+    them (idempotent). Those modules import nothing by a string themselves (tests/test_layers.py): each is
+    imported here and given a module `__getattr__`, so `swe_grpo` installs this before anyone can ask."""
     if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
         sys.meta_path.append(_MovedModules())
+    for module in _GIVEN_BACK_HERE:
+        vars(importlib.import_module(module))["__getattr__"] = _getattr_of(module)

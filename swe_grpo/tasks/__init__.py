@@ -1,8 +1,5 @@
 """Tasks: what a rollout works on (`Task`) and how tasks are read (`load_tasks` and friends)."""
 
-from typing import Any
-
-from swe_grpo._compat import moved_name
 from swe_grpo.tasks.task import (
     Task,
     TaskFormatError,
@@ -25,6 +22,5 @@ __all__ = [
     "tasks_from_rows",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    return moved_name(__name__, name)
+# The names that moved out (`demo_tasks`, `demo_tasks_path`) are given back, with a warning, by `swe_grpo._compat`:
+# the data path imports nothing by a string (tests/test_layers.py).

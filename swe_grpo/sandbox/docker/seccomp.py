@@ -1,9 +1,10 @@
-"""The `local` sandbox's seccomp filter in every process of a `docker` sandbox, whatever the engine.
+"""The sandboxes' seccomp filter (`swe_grpo.sandbox.seccomp`, which `local` sandboxes get from bwrap) in every
+process of a `docker` sandbox, whatever the engine.
 
 The engine's default seccomp profile refuses most of what the filter refuses, but not io_uring before
 Docker 25, and nothing in it is ours to choose. So every exec of a docker sandbox starts with the wrapper
 `seccomp-exec` (`seccomp_exec.c`, a static binary, so it runs in any image), which installs the filter
-(`swe_grpo.sandbox.local.seccomp.program()`: io_uring, keyrings, bpf, perf events, userfaultfd, x32 calls
+(`swe_grpo.sandbox.seccomp.program()`: io_uring, keyrings, bpf, perf events, userfaultfd, x32 calls
 fail with EPERM) and then runs the command in its place. Seccomp filters stack: the engine's profile stays
 in force under it (the kernel applies the strictest answer of all), and the command and everything it
 starts keep the filter and cannot remove it. The container's only processes not started by an exec are
@@ -26,8 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from swe_grpo.paths import cache_root
-from swe_grpo.sandbox.local.seccomp import program
 from swe_grpo.sandbox.native import build_static
+from swe_grpo.sandbox.seccomp import program
 
 log = logging.getLogger(__name__)
 
