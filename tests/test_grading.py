@@ -139,11 +139,15 @@ async def test_the_report_path_is_not_in_the_environment_of_the_code_under_test(
             f"\n\nimport atexit, os, sys\n\n{LOOK}\n",
         )
 
-    # Naming the report's variable is what the static scan looks for; this task allows it by name.
+    # An exit handler and the report's variable by name are what the capability gate refuses; this task
+    # allows them by name.
     patch = make_patch(STRUTIL, look)
     scanned = await grade(STRUTIL, patch, local_backend, timeout_s=120)
-    assert (scanned.outcome, scanned.error) == ("grading_tampered", f"static scan: reports in strutil.py: {LOOK}")
-    result = await grade(replace(STRUTIL, tamper_allow=("reports",)), patch, local_backend, timeout_s=120)
+    assert (scanned.outcome, scanned.error) == (
+        "grading_tampered",
+        f"static scan: atexit in strutil.py: import atexit, os, sys; reports in strutil.py: {LOOK}",
+    )
+    result = await grade(replace(STRUTIL, tamper_allow=("reports", "atexit")), patch, local_backend, timeout_s=120)
     assert result.outcome == "resolved", (result.error, result.log_tail)
     assert "REPORT PATH: None" in result.log_tail
 

@@ -27,7 +27,6 @@ from swe_grpo.grading import (
     RunReports,
     grade,
     report_statuses,
-    scan_patch,
 )
 from swe_grpo.grading.probe import probe_runner
 from swe_grpo.sandbox.local import LocalBackend
@@ -262,42 +261,6 @@ def test_the_audit_report_needs_the_nonce_a_start_and_an_exit() -> None:
     assert "written by someone else" in (AuditReport.parse("x 7 start \nn1 7 start \n", "n1").tampering() or "")
     assert "never started" in (AuditReport.parse("", "n1").tampering() or "")
     assert "never reached" in (AuditReport.parse("n1 7 start \nn1 8 end pytest\n", "n1").tampering() or "")
-
-
-def patch_adding(path: str, *lines: str) -> str:
-    body = "".join(f"+{line}\n" for line in lines)
-    return f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n@@ -1,0 +1,{len(lines)} @@\n{body}"
-
-
-@pytest.mark.parametrize(
-    ("line", "rule"),
-    [
-        ("import _pytest.runner", "pytest-internals"),
-        ("cfg.pluginmanager.register(p)", "pytest-internals"),
-        ("def pytest_runtest_makereport(item, call):", "pytest-hooks"),
-        ("    pytest.skip('later')", "pytest-in-source"),
-        ("    __import__('pytest').xfail('x')", "pytest-in-source"),
-        ("sys.settrace(tracer)", "trace"),
-        ("config = frame.f_back.f_locals['self'].config", "frames"),
-        ("fn.__code__ = other.__code__", "code-objects"),
-        ("os._exit(0)", "exit"),
-        ("os.execv(sys.executable, args)", "exit"),
-        ("unittest.TestCase.run = run", "unittest-internals"),
-        ("open('/proc/self/cmdline').read()", "reports"),
-        ("path = os.environ['SWE_GRPO_JUNIT_XML']", "reports"),
-        ("sys.addaudithook(hook)", "interpreter"),
-        ("site.getusersitepackages()", "interpreter"),
-    ],
-)
-def test_the_static_scan(line: str, rule: str) -> None:
-    assert scan_patch(patch_adding("pkg/core.py", line)) == [f"{rule} in pkg/core.py: {line.strip()}"]
-    assert scan_patch(patch_adding("pkg/core.py", line), allow=[rule]) == []
-
-
-@pytest.mark.parametrize("task", demo_tasks(), ids=lambda task: task.instance_id)
-def test_the_static_scan_passes_the_gold_patches(task: Task) -> None:
-    assert scan_patch(task.patch) == []
-    assert scan_patch(patch_adding("m.py", "if x.fail:", "skipped = [t for t in ts if t.skip]", "code = 3")) == []
 
 
 async def test_the_probe_sees_which_witnesses_a_runner_supports(local_backend: LocalBackend) -> None:

@@ -127,15 +127,17 @@ configuration by name. The probe sees the modules imported on the way to one tes
 other tests' runs import lazily is covered when it is in the standard library or named pytest*.
 """
 
+from swe_grpo.grading.capability import CAPABILITIES, FileChange, GateResult, gate
 from swe_grpo.grading.gold import Calibration, GoldUnresolved, calibrate_file, gold_statuses
 from swe_grpo.grading.predictions import grade_predictions, load_predictions
 from swe_grpo.grading.protect import RunnerImports, command_words, doctest_examples, is_protected
 from swe_grpo.grading.reports import PASS_STATUSES, RunReports, junit_key, report_statuses
 from swe_grpo.grading.run import WITNESSES, GradeResult, Outcome, grade
 from swe_grpo.grading.steps import DEFAULT_TEST_CMD, DEFAULT_TIMEOUT_S
-from swe_grpo.grading.tamper import SCAN_RULES, AuditReport, Canaries, scan_patch
+from swe_grpo.grading.tamper import SCAN_RULES, AuditReport, Canaries
 
 __all__ = [
+    "CAPABILITIES",
     "DEFAULT_TEST_CMD",
     "DEFAULT_TIMEOUT_S",
     "PASS_STATUSES",
@@ -144,6 +146,8 @@ __all__ = [
     "AuditReport",
     "Calibration",
     "Canaries",
+    "FileChange",
+    "GateResult",
     "GoldUnresolved",
     "GradeResult",
     "Outcome",
@@ -152,6 +156,7 @@ __all__ = [
     "calibrate_file",
     "command_words",
     "doctest_examples",
+    "gate",
     "gold_statuses",
     "grade",
     "grade_predictions",
@@ -159,5 +164,4 @@ __all__ = [
     "junit_key",
     "load_predictions",
     "report_statuses",
-    "scan_patch",
 ]

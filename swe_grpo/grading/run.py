@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from swe_grpo.grading.capability import CAPABILITIES, allowed_capabilities
 from swe_grpo.grading.probe import Probe, WitnessedRun, probe_runner, witnessed_run
 from swe_grpo.grading.protect import command_words, doctest_examples, is_protected
 from swe_grpo.grading.reports import PASS_STATUSES, report_statuses
@@ -23,7 +24,7 @@ from swe_grpo.grading.steps import (
     nul_list,
     step,
 )
-from swe_grpo.grading.tamper import SCAN_RULES, scan_patch
+from swe_grpo.grading.tamper import gate_patch
 from swe_grpo.sandbox.base import ExecResult, Exhaustion, Sandbox, SandboxBackend, SandboxError
 from swe_grpo.tasks import Task
 from swe_grpo.tasks.task import REWARD_MODES, RewardMode
@@ -73,7 +74,8 @@ class GradeResult:
 class _Run:
     dropped: tuple[str, ...] = ()
     apply_error: str | None = None  # the patch did not apply: the patch's fault
-    scanned: list[str] = field(default_factory=list)  # the static scan's findings: the tests did not run
+    scanned: list[str] = field(default_factory=list)  # the capability gate's findings: the tests did not run
+    unparsed: list[str] = field(default_factory=list)  # files the gate could not parse: no reward from this run
     witnessed: WitnessedRun | None = None
     statuses: dict[str, str] | None = None
     exhausted: Exhaustion | None = None  # the limit the sandbox hit, seen once the tests ran
@@ -188,8 +190,8 @@ async def _graded_run(
         if set(kept) & set(run.dropped) or any(is_protected(path, explicit, runner) for path in kept):
             raise BrokenTask(f"filtering the patch left protected paths in it: {kept}")  # never grade that
         if kept:
-            filtered_patch = (await sandbox.get_file(f"{scratch}/filtered.patch")).decode("utf-8", "replace")
-            run.scanned = scan_patch(filtered_patch, task.tamper_allow)
+            gated = await gate_patch(sandbox, scratch, base, index, kept, task.tamper_allow)
+            run.scanned, run.unparsed = gated.findings, gated.unparsed
             if run.scanned:
                 return run
             applied = await step(sandbox, f"git apply {q(scratch)}/filtered.patch", "git apply")
@@ -268,7 +270,7 @@ def _armed(task: Task, probe: Probe | None) -> tuple[str, ...]:
     if probe is None:
         return ()
     armed = {
-        "scan": not set(SCAN_RULES) <= set(task.tamper_allow),
+        "scan": not set(CAPABILITIES) <= allowed_capabilities(task.tamper_allow),
         "pinned_env": True,
         "boot": probe.audit,
         "canaries": probe.canaries,
@@ -421,6 +423,9 @@ async def grade(
         )
         if tampered is not None:
             return result("grading_tampered", 0.0, tampered)
+        if run.unparsed:  # the runner's Python read what the gate's could not: the gate never saw that code
+            error = f"the grader's Python cannot parse {', '.join(run.unparsed[:5])}, and the run would earn a reward"
+            return result("grading_tampered", 0.0, f"static scan: {error}")
         return result("resolved", 1.0) if resolved else result("unresolved", reward, error)
     except BrokenTask as exc:
         return result("infra_error", None, str(exc))

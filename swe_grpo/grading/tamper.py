@@ -1,7 +1,7 @@
 """Defences against a patch whose code, running inside the test runner's process, fakes a pass.
 
-Three independent witnesses the grader adds to a graded run (see `swe_grpo.grading` for how they
-combine), and a scan that needs no run:
+Witnesses the grader adds to a graded run (see `swe_grpo.grading` for how they combine), and the gate that
+needs no run:
 
 - `Canaries`: a new test file under a random name, next to the first FAIL_TO_PASS test, with two tests
   under random names (one must pass, one must fail), run with the task's tests. Code that turns every
@@ -18,17 +18,26 @@ combine), and a scan that needs no run:
   Everything goes into an append-only report opened before repository code runs, each line carrying a
   per-grade nonce that only the hook holds (read from a file it deletes); a run whose report lacks the
   start or the exit record of its runner process was ended or replaced behind the grader's back.
-- `scan_patch`: the patch's added lines (test files are dropped before) matched against code that
-  reaches into the test machinery, by rule name; a task may allow rules (`Task.tamper_allow`), for
-  projects that are themselves test tools.
+- `gate_patch`: the capability gate (`swe_grpo.grading.capability`), the primary layer, on the files the
+  filtered patch touches, read out of the grading sandbox before anything of the patch runs; a task may
+  allow capabilities (`Task.tamper_allow`), for projects that are themselves test tools.
+
+The boot is a tripwire: what it sees counts (`grading_tampered`), but no grade depends on it alone. It runs
+inside the process the patch's code runs in, so a patch written against it can turn it off or hide from it;
+each class of tampering it names is also refused by the gate, which needs no run.
 """
 
 from __future__ import annotations
 
-import re
+import asyncio
 import secrets
+import shlex
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+
+from swe_grpo.grading.capability import BINARY_SUFFIXES, CAPABILITIES, FileChange, GateResult, gate
+from swe_grpo.grading.steps import BrokenTask, failure, step
+from swe_grpo.sandbox.base import Sandbox
 
 
 @dataclass(frozen=True)
@@ -331,32 +340,57 @@ def _is_number(text: str) -> bool:
     return True
 
 
-# --- the static scan -----------------------------------------------------------------------------------
+# --- the capability gate, on the files read out of the grading sandbox -----------------------------------
 
-# name -> what, in a fix's added lines, reaches into the test machinery.
-SCAN_RULES: dict[str, re.Pattern[str]] = {
-    "pytest-internals": re.compile(r"\b_pytest\b|\bpluggy\b|\bpluginmanager\b|\bhookimpl\b|\bhookwrapper\b"),
-    "pytest-hooks": re.compile(r"\bpytest_(?:runtest|collect|report|terminal|session|pyfunc|make_collect|item)"),
-    "pytest-in-source": re.compile(r"^\s*(?:import|from)\s+pytest\b|\bpytest\s*\.\s*(?:skip|exit|fail)\b|\bxfail\b"),
-    "trace": re.compile(r"\b(?:settrace|setprofile|_current_frames|gettrace)\b|\bsys\s*\.\s*monitoring\b"),
-    "frames": re.compile(r"\bf_locals\b"),
-    "code-objects": re.compile(r"\.__code__\s*=[^=]|\bCodeType\b|\bco_code\b"),
-    "exit": re.compile(r"\bos\s*\.\s*_exit\b|\bos\s*\.\s*exec[lv]p?e?\b"),
-    "unittest-internals": re.compile(r"\bTestCase\s*\.\s*(?:run|__call__|debug)\b|\baddSuccess\b|\bTestResult\b"),
-    "reports": re.compile(r"junit|/proc/self/(?:cmdline|fd|environ)|\bSWE_GRPO|short test summary", re.I),
-    "interpreter": re.compile(r"\baddaudithook\b|\bpythonapi\b|\busercustomize\b|\bsitecustomize\b|getusersite"),
-}
+#: Every name that, in `Task.tamper_allow`, switches the static layer off: all of the gate's capabilities.
+SCAN_RULES: tuple[str, ...] = tuple(CAPABILITIES)
 
 
-def scan_patch(patch: str, allow: Collection[str] = ()) -> list[str]:
-    """The scan's findings in a patch's added lines: "<rule> in <path>: <line>", first few per rule."""
-    found: dict[str, str] = {}
-    path = ""
-    for line in patch.splitlines():
-        if line.startswith("+++ "):
-            path = line[4:].removeprefix("b/")
-        elif line.startswith("+") and not line.startswith("+++"):
-            for rule, pattern in SCAN_RULES.items():
-                if rule not in allow and rule not in found and pattern.search(line[1:]):
-                    found[rule] = f"{rule} in {path}: {line[1:].strip()[:120]}"
-    return list(found.values())
+def _may_be_code(path: str) -> bool:
+    """Whether the gate needs to see a path: Python by suffix, binary code, or a name without a suffix (a
+    script, which `is_python` judges by its first line)."""
+    name = path.rpartition("/")[2]
+    return path.endswith((".py", ".pyw", *BINARY_SUFFIXES)) or "." not in name
+
+
+def _batch_blobs(data: bytes, count: int) -> list[bytes | None]:
+    """The objects `git cat-file --batch` wrote for `count` requests, in order (None: missing)."""
+    blobs: list[bytes | None] = []
+    pos = 0
+    for _ in range(count):
+        end = data.index(b"\n", pos)
+        header = data[pos:end].split(b" ")
+        if header[-1] == b"missing" or len(header) != 3:
+            blobs.append(None)
+            pos = end + 1
+            continue
+        size = int(header[2])
+        blobs.append(data[end + 1 : end + 1 + size] if header[1] == b"blob" else None)
+        pos = end + 1 + size + 1
+    return blobs
+
+
+async def gate_patch(
+    sandbox: Sandbox, scratch: str, base: str, index: str, paths: Iterable[str], allow: Collection[str]
+) -> GateResult:
+    """The capability gate (`swe_grpo.grading.capability`) on the files of `paths`: each as `base` has it and
+    as the git index `index` (the filtered patch staged over `base`) has it, read with git before anything
+    of the patch has run. The parse runs off the event loop."""
+    wanted = [path for path in paths if _may_be_code(path)]
+    odd = [path for path in wanted if not path.isprintable()]  # cat-file --batch reads names by line
+    named = [path for path in wanted if path not in odd]
+    changes = [FileChange(path, None, b"") for path in odd]
+    if named:
+        requests = "".join(f"{base}:{path}\n:{path}\n" for path in named)
+        await sandbox.put_file(f"{scratch}/gate.in", requests.encode())
+        q = shlex.quote
+        read = await step(
+            sandbox,
+            f"GIT_INDEX_FILE={q(index)} git cat-file --batch < {q(scratch)}/gate.in > {q(scratch)}/gate.out",
+            "reading the patched files",
+        )
+        if read.exit_code != 0:
+            raise BrokenTask(failure("reading the patched files", read))
+        blobs = _batch_blobs(await sandbox.get_file(f"{scratch}/gate.out"), 2 * len(named))
+        changes += [FileChange(path, blobs[2 * i], blobs[2 * i + 1]) for i, path in enumerate(named)]
+    return await asyncio.to_thread(gate, changes, allow)
