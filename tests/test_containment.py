@@ -248,8 +248,11 @@ async def test_a_patch_that_exhausts_the_grading_sandbox(backend: SandboxBackend
 
         return edit
 
-    patches = [STRUTIL_TASK.patch, *(make_patch(STRUTIL_TASK, fix_and(attack)) for attack in attacks)]
-    gold, *guilty = await asyncio.gather(*(grade(STRUTIL_TASK, patch, backend, timeout_s=120) for patch in patches))
+    # The runner's own limits off: they would end the fork bomb at its first spawn (grading_tampered, see
+    # tests/test_graded_run_limits.py); here the sandbox's limits are under test.
+    task = replace(STRUTIL_TASK, runner_limits=False)
+    patches = [task.patch, *(make_patch(task, fix_and(attack)) for attack in attacks)]
+    gold, *guilty = await asyncio.gather(*(grade(task, patch, backend, timeout_s=120) for patch in patches))
     assert (gold.outcome, gold.reward) == ("resolved", 1.0), (gold.error, gold.log_tail)
     for attack, result in zip(attacks, guilty, strict=True):
         assert (result.outcome, result.reward) == ("resource_exhausted", 0.0), (attack, result.error, result.log_tail)

@@ -152,8 +152,9 @@ async def test_each_witness_on_its_own(
     local_backend: LocalBackend, name: str, allow: tuple[str, ...], because: str
 ) -> None:
     """With the layers before it allowed for the task (the static scan's rules, then the audit's events),
-    the next one still names the tamper."""
-    task = replace(INIPARSE, tamper_allow=(*SCAN_RULES, *allow))
+    the next one still names the tamper. The runner's limits are off: they would end the runs that exec
+    before these in-process witnesses see them (tests/test_graded_run_limits.py)."""
+    task = replace(INIPARSE, tamper_allow=(*SCAN_RULES, *allow), runner_limits=False)
     result = await grade(task, tamper_patch(INIPARSE, TAMPERS[name][0]), local_backend, timeout_s=60)
     assert (result.outcome, result.reward) == ("grading_tampered", 0.0), (result.error, result.log_tail)
     assert (result.error or "").startswith(because), result.error

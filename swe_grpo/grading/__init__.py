@@ -32,8 +32,13 @@ repository at `base_commit`, no network) and always destroys it:
    the worker's setting, on by default). The environment is pinned: `PYTHONNOUSERSITE=1` (no user
    site, wherever the patch's code wrote one), `PYTEST_ADDOPTS` and `PYTEST_PLUGINS` empty.
 5. Witnesses (`swe_grpo.grading.tamper`), each used where the probe saw it work without the patch:
-   canaries (a new test file under a random name beside the first FAIL_TO_PASS test, one test that
-   must pass and one that must fail, their ids appended to the command), and the boot: a
+   canaries (`swe_grpo.grading.canaries`: tests named and placed like the project's own, in its test
+   files, shuffled in among the task's ids: one must pass, one must fail, and a copy of each FAIL_TO_PASS
+   test with an expected value changed must fail when the original passes), the runner's limits
+   (`swe_grpo.grading.limits`: a seccomp filter the runner installs before any repository code; a
+   runner that forks, execs, reaches into another process or re-points pytest's saved descriptors is
+   ended with SIGSYS, read from its exit status: `grading_tampered`; off for a task whose base suite
+   needs them, as `Task.runner_limits` or a run without the patch shows), and the boot: a
    sitecustomize.py that every `python`/`python3` of the command runs before any repository code,
    installing a PEP 578 audit hook (trace/profile functions, exec of the runner, a pytest started from
    inside, a code object replaced, another audit hook, the C API through ctypes) and, at the runner's
@@ -127,6 +132,7 @@ configuration by name. The probe sees the modules imported on the way to one tes
 other tests' runs import lazily is covered when it is in the standard library or named pytest*.
 """
 
+from swe_grpo.grading.canaries import Canaries
 from swe_grpo.grading.capability import CAPABILITIES, FileChange, GateResult, gate
 from swe_grpo.grading.gold import Calibration, GoldUnresolved, calibrate_file, gold_statuses
 from swe_grpo.grading.predictions import grade_predictions, load_predictions
@@ -134,7 +140,7 @@ from swe_grpo.grading.protect import RunnerImports, command_words, doctest_examp
 from swe_grpo.grading.reports import PASS_STATUSES, RunReports, junit_key, report_statuses
 from swe_grpo.grading.run import WITNESSES, GradeResult, Outcome, grade
 from swe_grpo.grading.steps import DEFAULT_TEST_CMD, DEFAULT_TIMEOUT_S
-from swe_grpo.grading.tamper import SCAN_RULES, AuditReport, Canaries
+from swe_grpo.grading.tamper import SCAN_RULES, AuditReport
 
 __all__ = [
     "CAPABILITIES",

@@ -10,12 +10,14 @@ import json
 import secrets
 import shlex
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from swe_grpo.grading.canaries import Canaries
+from swe_grpo.grading.limits import KILLED_BY_LIMIT, LIMIT_ENV, limit_secret, limit_source, limited
 from swe_grpo.grading.protect import RunnerImports
 from swe_grpo.grading.reports import RunReports
 from swe_grpo.grading.steps import DEFAULT_TEST_CMD, BrokenTask, failure, grade_setup, in_sandbox, step
-from swe_grpo.grading.tamper import BOOT_ENV, AuditReport, Canaries, boot_secret, boot_source, shim_script
+from swe_grpo.grading.tamper import BOOT_ENV, AuditReport, boot_secret, boot_source, shim_script
 from swe_grpo.sandbox.base import ExecResult, FileTooLarge, Sandbox, SandboxBackend, SandboxError
 from swe_grpo.tasks import Task
 
@@ -27,13 +29,21 @@ PINNED_ENV = {"PYTHONNOUSERSITE": "1", "PYTEST_ADDOPTS": "", "PYTEST_PLUGINS": "
 @dataclass
 class WitnessedRun:
     """One run of the test command with the grader's witnesses: `reports` (None when it timed out),
-    `audit` (the boot's report), `canaries` (None when not added), `junit_xml` (None when not written)."""
+    `audit` (the boot's report), `canaries` (None when not added), `junit_xml` (None when not written),
+    `limited` (the runner's limits were asked for and in force, as the runner's status said before any
+    repository code ran: `swe_grpo.grading.limits`)."""
 
     tests: ExecResult
     reports: RunReports | None
     audit: AuditReport
     canaries: Canaries | None
     junit_xml: str | None
+    limited: bool = False
+
+    @property
+    def killed_by_limit(self) -> bool:
+        """The runner's limits ended the run (its runner made a call they refuse)."""
+        return self.limited and not self.tests.timed_out and self.tests.exit_code == KILLED_BY_LIMIT
 
 
 async def witnessed_run(
@@ -45,30 +55,36 @@ async def witnessed_run(
     env: dict[str, str],
     timeout_s: float,
     canaries: bool,
+    mutate: Sequence[str] = (),
     patch_files: Collection[str] = (),
     allow: Collection[str] = (),
+    limit: bool = False,
 ) -> WitnessedRun:
-    """Run the task's test command on `test_ids` (plus canaries) with the boot armed. The report path is a
-    shell variable of the command line, not exported: the code under test does not inherit it. The ids
-    travel in a file: thousands of them would not fit in one command-line argument."""
+    """Run the task's test command on `test_ids` with the boot armed; with `canaries`, canaries planted in
+    the files of `test_ids[0]` and of `mutate` (the tests to give mutants: `swe_grpo.grading.canaries`) and
+    shuffled in among the ids; with `limit`, the runner's limits (`swe_grpo.grading.limits`). The report
+    path is a shell variable of the command line, not exported: the code under test does not inherit it. The
+    ids travel in a file: thousands of them would not fit in one command-line argument."""
     q = shlex.quote
     token = secrets.token_hex(8)
     boot, bin_dir = f"{scratch}/boot-{token}", f"{scratch}/bin-{token}"
     nonce, audit_path, secret = secrets.token_hex(16), f"{scratch}/audit-{token}", f"{scratch}/secret-{token}"
-    added = Canaries.beside(task.fail_to_pass[0].split("::", 1)[0]) if canaries else None
-    ids = [*test_ids, *(added.ids if added else ())]
-    files = {
+    added = await _plant(sandbox, test_ids, mutate) if canaries else None
+    ids = list(added.order) if added else list(test_ids)
+    limit_secret_path, status_path = f"{scratch}/limit-{token}", f"{scratch}/limited-{token}"
+    files: dict[str, str | bytes] = {
         f"{scratch}/ids-{token}": "".join(f"{test_id}\n" for test_id in ids),
-        f"{boot}/sitecustomize.py": boot_source(),
+        f"{boot}/sitecustomize.py": limit_source() + boot_source(),
         audit_path: "",
         secret: boot_secret(nonce, audit_path, sandbox.workdir, allow, patch_files),
-        **({f"{sandbox.workdir}/{added.path}": added.source()} if added else {}),
+        **({f"{sandbox.workdir}/{path}": text for path, text in added.files.items()} if added else {}),
+        **({limit_secret_path: limit_secret(status_path), status_path: ""} if limit else {}),
     }
     # One script writes them all (each put_file is a sandbox run of its own), and is gone, with the
     # secret it holds, before the test command starts.
     arm = f"{scratch}/arm-{token}"
     writes = "".join(
-        f"base64 -d > {q(path)} <<'END'\n{base64.b64encode(text.encode()).decode()}\nEND\n"
+        f"base64 -d > {q(path)} <<'END'\n{base64.b64encode(_bytes(text)).decode()}\nEND\n"
         for path, text in files.items()
     )
     await sandbox.put_file(arm, f"set -e\numask 077\nmkdir -p {q(boot)}\n{writes}".encode(), mode=0o600)
@@ -79,22 +95,44 @@ async def witnessed_run(
         f" && mapfile -t ids < {q(scratch)}/ids-{token} && SWE_GRPO_JUNIT_XML={q(junit_path)}"
         f' && {task.test_cmd or DEFAULT_TEST_CMD} "${{ids[@]}}"'
     )
-    full_env = {**env, **PINNED_ENV, BOOT_ENV: secret}
+    full_env = {**env, **PINNED_ENV, BOOT_ENV: secret, **({LIMIT_ENV: limit_secret_path} if limit else {})}
     tests = await sandbox.exec(command, timeout_s=timeout_s, env=full_env, cwd=sandbox.workdir)
     # Both files are within the patch's reach: a report it deleted reads as empty (no start or exit record:
     # tampering, unless the run timed out, when no verdict is drawn from it), one it bloated as missing, and
     # neither is ever read past its cap or parsed on the event loop.
     audit_text = await _read_capped(sandbox, audit_path, _AUDIT_MAX_BYTES)
     audit = await asyncio.to_thread(AuditReport.parse, audit_text or "", nonce)
+    in_force = limit and limited(await _read_capped(sandbox, status_path, _STATUS_MAX_BYTES))
     if tests.timed_out:
-        return WitnessedRun(tests, None, audit, added, None)
+        return WitnessedRun(tests, None, audit, added, None, in_force)
     junit_xml = await _read_capped(sandbox, junit_path, _JUNIT_MAX_BYTES)
     reports = await asyncio.to_thread(RunReports.parse, ids, junit_xml, tests.stdout)
-    return WitnessedRun(tests, reports, audit, added, junit_xml)
+    return WitnessedRun(tests, reports, audit, added, junit_xml, in_force)
+
+
+async def _plant(sandbox: Sandbox, test_ids: Sequence[str], mutate: Sequence[str]) -> Canaries:
+    """Canaries for a run of `test_ids`, in the test files of `mutate` and `test_ids[0]` as they are now
+    (test files are protected: the patch has not changed them; at most `_PLANT_FILES` of them)."""
+    paths = list(dict.fromkeys(test_id.split("::", 1)[0] for test_id in (*mutate, test_ids[0])))[:_PLANT_FILES]
+    sources = {}
+    for path in paths:
+        text = await _read_capped(sandbox, f"{sandbox.workdir}/{path}", _SOURCE_MAX_BYTES)
+        if text is not None:
+            sources[path] = text
+    return Canaries.plant(test_ids, sources, mutate)
+
+
+_PLANT_FILES = 4
+_SOURCE_MAX_BYTES = 1024**2
+
+
+def _bytes(text: str | bytes) -> bytes:
+    return text if isinstance(text, bytes) else text.encode()
 
 
 _AUDIT_MAX_BYTES = 4 * 1024**2
 _JUNIT_MAX_BYTES = 64 * 1024**2
+_STATUS_MAX_BYTES = 4096
 
 
 async def _read_capped(sandbox: Sandbox, path: str, max_bytes: int) -> str | None:
@@ -135,13 +173,16 @@ class Probe:
     """What the probe found for a task: what its runner imports; whether the runner reports the grader's
     canaries as they are (`canaries`), prints the `-rA` summary with one closing line (`summary`), and
     runs in a Python process whose boot starts and ends cleanly (`audit`); `audit_allow`: the events the
-    boot flagged without the patch (the project's own, allowed in its graded runs)."""
+    boot flagged without the patch (the project's own, allowed in its graded runs); `limits`: False once a
+    run without the patch showed that the task's tests need what the runner's limits refuse
+    (`lift_limits`)."""
 
     imports: RunnerImports
     canaries: bool = False
     summary: bool = False
     audit: bool = False
     audit_allow: tuple[str, ...] = ()
+    limits: bool = True
 
 
 _PROBED: dict[tuple[str | None, ...], Probe] = {}
@@ -176,7 +217,7 @@ async def probe_runner(backend: SandboxBackend, task: Task, env: dict[str, str],
     armed), to see which witnesses this runner supports; after the task's `grade_setup_cmd`, as a graded
     run. What it finds depends only on the task's base and environment: it is kept for the task's next
     grades."""
-    key = (backend.name, task.repo, task.base_commit, task.image, task.test_cmd, task.grade_setup_cmd, str(env))
+    key = _key(backend, task, env)
     if key in _PROBED:
         return _PROBED[key]
     test_id = (task.pass_to_pass or task.fail_to_pass)[0]
@@ -212,6 +253,17 @@ async def probe_runner(backend: SandboxBackend, task: Task, env: dict[str, str],
     return found
 
 
+def _key(backend: SandboxBackend, task: Task, env: dict[str, str]) -> tuple[str | None, ...]:
+    return (backend.name, task.repo, task.base_commit, task.image, task.test_cmd, task.grade_setup_cmd, str(env))
+
+
+def lift_limits(backend: SandboxBackend, task: Task, env: dict[str, str], probe: Probe) -> Probe:
+    """`probe` with the runner's limits off, kept for the task's next grades: its tests need them off."""
+    lifted = replace(probe, limits=False)
+    _PROBED[_key(backend, task, env)] = lifted
+    return lifted
+
+
 def _witnesses(run: WitnessedRun, imports: RunnerImports) -> Probe:
     """Which witnesses a run without the patch shows working."""
     reports, audit, canaries = run.reports, run.audit, run.canaries
@@ -220,7 +272,8 @@ def _witnesses(run: WitnessedRun, imports: RunnerImports) -> Probe:
     summary = reports.summary is not None and len(reports.final_lines) == 1
     canaries_work = (
         run.tests.exit_code == 1
-        and (reports.junit_status(canaries.passing), reports.junit_status(canaries.failing)) == ("passed", "failed")
+        and [reports.junit_status(test_id) for test_id in (*canaries.passing, *canaries.failing)]
+        == ["passed", "failed"]
         and (not summary or not reports.disagreements(canaries.ids))
     )
     audit_works = audit.started and audit.ended and audit.pytest and not audit.forged

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from swe_grpo.grading.capability import CAPABILITIES, allowed_capabilities
-from swe_grpo.grading.probe import Probe, WitnessedRun, probe_runner, witnessed_run
+from swe_grpo.grading.limits import KILLED_BY_LIMIT
+from swe_grpo.grading.probe import Probe, WitnessedRun, lift_limits, probe_runner, witnessed_run
 from swe_grpo.grading.protect import command_words, doctest_examples, is_protected
 from swe_grpo.grading.reports import PASS_STATUSES, report_statuses
 from swe_grpo.grading.steps import (
@@ -36,9 +37,10 @@ Outcome = Literal[
 _LOG_TAIL_CHARS = 4000
 
 #: The grader's witness layers, in `GradeResult.witnesses`' order: the static scan of the patch, the pinned
-#: environment, the boot (audit hook and exit scan), the canaries, and the run's consistency with the
-#: runner's `-rA` summary (every test and canary alike in both reports, the closing counts, the exit status).
-WITNESSES = ("scan", "pinned_env", "boot", "canaries", "consistency")
+#: environment, the boot (audit hook and exit scan), the canaries, the run's consistency with the
+#: runner's `-rA` summary (every test and canary alike in both reports, the closing counts, the exit status),
+#: and the runner's out-of-process limits (`swe_grpo.grading.limits`).
+WITNESSES = ("scan", "pinned_env", "boot", "canaries", "consistency", "limits")
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ async def _graded_run(
     timeout_s: float,
     env: dict[str, str],
     probe: Probe,
+    limit: bool,
     timings: dict[str, float],
 ) -> _Run:
     q = shlex.quote
@@ -212,8 +215,10 @@ async def _graded_run(
         env=env,
         timeout_s=timeout_s,
         canaries=probe.canaries,
+        mutate=task.fail_to_pass,
         patch_files=kept,
         allow=(*probe.audit_allow, *task.tamper_allow),
+        limit=limit,
     )
     tests = run.witnessed.tests
     timings["tests_s"] = tests.wall_s
@@ -225,6 +230,10 @@ async def _graded_run(
     return run
 
 
+def _env(plugin_autoload: bool) -> dict[str, str]:
+    return {} if plugin_autoload else {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+
+
 async def _run(
     task: Task,
     patch: str,
@@ -234,13 +243,16 @@ async def _run(
     plugin_autoload: bool,
     timings: dict[str, float],
 ) -> _Run:
-    env = {} if plugin_autoload else {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    env = _env(plugin_autoload)
     started = time.monotonic()
     probe = await probe_runner(backend, task, env, min(timeout_s, STEP_TIMEOUT_S))
     timings["probe_s"] = time.monotonic() - started
+    limit = task.runner_limits is not False and probe.limits
 
     async def graded(sandbox: Sandbox) -> _Run:
-        return await _graded_run(sandbox, task, patch, timeout_s=timeout_s, env=env, probe=probe, timings=timings)
+        return await _graded_run(
+            sandbox, task, patch, timeout_s=timeout_s, env=env, probe=probe, limit=limit, timings=timings
+        )
 
     return await in_sandbox(backend, task, graded, timings)
 
@@ -265,8 +277,9 @@ def _join(*parts: str | None) -> str | None:
     return "; ".join(part for part in parts if part) or None
 
 
-def _armed(task: Task, probe: Probe | None) -> tuple[str, ...]:
-    """The layers of `WITNESSES` a grade of `task` arms, given what its probe found."""
+def _armed(task: Task, probe: Probe | None, limited: bool) -> tuple[str, ...]:
+    """The layers of `WITNESSES` a grade of `task` arms, given what its probe found and whether the runner's
+    limits were in force."""
     if probe is None:
         return ()
     armed = {
@@ -275,6 +288,7 @@ def _armed(task: Task, probe: Probe | None) -> tuple[str, ...]:
         "boot": probe.audit,
         "canaries": probe.canaries,
         "consistency": probe.summary,
+        "limits": limited,
     }
     return tuple(layer for layer in WITNESSES if armed[layer])
 
@@ -308,9 +322,14 @@ def run_inconsistency(
         if counts is not None:
             return counts
     if run.canaries is not None:
-        got = reports.junit_status(run.canaries.passing), reports.junit_status(run.canaries.failing)
-        if got != ("passed", "failed"):
+        canaries = run.canaries
+        got = [reports.junit_status(test_id) for test_id in (*canaries.passing, *canaries.failing)]
+        if got != ["passed", "failed"]:
             return f"the grader's canary tests (one must pass, one must fail) came out {got[0]} and {got[1]}"
+        for mutant, original in canaries.mutants.items():
+            status = reports.junit_status(mutant)
+            if reports.junit_status(original) == "passed" and status not in ("failed", "error"):
+                return f"the grader's copy of {original} with an expected value changed came out {status}, not failed"
         if run.tests.exit_code != 1:
             return f"the runner exited {run.tests.exit_code} although the grader's failing canary failed"
     elif probe.summary and run.tests.exit_code != (0 if all_passed else 1):
@@ -363,7 +382,7 @@ async def grade(
             timings={**timings, "total_s": time.monotonic() - started},
             log_tail=output[-_LOG_TAIL_CHARS:],
             reward_mode=mode,
-            witnesses=_armed(task, run.probe),
+            witnesses=_armed(task, run.probe, run.witnessed is not None and run.witnessed.limited),
         )
 
     async def attempt(patch: str, timings: dict[str, float]) -> _Run:
@@ -378,6 +397,21 @@ async def grade(
         if run.scanned:
             return result("grading_tampered", 0.0, "static scan: " + "; ".join(run.scanned))
         assert run.witnessed is not None  # the patch applied and passed the scan, so the tests ran
+        if run.witnessed.killed_by_limit:
+            # Never calibrated: whose doing? The tests once more without the patch; ended by the limits too,
+            # they need what the limits refuse: off for this task, and the patch graded again without them.
+            if task.runner_limits is None and run.probe is not None:
+                control_started = time.monotonic()
+                control = await attempt("", {})
+                timings["control_s"] = time.monotonic() - control_started
+                if control.witnessed is not None and control.witnessed.killed_by_limit:
+                    lift_limits(backend, task, _env(plugin_autoload), run.probe)
+                    run = await attempt(patch, timings)
+                    assert run.witnessed is not None  # the same patch, applied and scanned as before
+            if run.witnessed.killed_by_limit:
+                error = "the runner made a call its limits refuse (a new process, an exec, another process's "
+                error += f"memory or a re-pointed descriptor) and was ended (exit {KILLED_BY_LIMIT}, SIGSYS)"
+                return result("grading_tampered", 0.0, "limits: " + error)
         tests = run.witnessed.tests
         if run.exhausted is None and not tests.timed_out and run.probe is not None and run.probe.audit:
             tampered = run.witnessed.audit.tampering()

@@ -3,10 +3,10 @@
 Witnesses the grader adds to a graded run (see `swe_grpo.grading` for how they combine), and the gate that
 needs no run:
 
-- `Canaries`: a new test file under a random name, next to the first FAIL_TO_PASS test, with two tests
-  under random names (one must pass, one must fail), run with the task's tests. Code that turns every
-  failure into a pass turns the must-fail canary too; code that drops results or the runner's end drops
-  the canaries'. pytest-style runners only (the probe checks that the task's runner reports them).
+- The canaries (`swe_grpo.grading.canaries`): tests shaped like the project's own, in its test files,
+  shuffled in among the task's ids: one must pass, one must fail, and copies of the FAIL_TO_PASS tests
+  with an expected value changed must fail. pytest-style runners only (the probe checks that the task's
+  runner reports them).
 - The boot (`boot_source`): a `sitecustomize.py` in a grader-owned directory, put on the path of every
   `python`/`python3` the test command starts (a PATH shim appends the directory to PYTHONPATH, so a
   `PYTHONPATH=src` in `test_cmd` keeps it), runs before any repository code. It installs a PEP 578
@@ -30,7 +30,6 @@ each class of tampering it names is also refused by the gate, which needs no run
 from __future__ import annotations
 
 import asyncio
-import secrets
 import shlex
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -38,35 +37,6 @@ from dataclasses import dataclass
 from swe_grpo.grading.capability import BINARY_SUFFIXES, CAPABILITIES, FileChange, GateResult, gate
 from swe_grpo.grading.steps import BrokenTask, failure, step
 from swe_grpo.sandbox.base import Sandbox
-
-
-@dataclass(frozen=True)
-class Canaries:
-    """Two tests in a new file `path` (repository-relative): `passing` must pass, `failing` must fail."""
-
-    path: str
-    passing: str
-    failing: str
-
-    @classmethod
-    def beside(cls, test_file: str) -> Canaries:
-        """Canaries in the directory of `test_file`, so that pytest's rootdir and its conftest files stay
-        those of the task's tests."""
-        directory = test_file.rpartition("/")[0]
-        name = f"test_{secrets.token_hex(6)}.py"
-        path = f"{directory}/{name}" if directory else name
-        passing, failing = (f"test_{secrets.token_hex(5)}" for _ in range(2))
-        return cls(path, f"{path}::{passing}", f"{path}::{failing}")
-
-    def source(self) -> str:
-        # The same body twice: which one must fail is one constant apart.
-        passing, failing = self.passing.rpartition("::")[2], self.failing.rpartition("::")[2]
-        return f"def {passing}():\n    assert 1 == 1\n\n\ndef {failing}():\n    assert 0 == 1\n"
-
-    @property
-    def ids(self) -> tuple[str, str]:
-        return self.passing, self.failing
-
 
 # --- the boot: an audit hook and an exit scan, before any repository code ------------------------------
 

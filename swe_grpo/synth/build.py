@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from swe_grpo.grading import DEFAULT_TEST_CMD, grade, is_protected
+from swe_grpo.grading.gold import runner_limits
 from swe_grpo.paths import cache_root
 from swe_grpo.sandbox.base import SandboxBackend, SandboxError
 from swe_grpo.sandbox.docker import DockerBackend
@@ -284,6 +285,7 @@ async def _validate(
         "FAIL_TO_PASS": f2p,
         "PASS_TO_PASS": p2p,
         "test_cmd": test_cmd if test_cmd != DEFAULT_TEST_CMD else None,
+        "runner_limits": runner_limits(gold),
         **({"image": image} if image else {}),
         "synth": {
             "source": source.spec,

@@ -35,8 +35,8 @@ class Task:
     `--junitxml="$SWE_GRPO_JUNIT_XML"`, a shell variable of that command line, not exported: a script
     must get the path as an argument; see `swe_grpo.grading`); `plugin_autoload` overrides the grader's
     setting for this task's pytest plugins; FAIL_TO_PASS / PASS_TO_PASS are test ids (pytest node ids);
-    `expected_statuses` and `tamper_allow` relax the grader's tamper checks for this task (see
-    `swe_grpo.grading`); `reward_mode` overrides the run's reward mode for this task (`REWARD_MODES`);
+    `expected_statuses`, `tamper_allow` and `runner_limits` adjust the grader's tamper checks for this task
+    (see `swe_grpo.grading`); `reward_mode` overrides the run's reward mode for this task (`REWARD_MODES`);
     `setup_cmd` is a shell command run in the repository of the agent's sandbox before the agent starts,
     `grade_setup_cmd` one run in the grading sandbox before the patch is applied (each within
     `setup_timeout_s`; see `swe_grpo.rollout` and `swe_grpo.grading`). Only the task row sets them."""
@@ -56,6 +56,9 @@ class Task:
     expected_statuses: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
     # Grading tamper checks this project trips by being what it is (a test tool): scan rules, audit events.
     tamper_allow: tuple[str, ...] = ()
+    # Whether the graded runner may not fork, exec or re-point its descriptors (swe_grpo.grading.limits), as
+    # calibration found: False where the gold's run needs them; None: never calibrated (the grader decides).
+    runner_limits: bool | None = None
     reward_mode: RewardMode | None = None  # None: the run's (RolloutConfig/WorkerConfig.reward_mode)
     setup_cmd: str | None = None  # the task author's command, in the agent's sandbox before the agent
     grade_setup_cmd: str | None = None  # the task author's command, in the grading sandbox before the patch
@@ -76,7 +79,7 @@ class TaskFormatError(ValueError):
 _COMMIT = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")  # a full SHA-1 or SHA-256 id: reproducible
 _KNOWN_FIELDS = (
     frozenset(("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "patch", "image", "test_cmd"))
-    | {"FAIL_TO_PASS", "PASS_TO_PASS", "plugin_autoload", "expected_statuses", "tamper_allow"}
+    | {"FAIL_TO_PASS", "PASS_TO_PASS", "plugin_autoload", "expected_statuses", "tamper_allow", "runner_limits"}
     | {"reward_mode", "setup_cmd", "grade_setup_cmd", "setup_timeout_s"}
 )
 
@@ -100,7 +103,8 @@ def task_from_row(
     Required: `instance_id`, `repo`, `base_commit` (a full commit id), `problem_statement`,
     `FAIL_TO_PASS` (non-empty). Optional: `PASS_TO_PASS`, `test_patch`, `patch`, `image`, `test_cmd`,
     `plugin_autoload` (a boolean; missing or null = default), `expected_statuses` (an object: test id ->
-    passed|xfail|xpass), `tamper_allow` (a list of names), `reward_mode` (binary|fraction; missing or
+    passed|xfail|xpass), `tamper_allow` (a list of names), `runner_limits` (a boolean, written by
+    `swe-grpo tasks calibrate`; missing or null = not calibrated), `reward_mode` (binary|fraction; missing or
     null = the run's), `setup_cmd` and `grade_setup_cmd` (non-empty strings), `setup_timeout_s` (a
     positive number of seconds). Test-id lists may be lists or JSON strings
     of lists (SWE-Gym has both).
@@ -159,6 +163,9 @@ def task_from_row(
     allow = row.get("tamper_allow") or []
     if not isinstance(allow, list) or not all(isinstance(item, str) for item in allow):
         raise fail("tamper_allow", f"expected a list of names, got {allow!r:.60}")
+    runner_limits = row.get("runner_limits")
+    if runner_limits is not None and not isinstance(runner_limits, bool):
+        raise fail("runner_limits", f"expected true, false or null, got {runner_limits!r:.40}")
     reward_mode = row.get("reward_mode")
     if reward_mode is not None and reward_mode not in REWARD_MODES:
         raise fail("reward_mode", f"expected {', '.join(REWARD_MODES)} or null, got {reward_mode!r:.40}")
@@ -188,6 +195,7 @@ def task_from_row(
         patch=optional("patch") or "",
         expected_statuses=dict(expected),
         tamper_allow=tuple(allow),
+        runner_limits=runner_limits,
         reward_mode=reward_mode,
         setup_cmd=setup_cmd,
         grade_setup_cmd=grade_setup_cmd,

@@ -1,0 +1,213 @@
+"""Canaries a patch cannot tell from the task's own tests (issue 32 §3, `swe_grpo.grading.canaries`).
+
+How they are planted, on test files of the shapes projects have (module-level functions, unittest classes),
+and two flips graded on the real `local` backend that the canaries of before let through: one that spares
+tests named the old way (`test_<12 hex>.py::test_<10 hex>`) and one confined to failures raised inside the
+patched module, which the mutant canaries (copies of the FAIL_TO_PASS tests with an expected value
+changed) catch. The layers before the canaries (the scan or gate, the boot's events) are allowed for the
+task there, so that the canaries are what is tested; the gold patches and empty patches of the demo tasks
+keep grading as before (tests/test_grading.py, tests/test_grading_tamper.py, tests/test_synth.py)."""
+
+from __future__ import annotations
+
+import ast
+import random
+import re
+from dataclasses import replace
+
+from tampers import tamper_patch
+
+from swe_grpo.demo.tasks import demo_tasks
+from swe_grpo.grading import SCAN_RULES, grade
+from swe_grpo.grading.canaries import Canaries
+from swe_grpo.sandbox.local import LocalBackend
+
+FUNCTIONS = """\
+from shop.cart import Cart, total
+
+
+def test_total_of_empty_cart():
+    assert total(Cart()) == 0
+
+
+def test_total_sums_prices():
+    cart = Cart()
+    cart.add("apple", 3)
+    assert total(cart) == 3
+    assert cart.items == ["apple"]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_total_counts(n):
+    assert total(Cart(n)) == n
+
+
+def test_discount_is_applied():
+    assert total(Cart(discount=True)) < 10
+"""
+CLASSES = '''\
+import unittest
+
+from shop.cart import Cart
+
+
+class CartTest(unittest.TestCase):
+    """Carts."""
+
+    def test_add_item(self):
+        cart = Cart()
+        cart.add('pear')
+        self.assertEqual(cart.items, ['pear'])
+
+    def test_remove_item(self):
+        self.assertTrue(Cart().empty())
+
+
+if __name__ == "__main__":
+    unittest.main()
+'''
+HEX = re.compile(r"[0-9a-f]{8}")
+
+
+def _defs(text: str) -> dict[str, ast.FunctionDef]:
+    return {n.name: n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)}
+
+
+def test_canaries_live_in_the_tests_own_file_under_its_words() -> None:
+    task_ids = [
+        "tests/test_cart.py::test_total_sums_prices",
+        "tests/test_cart.py::test_total_of_empty_cart",
+        "tests/test_cart.py::test_total_counts[1]",
+        "tests/test_cart.py::test_discount_is_applied",
+    ]
+    f2p = task_ids[:1] + task_ids[2:]
+    canaries = Canaries.plant(task_ids, {"tests/test_cart.py": FUNCTIONS}, f2p, random.Random(7))
+    assert list(canaries.files) == ["tests/test_cart.py"]
+    text = canaries.files["tests/test_cart.py"]
+    defs = _defs(text)
+    words = {w for name in _defs(FUNCTIONS) for w in name.split("_")}
+    for test_id in canaries.ids:
+        path, name = test_id.split("::")
+        assert path == "tests/test_cart.py" and name in defs and not HEX.search(name)
+        assert set(name.split("_")) <= words, name
+    # One mutant: the parametrized and the inequality-only tests have none, and say why.
+    ((mutant, original),) = canaries.mutants.items()
+    assert original == "tests/test_cart.py::test_total_sums_prices"
+    assert [line.split(": ", 1)[0] for line in canaries.no_mutant] == f2p[1:]
+    copy, source = defs[mutant.split("::")[1]], defs["test_total_sums_prices"]
+    assert copy.lineno > source.end_lineno  # after its original
+    differ = [
+        (a.value, b.value)
+        for a, b in zip(ast.walk(source), ast.walk(copy), strict=True)
+        if isinstance(a, ast.Constant) and a.value != b.value
+    ]
+    assert len(differ) == 1 and type(differ[0][0]) is type(differ[0][1]), differ
+    # The task's ids keep their order; each mutant comes after its original.
+    assert [i for i in canaries.order if i in task_ids] == task_ids
+    assert canaries.order.index(mutant) > canaries.order.index(original)
+    assert sorted(canaries.order) == sorted([*task_ids, *canaries.ids])
+    lines = iter(text.splitlines())
+    assert all(line in lines for line in FUNCTIONS.splitlines())  # the project's lines, all in their order
+    # A string keeps its quotes: the copy reads as the project writes.
+    assert "'" not in text.replace(FUNCTIONS, "")
+
+
+def test_in_a_test_class_the_canaries_are_its_methods() -> None:
+    task_ids = ["tests/test_cart.py::CartTest::test_add_item", "tests/test_cart.py::CartTest::test_remove_item"]
+    canaries = Canaries.plant(task_ids, {"tests/test_cart.py": CLASSES}, task_ids[:1], random.Random(3))
+    text = canaries.files["tests/test_cart.py"]
+    tree = ast.parse(text)
+    (cart,) = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+    methods = {n.name for n in cart.body if isinstance(n, ast.FunctionDef)}
+    for test_id in canaries.ids:
+        path, cls, name = test_id.split("::")
+        assert (path, cls, name in methods) == ("tests/test_cart.py", "CartTest", True), test_id
+    (mutant,) = canaries.mutants
+    body = ast.get_source_segment(text, next(n for n in cart.body if getattr(n, "name", "") == mutant.split("::")[2]))
+    assert body is not None and "self.assertEqual(cart.items, ['pear" in body and "['pear']" not in body
+    assert text.rstrip().endswith("unittest.main()")
+
+
+def test_without_a_test_module_to_host_them_a_new_file_named_like_the_projects() -> None:
+    canaries = Canaries.plant(["tests/test_cart.py::test_total"], {}, ["tests/test_cart.py::test_total"])
+    ((path, text),) = canaries.files.items()
+    assert re.fullmatch(r"tests/test_cart_[a-z_]+\.py", path) and path != "tests/test_cart.py", path
+    assert {test_id.split("::")[0] for test_id in canaries.ids} == {path}
+    assert canaries.no_mutant == ("tests/test_cart.py::test_total: its file is not a test module",)
+    assert len(_defs(text)) == 2
+
+
+INIPARSE = next(task for task in demo_tasks() if "iniparse" in task.instance_id)
+# Everything before the canaries allowed: the scan's rules (and the gate's names for the same), the boot's
+# events. What is left to catch the flips is the canaries and the consistency of the two reports.
+ALLOW = (*SCAN_RULES, "introspection", "dynamic", "test-machinery", "argv", "os.exec", "sys.settrace", "foreign")
+ALLOW += ("object.__setattr__",)
+
+# A plugin registered at import whose flip spares the tests named as the canaries used to be.
+SPARES_OLD_CANARIES = """
+import gc as _gc
+import re as _re
+
+import pytest as _pytest
+from _pytest.config import Config as _Config
+
+_CANARY = _re.compile(r"test_[0-9a-f]{{12}}\\.py::test_[0-9a-f]{{10}}$")
+
+
+class _Pass:
+    @_pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        report = (yield).get_result()
+        if report.failed and not _CANARY.search(item.nodeid):
+            report.outcome, report.longrepr = "passed", None
+
+
+for _obj in _gc.get_objects():
+    if isinstance(_obj, _Config):
+        _obj.pluginmanager.register(_Pass())
+        break
+"""
+# Its flip confined to failures raised inside this module (the bug raises in it): no test that fails
+# elsewhere, a canary's plain assertion least of all, is touched.
+FLIPS_FAILURES_RAISED_HERE = """
+import gc as _gc
+
+import pytest as _pytest
+from _pytest.config import Config as _Config
+
+
+class _PassMine:
+    @_pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        report = (yield).get_result()
+        tb = call.excinfo.tb if call.excinfo is not None else None
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if report.failed and tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            report.outcome, report.longrepr = "passed", None
+
+
+for _obj in _gc.get_objects():
+    if isinstance(_obj, _Config):
+        _obj.pluginmanager.register(_PassMine())
+        break
+"""
+
+
+async def test_a_flip_that_spares_the_old_canaries_is_caught(local_backend: LocalBackend) -> None:
+    task = replace(INIPARSE, tamper_allow=ALLOW)
+    result = await grade(task, tamper_patch(task, SPARES_OLD_CANARIES), local_backend, timeout_s=60)
+    assert (result.outcome, result.reward) == ("grading_tampered", 0.0), (result.error, result.log_tail)
+    assert (result.error or "").startswith("the grader's canary tests (one must pass, one must fail) came out"), (
+        result.error
+    )
+
+
+async def test_a_flip_confined_to_failures_raised_in_the_module_is_caught_by_a_mutant(
+    local_backend: LocalBackend,
+) -> None:
+    task = replace(INIPARSE, tamper_allow=ALLOW)
+    result = await grade(task, tamper_patch(task, FLIPS_FAILURES_RAISED_HERE), local_backend, timeout_s=60)
+    assert (result.outcome, result.reward) == ("grading_tampered", 0.0), (result.error, result.log_tail)
+    assert (result.error or "").startswith("the grader's copy of tests/test_iniparse.py::"), result.error
+    assert result.error.endswith("with an expected value changed came out passed, not failed")
