@@ -37,10 +37,10 @@ REPLIES = [
 
 def replies_for(template: str, training: TrainingTemplate | None = None) -> list[dict[str, Any]]:
     """REPLIES as a model under `template` can write them: one tool call a turn where the template allows no
-    more (Llama 3.x), and no reasoning where the generation prompt has already closed the think block (Qwen3.5
+    more (Llama 3.x, gpt-oss), and no reasoning where the generation prompt has already closed the think block (Qwen3.5
     "nothink": the model writes after it, so a reply with reasoning is not one it can produce)."""
     replies = copy.deepcopy(REPLIES)
-    if template.startswith("llama3"):
+    if template.startswith(("llama3", "gptoss")):
         replies[1]["tool_calls"] = replies[1]["tool_calls"][:1]
     if training is not None:
         user = {"role": "user", "content": "."}

@@ -367,3 +367,102 @@ def test_a_parameter_typed_through_ref_or_allof_is_typed_as_its_schema_says(para
     parsed = parse_with_tools("qwen3_6", THOUGHT + f"<tool_call>\n{body}\n</tool_call><|im_end|>", tools)
     (call,) = parsed.message["tool_calls"]
     assert json.loads(call["function"]["arguments"]) == {"mode": value}
+
+
+# --------------------------------------------------------------------------- gpt-oss harmony
+
+HARMONY_CALL = ' to=functions.bash<|channel|>commentary json<|message|>{"command": "ls -la\\n\\tx  "}<|call|>'
+
+
+def test_a_harmony_call_and_its_analysis() -> None:
+    text = "<|channel|>analysis<|message|>List first.<|end|><|start|>assistant" + HARMONY_CALL
+    parsed = parse_with_tools("gptoss", text)
+    (call,) = parsed.message["tool_calls"]
+    assert call["function"]["name"] == "bash"
+    assert json.loads(call["function"]["arguments"]) == {"command": "ls -la\n\tx  "}
+    assert parsed.message["reasoning_content"] == "List first." and parsed.message["content"] is None
+
+
+def test_a_harmony_call_as_the_models_write_it() -> None:
+    # The recipient after the channel and the content type behind <|constrain|>: how gpt-oss writes a call.
+    text = '<|channel|>commentary to=functions.read <|constrain|>json<|message|>{"path": "a.py"}<|call|>'
+    (call,) = parse_with_tools("gptoss", text).message["tool_calls"]
+    assert call["function"]["name"] == "read" and json.loads(call["function"]["arguments"]) == {"path": "a.py"}
+
+
+def test_a_harmony_final_answer_after_analysis() -> None:
+    text = "<|channel|>analysis<|message|>Done?<|end|><|start|>assistant<|channel|>final<|message|>All pass.<|return|>"
+    parsed = parse_with_tools("gptoss", text)
+    assert parsed.message == {"role": "assistant", "content": "All pass.", "reasoning_content": "Done?"}
+    assert parsed.finish_reason == "stop" and parsed.malformed_tool_calls == 0
+
+
+HARMONY_MALFORMED = [
+    ' to=browser.search<|channel|>commentary json<|message|>{"query": "x"}<|call|>',  # no function
+    ' to=functions.bash<|channel|>commentary json<|message|>{"command": "ls"}<|end|>',  # not ended by <|call|>
+    ' to=functions.bash<|channel|>commentary json<|message|>{"command": "ls"} <|call|>',  # text after the value
+    ' to=functions.bash<|channel|>commentary json<|message|>"ls"<|call|>',  # arguments no object
+    ' to=functions.bash<|channel|>commentary json<|message|>{"command": "ls", "command": "rm"}<|call|>',
+    ' to=functions.bash<|channel|>commentary json<|message|>{"command": "l',  # cut
+    ' to=functions.bash<|channel|>commentary to=functions.read json<|message|>{"path": "a"}<|call|>',
+    "<|channel|>final<|message|>Sure.<|end|><|start|>assistant to=functions.bash<|channel|>oops<|message|>{}<|call|>",
+]
+
+
+@pytest.mark.parametrize("text", HARMONY_MALFORMED)
+def test_a_malformed_harmony_call_goes_back_as_text(text: str) -> None:
+    parsed = parse_with_tools("gptoss", text)
+    assert "tool_calls" not in parsed.message and parsed.malformed_tool_calls == 1
+
+
+def test_a_second_harmony_call_is_malformed() -> None:
+    # <|call|> ends a turn and the template renders only a turn's first call: both attempts go back as text.
+    parsed = parse_with_tools("gptoss", HARMONY_CALL + "<|start|>assistant" + HARMONY_CALL)
+    assert "tool_calls" not in parsed.message and parsed.malformed_tool_calls == 2
+
+
+def test_harmony_text_without_channels_is_content() -> None:
+    parsed = parse_with_tools("gptoss", "Hello there.<|return|>")
+    assert parsed.message == {"role": "assistant", "content": "Hello there."} and parsed.malformed_tool_calls == 0
+
+
+# --------------------------------------------------------------------------- GLM-4-MoE
+
+
+def _glm(*calls: str, reasoning: str = "") -> str:
+    return f"\n<think>{reasoning}</think>" + "".join(f"\n<tool_call>{c}</tool_call>" for c in calls) + "<|observation|>"
+
+
+def test_glm_calls_with_raw_values_typed_by_the_schema() -> None:
+    write = "write\n<arg_key>path</arg_key>\n<arg_value>007</arg_value>\n"
+    write += "<arg_key>content</arg_key>\n<arg_value>\n  42\n\t</arg_value>\n"
+    read = "read\n<arg_key>path</arg_key>\n<arg_value>a.py</arg_value>\n"
+    read += "<arg_key>offset</arg_key>\n<arg_value>3</arg_value>\n"
+    parsed = parse_with_tools("glm4moe", _glm(write, read, reasoning="Two things."))
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.message["tool_calls"]] == [
+        ("write", {"path": "007", "content": "\n  42\n\t"}),
+        ("read", {"path": "a.py", "offset": 3}),
+    ]
+    assert parsed.message["reasoning_content"] == "Two things." and parsed.malformed_tool_calls == 0
+
+
+GLM_MALFORMED = [
+    "bash\n<arg_key>command</arg_key>\n<arg_value>ls\n",  # unclosed value
+    "bash\n<arg_key>command</arg_key>\n<arg_value>ls</arg_value>\n<arg_key>command</arg_key>\n<arg_value>rm</arg_value>\n",
+    "bash\n<arg_key>command</arg_key>\n<arg_value>ls</arg_value>\nplease\n",  # text that is no argument
+    "bash extra\n<arg_key>command</arg_key>\n<arg_value>ls</arg_value>\n",
+    "\n<arg_key>command</arg_key>\n<arg_value>ls</arg_value>\n",  # no name
+    "read\n<arg_key>offset</arg_key>\n<arg_value>9007199254740993</arg_value>\n",  # a number no double holds
+]
+
+
+@pytest.mark.parametrize("body", GLM_MALFORMED)
+def test_a_malformed_glm_call_goes_back_as_text(body: str) -> None:
+    parsed = parse_with_tools("glm4moe", _glm(body))
+    assert "tool_calls" not in parsed.message and parsed.malformed_tool_calls == 1
+
+
+def test_a_json_body_is_no_glm_call_by_accident() -> None:
+    # Under a Hermes template a body that is not JSON is malformed; it becomes a GLM call only under GLM's template.
+    parsed = parse_with_tools("qwen3", "<tool_call>\nbash\n</tool_call><|im_end|>")
+    assert "tool_calls" not in parsed.message and parsed.malformed_tool_calls == 1

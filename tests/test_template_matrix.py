@@ -35,9 +35,9 @@ MATRIX: dict[str, str] = {
     "llama3_1": SERVED,
     "llama3_2": SERVED,
     # harmony: `<|channel|>commentary to=functions.NAME ... <|message|>{json}<|call|>`
-    "gptoss": _NOT_READ_BACK,
+    "gptoss": SERVED,
     # `<tool_call>NAME<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>`
-    "glm4moe": _NOT_READ_BACK,
+    "glm4moe": SERVED,
     # `<|tool_call>call:NAME{k:<|"|>v<|"|>}<tool_call|>`
     "gemma4": _NOT_READ_BACK,
     "gemma4_v2": _NOT_READ_BACK,
@@ -50,8 +50,9 @@ MATRIX: dict[str, str] = {
     "nemotron_3_super": _PROMPT_MISMATCH,
     "nemotron_3_ultra": _PROMPT_MISMATCH,
     "nemotron_3_5_lightning": _PROMPT_MISMATCH,
-    # the original template concatenates `arguments` as a string: it cannot render a call decoded to an object
-    "deepseekv3": "cannot render a tool call to read back exactly: can only concatenate str",
+    # the generation prompt opens `<think>\n` but a rendered assistant turn never does (and after tool results the
+    # template writes no generation prompt at all)
+    "deepseekv3": _PROMPT_MISMATCH,
     # pythonic `<|tool_call_start|>[NAME(k='v')]<|tool_call_end|>`
     "lfm2_v2": _NOT_READ_BACK,
     "lfm2_2_5": _NOT_READ_BACK,

@@ -22,6 +22,7 @@ as every rollout host is, by the trainer) never imports them.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -34,6 +35,15 @@ _VERIFIED: dict[TemplateKey, str] = {}  # this process's verdicts: TemplateKey -
 # Stands in for the history before the last assistant message when rendering an interstitial. Templates
 # that require a user turn somewhere in the conversation (Qwen3.5+) are satisfied by it.
 _CONTEXT_USER: Message = {"role": "user", "content": "."}
+# A template that reads an assistant's reasoning from `thinking` (gpt-oss, LFM2.5), not `reasoning_content`.
+_READS_THINKING = re.compile(r"""message(?:\.thinking\b|\[['"]thinking['"]\])|['"]thinking['"] in message""")
+
+
+def _with_thinking(message: Message) -> Message:
+    """`message` with its reasoning (normalised as `reasoning_content`) also where such a template reads it."""
+    if message["role"] != "assistant" or not message.get("reasoning_content") or "thinking" in message:
+        return message
+    return {**message, "thinking": message["reasoning_content"]}
 
 
 class TemplateNotPrefixPreservingError(ValueError):
@@ -99,6 +109,7 @@ class TrainingTemplate:
         self.tokenizer = copy.deepcopy(tokenizer)
         self.tokenizer.chat_template = training_chat_template(self.tokenizer)
         self.template_kwargs = template_kwargs
+        self._reads_thinking = _READS_THINKING.search(self.tokenizer.chat_template) is not None
         # The Rust tokenizer directly: the same ids as `tokenizer.encode` without its Python overhead.
         self._backend = self.tokenizer.backend_tokenizer
         self.eos_token: str = self.tokenizer.eos_token
@@ -159,6 +170,8 @@ class TrainingTemplate:
     def render(self, messages: list[Message], tools: list | None = None, generation_prompt: bool = False) -> str:
         """The template's text for `messages`. Raises TemplateRefusedError when the template raises: a
         template is code that may refuse a conversation (`raise_exception(...)`) or fail on its shape."""
+        if self._reads_thinking:
+            messages = [_with_thinking(m) for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
                 messages,
