@@ -9,6 +9,7 @@ thin real agent (tests/script_agent.py) that asks its model, then does it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import tempfile
 import time
@@ -20,8 +21,10 @@ import pytest
 from conftest import SERVED_NAME
 from sandbox_helpers import calc_task, make_repo
 from script_agent import ScriptAgent
+from test_pi_integration import RecordingClient
 
 from swe_grpo.agents.base import AgentConfig, AgentResult, Launch, run_agent
+from swe_grpo.agents.pi import PiAgent
 from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.evaluation.metrics import build_report
 from swe_grpo.evaluation.run import attempt_record
@@ -341,3 +344,35 @@ async def test_the_policys_own_end_is_its_outcome_end_to_end(
     assert not record["infra"] and done([record], retry_infra=True) == {(strutil.instance_id, 0)}
     report = build_report([record], k=1)
     assert (report["attempts_scored"], report["infra_failures"], report["resolved_rate"]) == (1, 0, 0.0)
+
+
+# Pi's bash tool, as the policy's first turn: signal every Node in the sandbox (Pi's) with SIGUSR1, which opens Node's
+# inspector (and through it, `process.exit(3)` in Pi) unless Node runs with --disable-sigusr1; look for the inspector;
+# then outlast the per-command limit.
+REACH_INTO_PI = (
+    "for p in /proc/[0-9]*; do case $(readlink $p/exe) in */node) kill -USR1 ${p#/proc/};; esac; done; sleep 1; "
+    "(exec 3<>/dev/tcp/127.0.0.1/9229) 2>/dev/null && echo INSPECTOR_OPEN || echo INSPECTOR_CLOSED; "
+    "sleep 3600; echo OUTLASTED"
+)
+
+
+@pytest.mark.integration
+async def test_pis_commands_cannot_open_its_inspector_and_end_at_their_limit(
+    vllm_server, tokenizer, pi_bundle, local_backend: SandboxBackend, strutil: Task
+) -> None:
+    """The real Pi behind its door: its bash tool's `kill -USR1` of Pi opens no inspector (it did without
+    `--disable-sigusr1`: INSPECTOR_OPEN), and its `sleep 3600` is killed at the per-command limit (3 s), the model
+    told so, long before the stall limit (120 s: Pi's start on this loaded box once took 30): the rollout goes on to
+    its next turn and is the policy's outcome (reward 0.0), never None."""
+    call = "<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": REACH_INTO_PI}}) + "\n</tool_call>"
+    client = RecordingClient(vllm_server.url, SERVED_NAME, stop_token_ids=[tokenizer.eos_token_id], guided=[call])
+    sampling = SamplingParams(max_tokens=512)
+    async with client, InterceptionServer(client, tokenizer, model_name=SERVED_NAME, sampling=sampling) as server:
+        limits = AgentConfig(
+            context_window=client.max_model_len, max_tokens=512, timeout_s=300, stall_timeout_s=120, command_timeout_s=3
+        )
+        trajectory = await run_rollout(strutil, server, local_backend, PiAgent(pi_bundle), RolloutConfig(agent=limits))
+    results = json.dumps([m for m in trajectory.messages if m.get("role") == "tool"])
+    assert "INSPECTOR_CLOSED" in results and "OUTLASTED" not in results, results
+    assert "ran past its limit of 3 s" in results, results
+    assert len(trajectory.turns) >= 2 and trajectory.reward == 0.0, (trajectory.outcome, trajectory.error)

@@ -30,13 +30,17 @@ TAIL_CHARS = 4000
 class AgentConfig:
     """Limits of one agent run. `context_window` / `max_tokens`: what the agent is told about the model;
     `timeout_s`: wall-clock limit; `stall_timeout_s`: how long the agent may go without a model request
-    being made or served; `max_retries`: how often it retries a failed model request."""
+    being made or served; `max_retries`: how often it retries a failed model request; `command_timeout_s`:
+    how long one command of the agent's shell tool may run before the harness kills it and the agent goes
+    on (the model sees it fail): keep it under `stall_timeout_s`, or a long command ends the whole run as
+    stalled first."""
 
     context_window: int
     max_tokens: int
     timeout_s: float = 1800.0
     stall_timeout_s: float = 300.0
     max_retries: int = 2
+    command_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,6 @@ _PYTHON = f"python/bin/{PY_VERSION}"
 _BUILTIN_CONFIG = f"python/lib/{PY_VERSION}/site-packages/minisweagent/config/mini.yaml"
 _DIR = "/tmp/swe_grpo/mini"
 _CONFIG_FILE = f"{_DIR}/config.yaml"
-_COMMAND_TIMEOUT_S = 120  # one bash action; the rollout's wall-clock limit bounds the whole run
 
 
 class MiniSweAgentBundleError(RuntimeError):
@@ -72,7 +71,7 @@ class MiniSweAgent:
                 "cost_tracking": "ignore_errors",
                 "model_kwargs": {"api_base": endpoint.base_url, "max_tokens": config.max_tokens, "drop_params": True},
             },
-            "environment": {"environment_class": "local", "cwd": workdir, "timeout": _COMMAND_TIMEOUT_S},
+            "environment": {"environment_class": "local", "cwd": workdir, "timeout": config.command_timeout_s},
             "run": {"task": problem_statement},
         }
         python = [f"{MINI_MOUNT}/lib/{LOADER}", "--library-path", f"{MINI_MOUNT}/lib", f"{MINI_MOUNT}/{_PYTHON}", "-I"]

