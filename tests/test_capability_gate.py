@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from cheats import git
+from forgeries import FORGERIES, forged_source
 from real_projects import PROJECTS, sdist
 
 from swe_grpo.demo.tasks import demo_tasks
@@ -255,3 +256,25 @@ def test_every_real_project_gold_patch_passes(tmp_path: Path) -> None:
             assert (result.findings, result.unparsed) == ([], []), bug.name
             checked += 1
     assert checked >= 10
+
+
+# --- the forging catalogue: every case refused by the gate alone ---------------------------------------------
+
+INIPARSE = next(task for task in demo_tasks() if "iniparse" in task.instance_id)
+
+
+@pytest.fixture(scope="module")
+def iniparse_base() -> bytes:
+    change = next(c for c in _gold_changes(INIPARSE) if c.path == "iniparse.py")
+    assert change.before is not None
+    return change.before
+
+
+@pytest.mark.parametrize("name", FORGERIES)
+def test_every_forgery_is_refused_by_the_gate_alone(name: str, iniparse_base: bytes) -> None:
+    forgery = FORGERIES[name]
+    forged = forged_source(INIPARSE, iniparse_base.decode(), forgery)
+    if forgery.capability != "encoding":
+        compile(forged, "iniparse.py", "exec")  # each is code that runs, not a syntax error
+    result = gate([FileChange("iniparse.py", iniparse_base, forged.encode())])
+    assert any(f.startswith(f"{forgery.capability} in iniparse.py: ") for f in result.findings), result.findings

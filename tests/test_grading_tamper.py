@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from cheats import committed_task, git
+from forgeries import FORGERIES, forgery_patch
 from sandbox_helpers import no_sandbox_left_in_run_dir  # noqa: F401  (autouse here; `local_backend` is conftest's)
 from tampers import PLAIN_FAILURES, TAMPERS, UNITTEST_TAMPERS, tamper_patch
 
@@ -311,3 +312,23 @@ def test_a_task_row_records_expected_statuses_and_allowed_checks() -> None:
         task_from_row({**ROW, "expected_statuses": {"t.py::test_x": "failed"}}, source="t.jsonl", where="line 1")
     with pytest.raises(TaskFormatError, match="tamper_allow"):
         task_from_row({**ROW, "tamper_allow": "pytest-hooks"}, source="t.jsonl", where="line 1")
+
+
+# --- the forging catalogue (tests/forgeries.py) against real grades: the gate is what holds -----------------
+
+
+@pytest.mark.parametrize("name", [name for name, forgery in FORGERIES.items() if forgery.armed])
+async def test_an_armed_forgery_resolves_without_the_gate_and_is_refused_with_it(
+    local_backend: LocalBackend, name: str
+) -> None:
+    """Every case of the catalogue is refused by the gate alone (tests/test_capability_gate.py); these few,
+    graded for real with every capability allowed (the gate off), forge a pass past every other layer, so
+    the catalogue is armed and the gate, not the boot, stops them."""
+    patch = forgery_patch(INIPARSE, FORGERIES[name])
+    naked = await grade(replace(INIPARSE, tamper_allow=SCAN_RULES), patch, local_backend, timeout_s=60)
+    assert (naked.outcome, naked.reward, naked.error) == ("resolved", 1.0, None), naked.log_tail
+    assert "scan" not in naked.witnesses and "boot" in naked.witnesses and "canaries" in naked.witnesses
+    gated = await grade(INIPARSE, patch, local_backend, timeout_s=60)
+    assert (gated.outcome, gated.reward) == ("grading_tampered", 0.0), gated.error
+    assert (gated.error or "").startswith("static scan: "), gated.error
+    assert f"{FORGERIES[name].capability} in iniparse.py: " in (gated.error or ""), gated.error
