@@ -37,27 +37,32 @@ REPLIES = [
 
 def replies_for(template: str, training: TrainingTemplate | None = None) -> list[dict[str, Any]]:
     """REPLIES as a model under `template` can write them: one tool call a turn where the template allows no
-    more (Llama 3.x, gpt-oss), and no reasoning where the generation prompt has already closed the think block (Qwen3.5
-    "nothink": the model writes after it, so a reply with reasoning is not one it can produce)."""
+    more (Llama 3.x, gpt-oss); no reasoning where the generation prompt has already closed the think block (Qwen3.5
+    "nothink"), and some where it opens one that a reply without reasoning does not (Nemotron 3: `<think>\n`, against
+    `<think></think>`): a reply the model cannot write after its generation prompt is not one to script."""
     replies = copy.deepcopy(REPLIES)
     if template.startswith(("llama3", "gptoss")):
         replies[1]["tool_calls"] = replies[1]["tool_calls"][:1]
-    if training is not None:
-        user = {"role": "user", "content": "."}
-        prompt = training.render([user], generation_prompt=True)
-        for reply in replies:
-            if not training.render([user, normalize_message(reply)]).startswith(prompt):
-                reply.pop("reasoning_content", None)
+    if training is None:
+        return replies
+    user = {"role": "user", "content": "."}
+    prompt = training.render([user], generation_prompt=True)
+    for k, reply in enumerate(replies):
+        without = {key: value for key, value in reply.items() if key != "reasoning_content"}
+        for candidate in (reply, without, {**reply, "reasoning_content": reply.get("reasoning_content", "Thinking.")}):
+            if training.render([user, normalize_message(candidate)]).startswith(prompt):
+                replies[k] = candidate
+                break
     return replies
 
 
 class Driver:
     """Plays an agent (Pi-shaped requests) against a chain, with scripted model outputs."""
 
-    def __init__(self, template_name: str):
+    def __init__(self, template_name: str, **template_kwargs: Any):
         tokenizer = tiny_tokenizer(template_name)
-        self.template = TrainingTemplate(tokenizer)
-        self.parser = ResponseParser(tokenizer)
+        self.template = TrainingTemplate(tokenizer, **template_kwargs)
+        self.parser = ResponseParser(tokenizer, self.template)
         self.chain = TokenChain(self.template)
         self.convo = PiConversation()
         self.sent: list[list[int]] = []  # prompt ids of each turn
@@ -83,12 +88,12 @@ class Driver:
         return self.template.render(messages, request["tools"], generation_prompt=True)
 
 
-def assert_conversation_exact(template: str) -> None:
+def assert_conversation_exact(template: str, **template_kwargs: Any) -> None:
     """A Pi conversation of tool calls (reasoning, parallel calls, an edit) and a final answer under `template`:
     every turn clean, every prompt exactly the template's render of the whole history and an extension of the
     earlier prompts and outputs, the calls the agent gets exactly the replies' calls, and one training row whose
-    mask and log-probs cover exactly the generated tokens."""
-    d = Driver(template)
+    mask and log-probs cover exactly the generated tokens. `template_kwargs` reach every render and the parser."""
+    d = Driver(template, **template_kwargs)
     replies = replies_for(template, d.template)
     for k, reply in enumerate(replies):
         expected_text = d.full_render_text()

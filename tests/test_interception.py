@@ -705,3 +705,9 @@ async def test_generation_stops_at_every_token_that_ends_a_turn(tokenizer, http)
         srv.close_rollout(endpoint.rollout_id)
     assert generator.params.stop_token_ids == TrainingTemplate(tokenizer).stop_token_ids
     assert generator.params.stop_token_ids == (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+
+
+async def test_the_parser_probes_with_the_servers_template_kwargs(tokenizer) -> None:
+    """The parser reads replies as the prompts were rendered: with the server's chat-template kwargs."""
+    srv = InterceptionServer(ScriptedGenerator([[1]]), tokenizer, chat_template_kwargs={"enable_thinking": False})
+    assert srv.parser.template is srv.template and srv.template.template_kwargs == {"enable_thinking": False}

@@ -45,11 +45,11 @@ MATRIX: dict[str, str] = {
     "gemma4_v4": _NOT_READ_BACK,
     "gemma4_v5": _NOT_READ_BACK,
     "diffusion_gemma": _NOT_READ_BACK,
-    # Qwen3.5 XML calls, but the generation prompt opens `<think>` while a reply renders `<think></think>`
-    "nemotron_3_nano": _PROMPT_MISMATCH,
-    "nemotron_3_super": _PROMPT_MISMATCH,
-    "nemotron_3_ultra": _PROMPT_MISMATCH,
-    "nemotron_3_5_lightning": _PROMPT_MISMATCH,
+    # Qwen3.5 XML calls; the generation prompt opens `<think>\n` (with thinking on), so a reply has reasoning
+    "nemotron_3_nano": SERVED,
+    "nemotron_3_super": SERVED,
+    "nemotron_3_ultra": SERVED,
+    "nemotron_3_5_lightning": SERVED,
     # the generation prompt opens `<think>\n` but a rendered assistant turn never does (and after tool results the
     # template writes no generation prompt at all)
     "deepseekv3": _PROMPT_MISMATCH,
@@ -103,3 +103,15 @@ def test_template_is_served_exactly_or_refused_with_its_defect(template: str) ->
         return
     _serve(template)
     assert_conversation_exact(template)
+
+
+@pytest.mark.parametrize(
+    ("template", "kwargs"),
+    [("nemotron_3_nano", {"enable_thinking": False}), ("qwen3", {"enable_thinking": False})],
+)
+def test_the_templates_kwargs_reach_the_probe_and_every_render(template: str, kwargs: dict) -> None:
+    """With thinking off, the generation prompt closes the think block itself: the parser's probe, the prompts and
+    the interstitials all render so, and a whole conversation is exact."""
+    training = TrainingTemplate(tiny_tokenizer(template), **kwargs)
+    assert training.render([{"role": "user", "content": "."}], generation_prompt=True).rstrip().endswith("</think>")
+    assert_conversation_exact(template, **kwargs)

@@ -103,7 +103,7 @@ class InterceptionServer:
     ):
         self.generator = generator
         self.template = TrainingTemplate(tokenizer, **(chat_template_kwargs or {}))
-        self.parser = ResponseParser(tokenizer)
+        self.parser = ResponseParser(tokenizer, self.template)  # its probe renders with the same kwargs
         self.model_name = model_name
         self.sampling = sampling
         self.host, self.port = host, port

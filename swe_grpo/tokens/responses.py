@@ -167,6 +167,32 @@ class ResponseParser:
         message = {"role": "assistant", "content": self._specials.sub("", text)}
         return ParsedResponse(message, "length" if stop_reason == "length" else "stop", malformed)
 
+    def _written(self, reply: dict[str, Any], tools: list) -> str:
+        """What a model writes for the probe `reply` after the generation prompt: as it is, or with reasoning where
+        the generation prompt opens a think block that a reply without reasoning does not (Nemotron 3 with thinking
+        on: `<think>\n`, against `<think></think>`). UnsupportedTemplateError, naming both, when neither starts with
+        the generation prompt."""
+        try:
+            return self.template.reply_text(reply, tools)
+        except TemplateRefusedError:
+            raise
+        except ValueError:
+            pass
+        try:
+            return self.template.reply_text({**reply, "reasoning_content": "Call the probe."}, tools)
+        except TemplateRefusedError:
+            raise
+        except ValueError:
+            prompt = self.template.render([{"role": "user", "content": "."}], tools, generation_prompt=True)
+            turn = self.template.render([{"role": "user", "content": "."}, reply], tools)
+            start = next((i for i, (a, b) in enumerate(zip(prompt, turn, strict=False)) if a != b), len(prompt))
+            start = max(prompt.rfind("<", 0, start + 1), 0)  # from the token where they part
+            raise UnsupportedTemplateError(
+                "cannot check that tool calls read back exactly: the chat template renders a reply that does not "
+                f"start with its own generation prompt (the prompt ends {prompt[start:][:40]!r}, a rendered reply "
+                f"goes on {turn[start:][:40]!r}), with or without reasoning"
+            ) from None
+
     def _check_round_trip(self) -> None:
         """Render a probe call with the training template, as the model would write it after the generation prompt,
         and require that one layout parses it back to exactly the probe's name and arguments."""
@@ -174,19 +200,15 @@ class ResponseParser:
         call = {"id": "call_probe", "type": "function", "function": {"name": "probe", "arguments": _PROBE_ARGUMENTS}}
         tools = [_PROBE_TOOL]
         template = self.template
+        reply = {"role": "assistant", "content": "", "tool_calls": [call]}
         try:
             prompt = template.render([user], tools, generation_prompt=True)
-            written = template.reply_text({"role": "assistant", "content": "", "tool_calls": [call]}, tools)
+            written = self._written(reply, tools)
         except TemplateRefusedError as e:  # a template that cannot write a tool call at all
             raise UnsupportedTemplateError(
                 f"the chat template cannot render a tool call to read back exactly: {e}"
             ) from e
-        except ValueError as e:
-            raise UnsupportedTemplateError(
-                "cannot check that tool calls read back exactly: the chat template renders a reply that does not "
-                "start with its own generation prompt"
-            ) from e
-        self._thinks = _THINK_CLOSER in written  # the probe's reasoning is empty, its block still written
+        self._thinks = _THINK_CLOSER in written  # the probe's reasoning may be empty, its block still written
         ids, prompt_ids = template.encode(written), template.encode(prompt)
         want = json.dumps([("probe", _PROBE_ARGUMENTS)], sort_keys=True)
         read: dict[str, list] = {}
