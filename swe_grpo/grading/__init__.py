@@ -18,11 +18,19 @@ repository at `base_commit`, no network) and always destroys it:
    a filtered patch, which is checked to contain no dropped path and applied to the working tree.
    A patch that git cannot apply is `patch_apply_failed` (a model failure; so is a filtered patch that
    does not apply to the working tree, which only a sandbox whose tree differs from `base_commit` or
-   a patch playing with symlinks can cause). The filtered patch's added lines are scanned for code that
-   reaches into the test machinery (`tamper.scan_patch`: pytest internals and hooks, pytest.xfail/skip
-   in source, trace functions, code-object writes, os._exit/exec, unittest internals, report paths,
-   audit hooks and site hooks); a finding is `grading_tampered` and the tests do not run. A task may
-   allow rules by name (`Task.tamper_allow`, for projects that are themselves test tools).
+   a patch playing with symlinks can cause). Before it is applied, the capability gate (the primary
+   layer, `swe_grpo.grading.capability`, outside every process the patch runs in) parses every Python
+   file it touches as `base_commit` has it and as the filtered patch leaves it, read out of the index
+   with git, and names each capability a file uses after and not before: runtime introspection (gc,
+   ctypes, frames, trace hooks, code objects, dunder writes, the import system, builtins, namespaces,
+   writes into imported modules), process and descriptor control (fork/exec/spawn/_exit/kill, dup2,
+   subprocess, multiprocessing, signal, atexit, faulthandler, finalizers, argv and /proc), dynamic code
+   and names (exec/eval/compile, imports by computed name, getattr and kin with a name built at run
+   time), the test machinery (pytest, _pytest, pluggy, unittest, doctest, bdb, the test modules), and
+   non-UTF-8 code, coding cookies, bytecode and extension files. A finding is `grading_tampered`
+   ("static scan: <capability> in <path>: <line>") and the tests do not run. A task may allow
+   capabilities by name (`Task.tamper_allow`, for projects that are themselves test tools). A file the
+   grader's Python cannot parse lets the run earn nothing (`grading_tampered` where it would).
 3. The task's `test_patch` is applied (it must apply: if not, the task is broken: `infra_error`).
 4. All FAIL_TO_PASS and PASS_TO_PASS tests run in ONE test-runner call: `task.test_cmd` or
    `python3 -m pytest -rA -p no:cacheprovider --junitxml="$SWE_GRPO_JUNIT_XML"`, with the test ids
@@ -57,8 +65,9 @@ repository at `base_commit`, no network) and always destroys it:
    status matching (1, for the failing canary). A task without FAIL_TO_PASS tests cannot be resolved
    (`infra_error`). When the tests need a fixture no loaded plugin provides ("fixture 'mocker' not
    found") or async tests were skipped for want of a plugin, the grade's `error` says so.
-   `GradeResult.witnesses` names the layers armed for the grade (`WITNESSES`: scan, pinned_env, boot,
-   canaries, consistency), as the probe decided.
+   `GradeResult.witnesses` names the layers armed for the grade (`WITNESSES`), as the probe decided.
+   The boot is a tripwire: what it sees counts, but no grade depends on it alone (a patch written
+   against it can turn it off from inside the runner; each class it names is refused by the gate too).
 
 Why protected paths, not just "the files the test patch touches" (what SWE-bench reverts): a patch could
 otherwise make tests pass without fixing anything, by editing or deleting tests, adding a conftest.py
@@ -80,8 +89,8 @@ autoload on.
 
 Outcomes and rewards (a `None` reward means "no reward: never train on this as 0"):
     resolved 1.0 | unresolved 0.0 (a share under "fraction", below) | patch_apply_failed 0.0 |
-    grading_tampered 0.0: the static scan, the audit report or an inconsistent run (6) shows the patch's
-        code reaching into the test machinery; `error` says which witness and what it saw
+    grading_tampered 0.0: the capability gate (2), the runner's limits, the audit report or an inconsistent
+        run (6) shows the patch's code reaching into the test machinery; `error` says which and what
     timeout: 0.0 when the tests finish in time without the patch (so the patch made them hang), else None
     resource_exhausted 0.0: the test run hit a limit of the grading sandbox (memory, processes or disk:
         `Sandbox.exhausted()`, named in `error`, which starts with "grading:") that it stays within
@@ -114,19 +123,18 @@ its limits is not trusted (a refused fork or an OOM kill can change what a test 
 keeps a task whose own tests need more than the limits from being blamed on the patch.
 
 What this cannot stop: the code under test runs inside the test runner's process, as the same user, so
-it can do anything the grader's own in-process witnesses do. A patch written against this grader can
-still forge a pass: act only on the tests that call its code (the canaries stay honest), without any
-name the scan knows (`getattr(x, "hook" + "impl")`), without an audited event, and without leaving a
-function of its own files inside the runner's modules or hooks at exit: e.g. rebinding a module global
-of pytest to a function compiled from a string, or to a builtin; or have the standard library raise
-the audited event for it (code compiled from a string, run by a thread: an event is judged by the first
-real file on the stack); or read the nonce out of the boot's closure (through `gc`, which is not
-audited: projects' own tests use it) and rewrite the audit report. Rules and events that a project
-trips by being a test tool (its own pytest plugin, tests that run pytest) must be allowed per task
-(`Task.tamper_allow`), or its gold patch grades `grading_tampered`.
+nothing in that process is trusted on its own; the gate judges the patch's text, and what it does not
+read it cannot refuse. Open: a capability the base file already uses may be used for anything in that
+file (allowances are per file); a name built in a way the gate does not fold and handed to a sink it does
+not know (a format string's `{0.attr}` made at run time); writes into objects reached without any of the
+capabilities (an object a test hands the patched function); code that only behaves differently for the
+tests' inputs, which is a fix as far as the tests can tell; non-Python code the tests run (a C extension
+the task builds, a shell script the tests call). Capabilities and events that a project uses by being
+a test tool (its own pytest plugin, tests that run pytest) must be allowed per task (`Task.tamper_allow`),
+or its gold patch grades `grading_tampered`.
 The boot and the canaries need a pytest-like runner started through `python`/`python3` on PATH; a task
 whose runner the probe does not see them work on keeps the other layers only (a `test_cmd` running
-unittest or a script gets the scan, the pinned environment and the strict, JUnit-only statuses). What
+unittest or a script gets the gate, the pinned environment and the strict, JUnit-only statuses). What
 a `test_cmd` script runs in turn (another script it calls) is protected only when it is test code or
 configuration by name. The probe sees the modules imported on the way to one test; a module that only
 other tests' runs import lazily is covered when it is in the standard library or named pytest*.

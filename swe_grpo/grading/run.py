@@ -36,8 +36,10 @@ Outcome = Literal[
 
 _LOG_TAIL_CHARS = 4000
 
-#: The grader's witness layers, in `GradeResult.witnesses`' order: the static scan of the patch, the pinned
-#: environment, the boot (audit hook and exit scan), the canaries, the run's consistency with the
+#: The grader's witness layers, in `GradeResult.witnesses`' order: "scan", the capability gate on the patch
+#: (`swe_grpo.grading.capability`, the primary layer, outside the runner), the pinned environment, the boot
+#: (audit hook and exit scan: a tripwire inside the runner, never the only layer a grade rests on), the
+#: canaries, the run's consistency with the
 #: runner's `-rA` summary (every test and canary alike in both reports, the closing counts, the exit status),
 #: and the runner's out-of-process limits (`swe_grpo.grading.limits`).
 WITNESSES = ("scan", "pinned_env", "boot", "canaries", "consistency", "limits")
@@ -52,9 +54,12 @@ class GradeResult:
     every F2P/P2P test id to passed|xfail|xpass|failed|error|skipped|missing (empty when no report was
     obtained); `dropped_paths` are the paths removed from the patch as protected; `witnesses` names the
     layers of `WITNESSES` armed for this grade, as the task's probe decided (the boot, the canaries and the
-    consistency checks only where it saw them work without the patch; the scan unless the task allows every
-    rule; empty when no probe result reached the grade: a broken task, a sandbox failure); `timings` in
-    seconds."""
+    consistency checks only where it saw them work without the patch; the scan, the capability gate,
+    unless the task allows every capability; empty when no probe result reached the grade: a broken task,
+    a sandbox failure). "boot" there is a tripwire: what it saw counts (`grading_tampered`), but since it
+    runs inside the process the patch's code runs in, no grade depends on it alone: every class of
+    tampering it names is refused by the gate before the tests run. `timings` in seconds (`gate_s`: the
+    gate, reading the files and judging them)."""
 
     instance_id: str
     outcome: Outcome
@@ -193,7 +198,9 @@ async def _graded_run(
         if set(kept) & set(run.dropped) or any(is_protected(path, explicit, runner) for path in kept):
             raise BrokenTask(f"filtering the patch left protected paths in it: {kept}")  # never grade that
         if kept:
+            gate_started = time.monotonic()
             gated = await gate_patch(sandbox, scratch, base, index, kept, task.tamper_allow)
+            timings["gate_s"] = time.monotonic() - gate_started
             run.scanned, run.unparsed = gated.findings, gated.unparsed
             if run.scanned:
                 return run

@@ -54,7 +54,8 @@ class Task:
     patch: str = ""  # the reference ("gold") fix, when known
     # A FAIL_TO_PASS test whose gold run is not PASSED (e.g. "xfail") -> that status; see swe_grpo.grading.
     expected_statuses: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
-    # Grading tamper checks this project trips by being what it is (a test tool): scan rules, audit events.
+    # Grading tamper checks this project trips by being what it is (a test tool): capabilities of the gate
+    # (swe_grpo.grading.capability: names, groups, or the rule names of the scan it replaced), audit events.
     tamper_allow: tuple[str, ...] = ()
     # Whether the graded runner may not fork, exec or re-point its descriptors (swe_grpo.grading.limits), as
     # calibration found: False where the gold's run needs them; None: never calibrated (the grader decides).
