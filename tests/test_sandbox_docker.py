@@ -29,6 +29,7 @@ import docker
 import docker.errors
 import pytest
 from sandbox_helpers import CALC, calc_task, git, make_repo, marker, wait_for_pids
+from test_sandbox_local import AGENT_TREES
 
 from swe_grpo.sandbox.base import SandboxError
 from swe_grpo.sandbox.docker import (
@@ -271,6 +272,29 @@ async def test_network_none_cuts_the_host_off(docker_url: str, task: Task, engin
         assert engine.containers.get(sandbox.id).attrs["HostConfig"]["NetworkMode"] == "none"
         result = await sandbox.exec("cat /proc/net/dev | tail -n +3 | cut -d: -f1", timeout_s=30)
         assert result.stdout.split() == ["lo"]
+    finally:
+        await backend.close()
+
+
+@pytest.mark.parametrize("disk", ["tmpfs", "no-tmpfs"])
+async def test_destroy_removes_any_tree_the_agent_can_make(
+    docker_url: str, task: Task, engine: docker.DockerClient, disk: str
+) -> None:
+    """The trees of tests/test_sandbox_local.py (a chain past Python's recursion limit, names of the maximum
+    length, mode 000), in the tmpfs volumes or, without them, the container's writable layer: the engine removes
+    them with the container."""
+    backend = DockerBackend(base_url=docker_url, limits=DockerLimits() if disk == "tmpfs" else DockerLimits(disk=None))
+    await backend.start()
+    try:
+        sandbox = await backend.create(task)
+        try:
+            for tree, script in AGENT_TREES.items():
+                for where in (f"/testbed/{tree}", f"/tmp/{tree}"):
+                    await run_ok(sandbox, ["mkdir", where])
+                    await run_ok(sandbox, ["python3", "-c", script], cwd=where)
+        finally:
+            await sandbox.destroy()
+        assert_gone(engine, sandbox)
     finally:
         await backend.close()
 

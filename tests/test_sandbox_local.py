@@ -295,3 +295,61 @@ def test_cgroup_v2_files_read_and_written(tmp_path: Path) -> None:
     assert cgroup.exhausted() == "memory"
     with pytest.raises(SandboxError, match="no memory and pids cgroup controllers"):
         CgroupLayout.parse(hybrid)
+
+
+# Trees an unprivileged agent can leave, run in /testbed (the overlay's upper directory) and /tmp: a chain twice as
+# deep as Python's recursion limit (the issue's 5,000 levels failed the same way), a chain of names of the
+# filesystem's maximum length (a path far past PATH_MAX), directories of mode 000 (the agent's own, under a mode-000
+# /testbed root).
+AGENT_TREES = {
+    "deep-chain": "import os\nfor _ in range(2000): os.mkdir('d'); os.chdir('d')",
+    "long-names": "import os\nfor _ in range(300): os.mkdir('x' * 255); os.chdir('x' * 255)",
+    "mode-000": "import os\nos.makedirs('a/b/c')\nopen('a/b/c/f', 'w').close()\n"
+    "for d in ('a/b/c', 'a/b', 'a', '.'): os.chmod(d, 0)",
+}
+
+
+@pytest.mark.parametrize("disk", ["tmpfs", "no-tmpfs"])
+@pytest.mark.parametrize("tree", AGENT_TREES)
+async def test_destroy_removes_any_tree_the_agent_can_make(
+    backend: LocalBackend, task: Task, run_dir: Path, tree: str, disk: str
+) -> None:
+    """Without the disk tmpfs the tree is on the host's filesystem: a deep chain made `destroy()` raise
+    RecursionError (shutil.rmtree recursed once per level) and left the directory behind."""
+    limits = backend.limits if disk == "tmpfs" else replace(backend.limits, disk_bytes=None)
+    own = LocalBackend(limits=limits, cache_dir=backend.cache_dir, run_dir=run_dir)
+    sandbox = await own.create(task)
+    try:
+        script = AGENT_TREES[tree]
+        await run_ok(sandbox, ["python3", "-c", script], cwd="/testbed")
+        await run_ok(sandbox, ["python3", "-c", script], cwd="/tmp")
+    finally:
+        await sandbox.destroy()
+    assert_gone(sandbox)
+
+
+async def test_the_reaper_removes_any_tree_and_never_fails_the_next_start(
+    backend: LocalBackend, task: Task, run_dir: Path
+) -> None:
+    """A dead run's sandbox directory holding a deep chain made `start()` raise RecursionError in the reaper. What
+    it cannot remove at all (here an immutable file, which only root can make) is logged and counted, and the start
+    goes on."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    deep, stuck = run_dir / f"swe-grpo-{dead.pid}-deep", run_dir / f"swe-grpo-{dead.pid}-stuck"
+    deep.mkdir()
+    subprocess.run(["python3", "-c", AGENT_TREES["deep-chain"]], cwd=deep, check=True)
+    (stuck / "sub").mkdir(parents=True)
+    (stuck / "sub" / "immutable").touch()
+    subprocess.run(["chattr", "+i", str(stuck / "sub" / "immutable")], check=True)
+    try:
+        await backend.start()
+        assert not deep.exists()
+        assert stuck.exists() and backend.unreaped == [str(stuck)]
+        sandbox = await backend.create(task)  # the backend works on
+        await sandbox.destroy()
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck / "sub" / "immutable")], check=True)
+        shutil.rmtree(stuck)
+    await backend.start()
+    assert backend.unreaped == []

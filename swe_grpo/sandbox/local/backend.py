@@ -13,7 +13,6 @@ import asyncio
 import logging
 import os
 import pwd
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ from swe_grpo.sandbox.base import Mount, SandboxBackend, SandboxError, owner_gon
 from swe_grpo.sandbox.local.bwrap import bwrap_argv
 from swe_grpo.sandbox.local.checkout import CheckoutCache
 from swe_grpo.sandbox.local.cow import CowMethod, detect_cow_method, mount_cow
-from swe_grpo.sandbox.local.host import PREFIX, mount, mounts_under
+from swe_grpo.sandbox.local.host import PREFIX, mount, mounts_under, remove_tree
 from swe_grpo.sandbox.local.limits import CGROUP_PARENT, Cgroup, LocalLimits, parent_cgroups
 from swe_grpo.sandbox.local.sandbox import LocalSandbox
 from swe_grpo.sandbox.process import CgroupLayout
@@ -68,6 +67,8 @@ class LocalBackend(SandboxBackend):
         self.run_dir = run_dir or Path(tempfile.gettempdir())
         self.method = method
         self._cgroups: CgroupLayout | None = None
+        #: What the last `start()` found of dead runs and could not remove (paths): logged, never fatal.
+        self.unreaped: list[str] = []
         self._method_lock = asyncio.Lock()
 
     @property
@@ -80,7 +81,9 @@ class LocalBackend(SandboxBackend):
         detect the copy-on-write method."""
         self._check_reachable(self.run_dir)
         layout = self._cgroup_layout()
-        await asyncio.to_thread(reap_leftovers, self.run_dir, layout)
+        self.unreaped = await asyncio.to_thread(reap_leftovers, self.run_dir, layout)
+        if self.unreaped:
+            log.warning("%d leftovers of dead runs could not be removed (see above)", len(self.unreaped))
         await self._cow_method()
 
     def _cgroup_layout(self) -> CgroupLayout | None:
@@ -161,18 +164,29 @@ class LocalBackend(SandboxBackend):
             return self.method
 
 
-def reap_leftovers(run_dir: Path, layout: CgroupLayout | None) -> None:
-    """Unmount and remove the sandbox directories, and remove the cgroups, whose owning process is dead."""
+def reap_leftovers(run_dir: Path, layout: CgroupLayout | None) -> list[str]:
+    """Unmount and remove the sandbox directories, and remove the cgroups, whose owning process is dead,
+    whatever tree a sandbox left (`remove_tree`). Never raises for a leftover: what it cannot remove is logged
+    and returned (a later start tries again)."""
+    left = []
     for entry in run_dir.glob(f"{PREFIX}*"):
         if not entry.is_dir() or not owner_gone(entry.name, PREFIX):
             continue
         for point in sorted(mounts_under(entry), reverse=True):  # innermost first
             subprocess.run(["umount", "-l", point], capture_output=True)
-        if not mounts_under(entry):
-            shutil.rmtree(entry, ignore_errors=True)
+        failure = "still mounted" if mounts_under(entry) else remove_tree(entry)
+        if failure is None:
             log.info("removed the leftover sandbox %s", entry)
+        else:
+            log.warning("cannot remove the leftover sandbox %s: %s", entry, failure)
+            left.append(str(entry))
     if layout is not None:
         for entry in (layout.memory / CGROUP_PARENT).glob(f"{PREFIX}*"):
             if owner_gone(entry.name, PREFIX):
-                Cgroup(layout, entry.name).remove()
-                log.info("removed the leftover cgroup %s", entry.name)
+                try:
+                    Cgroup(layout, entry.name).remove()
+                    log.info("removed the leftover cgroup %s", entry.name)
+                except (SandboxError, OSError) as e:
+                    log.warning("cannot remove the leftover cgroup %s: %s", entry.name, e)
+                    left.append(str(entry))
+    return left

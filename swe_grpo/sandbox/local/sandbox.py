@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -22,7 +21,7 @@ from pathlib import Path
 
 from swe_grpo.sandbox.base import WORKDIR, ExecResult, Exhaustion, FileTooLarge, Sandbox, SandboxError
 from swe_grpo.sandbox.local.bwrap import REAPER, BwrapRun
-from swe_grpo.sandbox.local.host import mounts_under, umount, wait_or_kill
+from swe_grpo.sandbox.local.host import mounts_under, remove_tree, umount, wait_or_kill
 from swe_grpo.sandbox.local.limits import Cgroup, LocalLimits
 from swe_grpo.sandbox.process import OutputTail
 from swe_grpo.sandbox.seccomp import filter_fd
@@ -121,9 +120,8 @@ class LocalSandbox(Sandbox):
             await umount(self.host_dir)
         if self._cgroup is not None:
             await asyncio.to_thread(self._cgroup.remove)
-        await asyncio.to_thread(shutil.rmtree, self.host_dir, ignore_errors=True)
-        if self.host_dir.exists():
-            raise SandboxError(f"could not remove {self.host_dir}")
+        if (failure := await asyncio.to_thread(remove_tree, self.host_dir)) is not None:
+            raise SandboxError(f"could not remove {self.host_dir}: {failure}")
         for failure in ended:
             if isinstance(failure, BaseException):
                 raise failure
