@@ -104,6 +104,9 @@ _BUILTIN_NAMES: dict[str, str] = {
     "__spec__": _I,
 }
 _DYNAMIC_ATTR_CALLS = {"getattr": "load", "setattr": "store", "delattr": "store"}
+# Callables that take an attribute's name: anywhere but called directly (where `_call` reads the name), a use.
+_NAME_TAKERS = {"getattr", "setattr", "delattr", "attrgetter", "methodcaller", "__getattribute__", "__setattr__"}
+_NAME_TAKERS |= {"__delattr__"}
 #: Dunder attributes a fix may write (decorators and metadata).
 _DUNDER_WRITES = frozenset(
     {"__doc__", "__name__", "__qualname__", "__wrapped__", "__signature__", "__annotations__", "__all__"}
@@ -245,9 +248,15 @@ class _Uses:
             self._attribute(node.attr, self._module_of(node.value), node, store=store)
             if node.attr == "__dict__" and not _is_self(node.value):
                 self._namespace_use(node, node.value)
+            if store and _is_type_of(node.value):  # type(x).f = ..., x.__class__.f = ...: a class's code
+                self.add("monkeypatch", node)
+            if node.attr in _NAME_TAKERS and not self._called(node):
+                self.add(_D, node)
         elif isinstance(node, ast.Name):
             self.add(_BUILTIN_NAMES.get(node.id, ""), node)
             self.add(_WORDS.get(node.id, ""), node)
+            if node.id in _NAME_TAKERS and not self._called(node):  # g = getattr; g(os, name)
+                self.add(_D, node)
             if isinstance(node.ctx, ast.Store | ast.Del) and node.id in _DUNDER_BINDS:
                 self.add("dunder-write", node)
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == "__del__":
@@ -267,6 +276,11 @@ class _Uses:
             folded = fold(node)
             if folded is not None:
                 self._string(folded, node)
+
+    def _called(self, node: ast.expr) -> bool:
+        """Whether `node` is the function of a call (not a value handed on)."""
+        parent = self.parent.get(id(node))
+        return isinstance(parent, ast.Call) and parent.func is node
 
     def _call(self, node: ast.Call) -> None:
         func = node.func
@@ -396,6 +410,13 @@ def _literal(node: ast.expr) -> str | None:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
     return fold(node)
+
+
+def _is_type_of(node: ast.expr) -> bool:
+    """`type(x)` or `x.__class__`: the class of an object, whatever object."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "__class__"
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "type"
 
 
 def _is_self(node: ast.expr) -> bool:
