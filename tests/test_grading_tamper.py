@@ -2,7 +2,10 @@
 patch in tests/tampers.py, graded on the real `local` backend with the real grader, is never `resolved`,
 and the ones that reach into the runner are named `grading_tampered` (reward 0.0). Each tamper that
 works against a grader without these defences says so in `TAMPERS`; `test_the_tampers_work_naively`
-shows they do, by running them with plain pytest and trusting its JUnit report."""
+shows they do, by running them with plain pytest and trusting its JUnit report. Most are refused by the
+capability gate before any test runs; `test_each_witness_on_its_own` allows every capability to show the
+in-process witnesses still name them. The forging catalogue written against the whole defence
+(tests/forgeries.py, issue 32) is graded here for its armed few."""
 
 from __future__ import annotations
 
@@ -152,7 +155,7 @@ EVENTS = ("os.exec", "sys.settrace", "object.__setattr__", "foreign")
 async def test_each_witness_on_its_own(
     local_backend: LocalBackend, name: str, allow: tuple[str, ...], because: str
 ) -> None:
-    """With the layers before it allowed for the task (the static scan's rules, then the audit's events),
+    """With the layers before it allowed for the task (every capability of the gate, then the audit's events),
     the next one still names the tamper. The runner's limits are off: they would end the runs that exec
     before these in-process witnesses see them (tests/test_graded_run_limits.py)."""
     task = replace(INIPARSE, tamper_allow=(*SCAN_RULES, *allow), runner_limits=False)
@@ -278,16 +281,17 @@ async def test_the_probe_sees_which_witnesses_a_runner_supports(local_backend: L
 
 
 async def test_a_grade_names_the_witnesses_that_were_active(local_backend: LocalBackend) -> None:
-    """`GradeResult.witnesses` says which layers vouched for a grade, as the probe decided them: all five for
-    a task run by `python3 -m pytest`; no boot for a runner started by absolute path (the PATH shim never
-    runs); no scan where the task allows all its rules. The field travels wherever a grade is written."""
-    every = ("scan", "pinned_env", "boot", "canaries", "consistency")
+    """`GradeResult.witnesses` says which layers vouched for a grade, as the probe decided them: all six for
+    a task run by `python3 -m pytest`; no boot and no runner limits for a runner started by absolute path
+    (the PATH shim never runs, nor the grader's sitecustomize); no scan where the task allows all its rules.
+    The field travels wherever a grade is written."""
+    every = ("scan", "pinned_env", "boot", "canaries", "consistency", "limits")
     assert every == WITNESSES
     full = await grade(INIPARSE, INIPARSE.patch, local_backend, timeout_s=60)
     assert (full.outcome, full.witnesses) == ("resolved", every), (full.error, full.log_tail)
     absolute = replace(INIPARSE, test_cmd=DEFAULT_TEST_CMD.replace("python3", "/usr/bin/python3"))
     no_boot = await grade(absolute, INIPARSE.patch, local_backend, timeout_s=60)
-    assert (no_boot.outcome, no_boot.witnesses) == ("resolved", tuple(w for w in every if w != "boot"))
+    assert (no_boot.outcome, no_boot.witnesses) == ("resolved", tuple(w for w in every if w not in ("boot", "limits")))
     unscanned = await grade(replace(INIPARSE, tamper_allow=tuple(SCAN_RULES)), "", local_backend, timeout_s=60)
     assert (unscanned.outcome, unscanned.witnesses) == ("unresolved", every[1:])
     assert json.loads(json.dumps(asdict(no_boot)))["witnesses"] == ["scan", "pinned_env", "canaries", "consistency"]
