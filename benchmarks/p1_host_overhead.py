@@ -270,15 +270,16 @@ async def run_case(
 ) -> list[SizeResult]:
     server.generator = StubGenerator(tokenizer, case.calls)
     t0 = time.perf_counter()
-    endpoint = server.open_rollout()
-    conversation = PiConversation(endpoint.model, random.Random(0), case.chars)
-    snapshots: dict[int, PiConversation] = {}
-    while len(snapshots) < len(sizes):
-        sample = await turn(session, endpoint, conversation, probe)
-        for size in sizes:
-            if size not in snapshots and sample.prompt_tokens >= size:
-                snapshots[size] = conversation.copy(random.Random())
-    record = server.close_rollout(endpoint.rollout_id)
+    async with server.rollout() as handle:
+        endpoint = handle.endpoint
+        conversation = PiConversation(endpoint.model, random.Random(0), case.chars)
+        snapshots: dict[int, PiConversation] = {}
+        while len(snapshots) < len(sizes):
+            sample = await turn(session, endpoint, conversation, probe)
+            for size in sizes:
+                if size not in snapshots and sample.prompt_tokens >= size:
+                    snapshots[size] = conversation.copy(random.Random())
+    record = handle.record
     if any(t.kind == "fork" for t in record.turns):
         raise RuntimeError("a fork while growing the conversation: the bridge was not used")
     log(f"{case.name}: grew to {record.turns[-1].prompt_tokens:,} tokens in {len(record.turns)} turns, {_s(t0)}")
@@ -292,10 +293,10 @@ async def run_case(
         t0 = time.perf_counter()
         for i in range(turns):
             conversation = snapshots[size].copy(random.Random(i))  # sample i: same new messages at every size
-            endpoint = server.open_rollout()
-            prime = await turn(session, endpoint, conversation, probe)
-            timed = await turn(session, endpoint, conversation, probe)
-            record = server.close_rollout(endpoint.rollout_id)
+            async with server.rollout() as handle:
+                prime = await turn(session, handle.endpoint, conversation, probe)
+                timed = await turn(session, handle.endpoint, conversation, probe)
+            record = handle.record
             if [t.kind for t in record.turns] != ["clean", "clean"]:
                 raise RuntimeError(f"the timed turn was not served by the bridge: {record.turns}")
             timed.new_tokens = record.turns[1].new_prompt_tokens

@@ -160,12 +160,15 @@ async def _serve(conn: Connection, rollouts: int, calls: int, vllm_url: str | No
         gc_stats["full"] += info.get("generation") == 2
 
     await server.start()
-    endpoints = [server.open_rollout() for _ in range(rollouts)]
+    rollouts_open = AsyncExitStack()
+    handles = [await rollouts_open.enter_async_context(server.rollout()) for _ in range(rollouts)]
+    endpoints = [handle.endpoint for handle in handles]
     gc.callbacks.append(on_gc)
     conn.send(endpoints)
     loop = asyncio.get_running_loop()
     while await loop.run_in_executor(None, conn.recv) != "stop":  # "report"
-        records = [server.close_rollout(e.rollout_id) for e in endpoints]
+        await rollouts_open.aclose()
+        records = [handle.record for handle in handles]
         conn.send(
             ServerReport(
                 handler_s=handler_s,

@@ -93,11 +93,11 @@ async def run(requests: int) -> dict:
         unused = VLLMClient("http://127.0.0.1:9", "policy", max_model_len=8192)  # /models never generates
         limits = ServingLimits(door_accepts_per_s=1e6)
         async with unused, InterceptionServer(unused, tokenizer, limits=limits) as server:
-            endpoint = server.open_rollout()
-            door = Door.make(endpoint.rollout_id)
-            await server.open_door(endpoint.rollout_id, door.socket)
-            path = f"/rollout/{endpoint.rollout_id}/v1/models"
+            door = Door.make("p6")
+            path = "/rollout/p6/v1/models"
             try:
+                handle = await server.rollout("p6", socket=door.socket).__aenter__()
+                endpoint = handle.endpoint
                 direct = await backend.create(task, mounts=[bundle.mount()], network=True)
                 behind = await backend.create(task, mounts=[bundle.mount(), door.mount()], network=False)
                 async with direct, behind:
@@ -113,9 +113,7 @@ async def run(requests: int) -> dict:
                             o = percentile(door_run["times"], q) * 1e3
                             rows.append({"connection": label, "percentile": q, "direct_ms": d, "door_ms": o})
             finally:
-                await server.close_door(door.socket)
-                door.remove()
-                server.close_rollout(endpoint.rollout_id)
+                door.remove()  # the server's stop closes the rollout and stops serving its socket
     for row in rows:
         row["added_ms"] = row["door_ms"] - row["direct_ms"]
     forwarder = Path(door.wrap([])[0]).name  # what runs as the forwarder in the sandbox

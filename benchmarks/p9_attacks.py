@@ -43,6 +43,7 @@ import random
 import runpy
 import sys
 import time
+from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -107,11 +108,14 @@ def serve(
 
 async def _serve(conn: Connection, tokenizer: PreTrainedTokenizerBase, rollouts: int, attackers: int) -> None:
     server = await InterceptionServer(StubGenerator(tokenizer, 1, STUB_LATENCY_S), tokenizer).start()
-    good = [server.open_rollout() for _ in range(rollouts)]
-    bad = [server.open_rollout() for _ in range(attackers)]
-    doors = [Door.make(e.rollout_id) for e in bad]
-    for endpoint, door in zip(bad, doors, strict=True):
-        await server.open_door(endpoint.rollout_id, door.socket)
+    doors = [Door.make(f"attacker-{i}") for i in range(attackers)]
+    good_open, bad_open = AsyncExitStack(), AsyncExitStack()
+    good_handles = [await good_open.enter_async_context(server.rollout()) for _ in range(rollouts)]
+    good = [handle.endpoint for handle in good_handles]
+    bad = [
+        (await bad_open.enter_async_context(server.rollout(f"attacker-{i}", socket=door.socket))).endpoint
+        for i, door in enumerate(doors)
+    ]
     process = psutil.Process()
     peak = {"rss": 0, "fds": 0, "cpu_s": 0.0}
 
@@ -130,7 +134,8 @@ async def _serve(conn: Connection, tokenizer: PreTrainedTokenizerBase, rollouts:
             conn.send({**peak, "cpu_s": cpu.user + cpu.system - peak["cpu_s"]})
             peak.update(rss=process.memory_info().rss, fds=process.num_fds(), cpu_s=cpu.user + cpu.system)
         elif command == "report":
-            records = [server.close_rollout(e.rollout_id) for e in good]
+            await good_open.aclose()
+            records = [handle.record for handle in good_handles]
             conn.send(
                 {
                     "recorded_errors": sum(len(r.errors) for r in records),
@@ -138,6 +143,7 @@ async def _serve(conn: Connection, tokenizer: PreTrainedTokenizerBase, rollouts:
                 }
             )
     sampling.cancel()
+    await bad_open.aclose()
     await server.stop()
     for door in doors:
         door.remove()

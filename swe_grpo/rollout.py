@@ -83,7 +83,7 @@ from swe_grpo.agents.base import Agent, AgentConfig, AgentResult
 from swe_grpo.grading import DEFAULT_TIMEOUT_S, GradeResult, grade
 from swe_grpo.sandbox.base import DIFF_TIMEOUT_S, MAX_PATCH_BYTES, PatchError, Sandbox, SandboxBackend, SandboxError
 from swe_grpo.sandbox.door import Door, check_allow
-from swe_grpo.serving.interception import InterceptionServer
+from swe_grpo.serving.handle import RolloutServer, RolloutView
 from swe_grpo.tasks import Task
 from swe_grpo.tasks.task import REWARD_MODES, RewardMode
 from swe_grpo.tokens.chain import TrainingRow, TurnRecord, oldest_version
@@ -232,7 +232,7 @@ def outcome_before_grading(
     abandoned: bool = False,
 ) -> tuple[str, float | None, str] | None:
     """The (outcome, reward, error) the agent's run already settles, before any grading; None: grade it.
-    `abandoned`: one of the agent's requests was still in flight when it exited (`InterceptionServer.in_flight`).
+    `abandoned`: one of the agent's requests was still in flight when it exited (`RolloutView.in_flight`).
 
     Reward None only for what our own components witnessed (a generation that failed, a status only the host
     can give) or before the policy's first turn; after it, the clock, the context, the exit status and the
@@ -277,70 +277,72 @@ def outcome_before_grading(
 
 async def run_rollout(
     task: Task,
-    server: InterceptionServer,
+    server: RolloutServer,
     backend: SandboxBackend,
     agent: Agent,
     config: RolloutConfig,
     rollout_id: str | None = None,
     on_grading: Callable[[Trajectory], None] | None = None,
+    on_session: Callable[[RolloutView], None] | None = None,
 ) -> Trajectory:
     """Run `agent` on `task` in a sandbox, grade its diff in a fresh one, and return the Trajectory.
-    `on_grading` is called as grading starts, with the trajectory so far (its rows are final): the
-    worker's hook to track, and cancel as stale, rollouts whose agent session is already closed."""
+    `on_session` is called with the rollout's handle on `server` once it is open (the worker's hook to watch its
+    tokens' versions, `oldest_version()`); `on_grading` as grading starts, with the trajectory so far (its rows
+    are final): the worker's hook to track, and cancel as stale, rollouts whose handle is already closed."""
     rollout_id = rollout_id or f"{task.instance_id.replace('/', '_')[:64]}-{uuid.uuid4().hex[:12]}"
     timings: dict[str, float] = {}
     start = time.monotonic()
-    endpoint = server.open_rollout(rollout_id)
     ran: AgentResult | None = None
     patch, error, exhausted, setup_error = "", None, None, None
     abandoned = False
     unpatchable: PatchError | None = None
-    door: Door | None = None
+    door = replace(Door.make(rollout_id), allow=config.allow) if config.door and backend.live_mounts else None
     proxy: asyncio.Server | None = None
     try:
-        if config.door and backend.live_mounts:
-            door = replace(Door.make(rollout_id), allow=config.allow)
-            await server.open_door(rollout_id, door.socket)
-            proxy = await door.serve_allowlist() if door.allow else None
-        mounts = [agent.mount(), *([door.mount()] if door else [])]
-        sandbox = await backend.create(task, mounts=mounts, network=door is None)
-        timings["sandbox_create"] = time.monotonic() - start
-        try:
-            if task.setup_cmd:
-                setup_started = time.monotonic()
-                setup_error = await run_setup(sandbox, task, config)
-                timings["setup"] = time.monotonic() - setup_started
-            if setup_error is None:
-                ran = await agent.run(
-                    sandbox,
-                    endpoint,
-                    task.problem_statement,
-                    config.agent,
-                    lambda: server.last_activity(rollout_id),
-                    door=door,
-                )
-                timings["agent"] = ran.wall_s
-                abandoned = server.in_flight(rollout_id)
-                exhausted = await sandbox.exhausted()
-                if exhausted is None:
-                    try:
-                        patch = await sandbox.diff(
-                            task.base_commit, max_bytes=config.max_patch_bytes, timeout_s=config.diff_timeout_s
+        async with server.rollout(rollout_id, socket=door.socket if door else None) as session:
+            if on_session is not None:
+                on_session(session)
+            try:
+                proxy = await door.serve_allowlist() if door and door.allow else None
+                mounts = [agent.mount(), *([door.mount()] if door else [])]
+                sandbox = await backend.create(task, mounts=mounts, network=door is None)
+                timings["sandbox_create"] = time.monotonic() - start
+                try:
+                    if task.setup_cmd:
+                        setup_started = time.monotonic()
+                        setup_error = await run_setup(sandbox, task, config)
+                        timings["setup"] = time.monotonic() - setup_started
+                    if setup_error is None:
+                        ran = await agent.run(
+                            sandbox,
+                            session.endpoint,
+                            task.problem_statement,
+                            config.agent,
+                            session.last_activity,
+                            door=door,
                         )
-                    except PatchError as e:
-                        unpatchable = e
-        finally:
-            await sandbox.destroy()
-    except SandboxError as e:
-        error = f"sandbox: {e}"
+                        timings["agent"] = ran.wall_s
+                        abandoned = session.in_flight()
+                        exhausted = await sandbox.exhausted()
+                        if exhausted is None:
+                            try:
+                                patch = await sandbox.diff(
+                                    task.base_commit, max_bytes=config.max_patch_bytes, timeout_s=config.diff_timeout_s
+                                )
+                            except PatchError as e:
+                                unpatchable = e
+                finally:
+                    await sandbox.destroy()
+            except SandboxError as e:
+                error = f"sandbox: {e}"
     finally:
         if proxy is not None:
             proxy.close()
         if door is not None:
-            await server.close_door(door.socket)
             door.remove()
-        record = server.close_rollout(rollout_id)
-        timings["generation"] = record.generation_s
+    record = session.record
+    assert record is not None  # the block closed the rollout
+    timings["generation"] = record.generation_s
 
     trajectory = Trajectory(
         instance_id=task.instance_id,
@@ -386,12 +388,13 @@ async def run_rollout(
 async def run_rollout_within(
     limit_s: float,
     task: Task,
-    server: InterceptionServer,
+    server: RolloutServer,
     backend: SandboxBackend,
     agent: Agent,
     config: RolloutConfig,
     rollout_id: str,
     on_grading: Callable[[Trajectory], None] | None = None,
+    on_session: Callable[[RolloutView], None] | None = None,
 ) -> Trajectory:
     """`run_rollout` within `limit_s` seconds, for a caller that runs many (the worker's training and held-out
     rollouts): whatever goes wrong inside it is its outcome, never an exception: `timeout` past the limit, else
@@ -405,7 +408,9 @@ async def run_rollout_within(
     deadline = asyncio.timeout(limit_s)
     try:
         async with deadline:
-            return await run_rollout(task, server, backend, agent, config, rollout_id, on_grading=on_grading)
+            return await run_rollout(
+                task, server, backend, agent, config, rollout_id, on_grading=on_grading, on_session=on_session
+            )
     except Exception as e:
         if isinstance(e, TimeoutError) and deadline.expired():
             outcome, error = "timeout", f"the rollout exceeded the worker's limit of {limit_s:.0f}s"

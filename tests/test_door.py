@@ -88,23 +88,21 @@ async def probe(
     server: InterceptionServer, backend: SandboxBackend, task: Task, bundle: PiBundle, ports: list[int]
 ) -> dict:
     """Open two rollouts, give the first a door, run PROBE behind it in an agent sandbox; what it saw."""
-    own, other = server.open_rollout(), server.open_rollout()
-    door = Door.make(own.rollout_id)
+    door = Door.make("probe")
     try:
-        await server.open_door(own.rollout_id, door.socket)
-        sandbox: Sandbox = await backend.create(task, mounts=[bundle.mount(), door.mount()], network=False)
-        async with sandbox:
-            args = {"rollout": own.rollout_id, "token": own.token, "other": other.rollout_id}
-            args |= {"other_token": other.token, "ports": ports}
-            result = await sandbox.exec(door.wrap(["python3", "-c", PROBE, json.dumps(args)]), timeout_s=120)
-            assert result.exit_code == 0, result
-            # The forwarder passes the agent's exit status on.
-            assert (await sandbox.exec(door.wrap(["sh", "-c", "exit 7"]), timeout_s=60)).exit_code == 7
+        async with server.rollout("probe", socket=door.socket) as mine, server.rollout() as theirs:
+            own, other = mine.endpoint, theirs.endpoint
+            sandbox: Sandbox = await backend.create(task, mounts=[bundle.mount(), door.mount()], network=False)
+            async with sandbox:
+                args = {"rollout": own.rollout_id, "token": own.token, "other": other.rollout_id}
+                args |= {"other_token": other.token, "ports": ports}
+                result = await sandbox.exec(door.wrap(["python3", "-c", PROBE, json.dumps(args)]), timeout_s=120)
+                assert result.exit_code == 0, result
+                # The forwarder passes the agent's exit status on.
+                assert (await sandbox.exec(door.wrap(["sh", "-c", "exit 7"]), timeout_s=60)).exit_code == 7
+        assert not door.socket.exists()  # the server stopped serving it, and removed it
     finally:
-        await server.close_door(door.socket)
         door.remove()
-        server.close_rollout(own.rollout_id)
-        server.close_rollout(other.rollout_id)
     assert not door.host_dir.exists()
     return json.loads(result.stdout)
 
@@ -139,41 +137,40 @@ async def test_pi_through_the_door(vllm_server, vllm_client, tokenizer, pi_bundl
     sampling = SamplingParams(temperature=1.0, max_tokens=64)
     async with InterceptionServer(vllm_client, tokenizer, model_name=SERVED_NAME, sampling=sampling) as server:
         assert_only_the_door(await probe(server, local_backend, task, pi_bundle, [vllm_port]), [vllm_port])
-        endpoint = server.open_rollout()
-        door = Door.make(endpoint.rollout_id)
+        door = Door.make("pi")
         try:
-            await server.open_door(endpoint.rollout_id, door.socket)
-            async with await local_backend.create(
-                task, mounts=[pi_bundle.mount(), door.mount()], network=False
-            ) as sandbox:
+            async with (
+                server.rollout("pi", socket=door.socket) as handle,
+                await local_backend.create(task, mounts=[pi_bundle.mount(), door.mount()], network=False) as sandbox,
+            ):
                 config = AgentConfig(context_window=vllm_client.max_model_len, max_tokens=64, timeout_s=180)
-                activity = lambda: server.last_activity(endpoint.rollout_id)  # noqa: E731
-                result = await run_pi(sandbox, pi_bundle, endpoint, "Fix calc.py.", config, activity, door=door)
+                result = await run_pi(
+                    sandbox, pi_bundle, handle.endpoint, "Fix calc.py.", config, handle.last_activity, door=door
+                )
         finally:
-            await server.close_door(door.socket)
             door.remove()
-            record = server.close_rollout(endpoint.rollout_id)
+        record = handle.record
     assert len(record.turns) >= 1, result
     assert not [e for e in record.errors if e.kind != "client_disconnected"], record.errors
 
 
 async def test_a_served_socket_is_removed_however_the_server_ends(tokenizer, tmp_path: Path) -> None:
-    """A socket the server was handed, closed after its server stopped (a rollout's `finally` after Ctrl-C), or
-    never closed, is no longer served and leaves no file behind; closing is idempotent; a path served already is
-    refused. The door's directory is its maker's: the server leaves it."""
+    """A socket the server was handed, its rollout closed after the server stopped (a rollout's `finally` after
+    Ctrl-C), or never closed, is no longer served and leaves no file behind; a path served already is refused.
+    The door's directory is its maker's: the server leaves it."""
     unused = VLLMClient("http://127.0.0.1:9", SERVED_NAME, max_model_len=8192)
     closed_late, never_closed = tmp_path / "late", tmp_path / "never"
     async with unused:
         server = await InterceptionServer(unused, tokenizer).start()
-        rollout = server.open_rollout().rollout_id
-        await server.open_door(rollout, closed_late)
-        await server.open_door(server.open_rollout().rollout_id, never_closed)
+        late = server.rollout(socket=closed_late)
+        await late.__aenter__()
+        await server.rollout(socket=never_closed).__aenter__()
         assert closed_late.is_socket() and never_closed.is_socket()
         with pytest.raises(ValueError, match="already served"):
-            await server.open_door(rollout, closed_late)
+            async with server.rollout(socket=closed_late):
+                pass
         await server.stop()
-        await server.close_door(closed_late)
-        await server.close_door(closed_late)
+        await late.__aexit__(None, None, None)
     assert sorted(tmp_path.iterdir()) == []
 
 
@@ -215,19 +212,18 @@ async def test_allowlist_admits_only_the_listed_targets(
     allowed = f"127.0.0.1:{echo_server.sockets[0].getsockname()[1]}"
     unused = VLLMClient("http://127.0.0.1:9", SERVED_NAME, max_model_len=8192)
     async with echo_server, unused, InterceptionServer(unused, tokenizer) as server:
-        endpoint = server.open_rollout()
-        door = replace(Door.make(endpoint.rollout_id), allow=(allowed,))
-        await server.open_door(endpoint.rollout_id, door.socket)
+        door = replace(Door.make("tunnel"), allow=(allowed,))
         proxy = await door.serve_allowlist()
         try:
-            async with await backend.create(task, mounts=[pi_bundle.mount(), door.mount()], network=False) as sandbox:
+            async with (
+                server.rollout("tunnel", socket=door.socket),
+                await backend.create(task, mounts=[pi_bundle.mount(), door.mount()], network=False) as sandbox,
+            ):
                 args = json.dumps({"allowed": allowed, "refused": f"127.0.0.1:{host_listener}"})
                 result = await sandbox.exec(door.wrap(["python3", "-c", TUNNEL, args]), timeout_s=120)
         finally:
             proxy.close()
-            await server.close_door(door.socket)
             door.remove()
-            server.close_rollout(endpoint.rollout_id)
     assert result.exit_code == 0, result
     seen = json.loads(result.stdout)
     assert seen["allowed"] == [200, "ping"]

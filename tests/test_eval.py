@@ -480,22 +480,21 @@ def test_passthrough_forwards_and_logs_the_agents_calls(vllm_server, tokenizer, 
     def on_loop(coro):
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=120)
 
-    async def call(function, *args):
-        return function(*args)
-
     client = VLLMClient(vllm_server.url, SERVED_NAME, stop_token_ids=[tokenizer.eos_token_id])
     upstream = InterceptionServer(client, tokenizer, model_name=SERVED_NAME, sampling=SamplingParams(max_tokens=64))
     on_loop(client.start())
     on_loop(upstream.start())
     out = tmp_path / "out"
     try:
-        endpoint = on_loop(call(upstream.open_rollout, "upstream"))
+        handle = upstream.rollout("upstream")
+        endpoint = on_loop(handle.__aenter__()).endpoint
         monkeypatch.setenv("OPENAI_API_KEY", endpoint.token)
         argv = ["eval", "--tasks", str(demo_tasks_path()), "--instance-ids", STRUTIL, "--model", SERVED_NAME,
                 "--passthrough", endpoint.base_url, "--max-tokens", "48", "--out", str(out),
                 "--save-trajectories"]  # fmt: skip
         code = cli_main(argv)
-        record = on_loop(call(upstream.close_rollout, "upstream"))
+        on_loop(handle.__aexit__(None, None, None))
+        record = handle.record
     finally:
         on_loop(upstream.stop())
         on_loop(client.close())

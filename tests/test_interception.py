@@ -10,6 +10,7 @@ import json
 import socket
 import time
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from typing import Any
 
 import aiohttp
@@ -18,6 +19,8 @@ import pytest
 from conftest import SERVED_NAME, TEMPLATES, tiny_tokenizer
 from pi_shapes import SYSTEM_PROMPT, PiConversation, scripted_output, tool_call
 
+from swe_grpo.evaluation.passthrough import PassthroughServer
+from swe_grpo.serving.handle import RolloutServer, RolloutView
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import (
     ContextOverflowError,
@@ -71,31 +74,31 @@ def sse_events(raw: str, done: bool = True) -> list[Any]:
 
 
 async def test_health_is_open_and_says_nothing_else(server, http) -> None:
-    server.open_rollout()
-    async with http.get(f"{server.public_base_url}/health") as r:
+    async with server.rollout(), http.get(f"{server.public_base_url}/health") as r:
         assert r.status == 200
         assert await r.json() == {"status": "ok"}
 
 
-def test_binds_loopback_by_default(server) -> None:
+async def test_binds_loopback_by_default(server) -> None:
     assert server.host == "127.0.0.1"
-    endpoint = server.open_rollout()
-    assert endpoint.base_url == f"http://127.0.0.1:{server.port}/rollout/{endpoint.rollout_id}/v1"
-    listening = [
-        c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == server.port
-    ]
-    assert listening == ["127.0.0.1"]
+    async with server.rollout() as handle:
+        endpoint = handle.endpoint
+        assert endpoint.base_url == f"http://127.0.0.1:{server.port}/rollout/{endpoint.rollout_id}/v1"
+        listening = [
+            c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == server.port
+        ]
+        assert listening == ["127.0.0.1"]
 
 
 async def test_public_base_url_is_what_agents_get(vllm_client, tokenizer) -> None:
     srv = InterceptionServer(vllm_client, tokenizer, public_base_url="https://space.example/")
-    endpoint = srv.open_rollout("r1")
-    assert endpoint.base_url == "https://space.example/rollout/r1/v1"
+    async with srv.rollout("r1") as handle:
+        endpoint = handle.endpoint
+        assert endpoint.base_url == "https://space.example/rollout/r1/v1"
 
 
 @pytest.mark.parametrize("route", ["models", CHAT])
 async def test_auth_on_every_rollout_route(server, http, route: str) -> None:
-    a, b = server.open_rollout(), server.open_rollout()
     method = http.get if route == "models" else http.post
     body = json.dumps(PiConversation().request(stream=False)) if route == CHAT else None
 
@@ -103,24 +106,28 @@ async def test_auth_on_every_rollout_route(server, http, route: str) -> None:
         async with method(f"{endpoint_url}/{route}", data=body, headers=headers) as r:
             return r.status, await r.json()
 
-    assert (await status(a.base_url, {}))[0] == 401
-    assert (await status(a.base_url, {"Authorization": "Bearer wrong"}))[0] == 401
-    assert (await status(a.base_url, {"Authorization": a.token}))[0] == 401  # no scheme
-    assert (await status(a.base_url, auth(b)))[0] == 401  # another rollout's token
-    code, err = await status(f"{server.public_base_url}/rollout/nope/v1", auth(a))
-    assert code == 404 and err["error"]["type"] == "not_found_error"
-    assert (await status(a.base_url, auth(a)))[0] == 200
-    server.close_rollout(a.rollout_id)
-    assert (await status(a.base_url, auth(a)))[0] == 410
-    assert (await status(a.base_url, {"Authorization": "Bearer wrong"}))[0] == 401
+    async with server.rollout() as other:
+        b = other.endpoint
+        async with server.rollout() as handle:
+            a = handle.endpoint
+            assert (await status(a.base_url, {}))[0] == 401
+            assert (await status(a.base_url, {"Authorization": "Bearer wrong"}))[0] == 401
+            assert (await status(a.base_url, {"Authorization": a.token}))[0] == 401  # no scheme
+            assert (await status(a.base_url, auth(b)))[0] == 401  # another rollout's token
+            code, err = await status(f"{server.public_base_url}/rollout/nope/v1", auth(a))
+            assert code == 404 and err["error"]["type"] == "not_found_error"
+            assert (await status(a.base_url, auth(a)))[0] == 200
+        assert (await status(a.base_url, auth(a)))[0] == 410
+        assert (await status(a.base_url, {"Authorization": "Bearer wrong"}))[0] == 401
 
 
 async def test_models_route(server, http, vllm_client) -> None:
-    endpoint = server.open_rollout(model=SERVED_NAME)
-    async with http.get(f"{endpoint.base_url}/models", headers=auth(endpoint)) as r:
-        data = (await r.json())["data"]
-    assert [m["id"] for m in data] == [SERVED_NAME]
-    assert data[0]["max_model_len"] == vllm_client.max_model_len
+    async with server.rollout(model=SERVED_NAME) as handle:
+        endpoint = handle.endpoint
+        async with http.get(f"{endpoint.base_url}/models", headers=auth(endpoint)) as r:
+            data = (await r.json())["data"]
+        assert [m["id"] for m in data] == [SERVED_NAME]
+        assert data[0]["max_model_len"] == vllm_client.max_model_len
 
 
 @pytest.mark.parametrize(
@@ -140,30 +147,32 @@ async def test_models_route(server, http, vllm_client) -> None:
     ],
 )
 async def test_malformed_requests_get_400_json(server, http, body, fragment: str) -> None:
-    endpoint = server.open_rollout()
-    async with await post_chat(http, endpoint, body) as r:
-        assert r.status == 400
-        error = (await r.json())["error"]
-    assert fragment in error["message"] and error["type"] == "invalid_request_error"
-    async with http.get(f"{server.public_base_url}/health") as r:
-        assert r.status == 200  # still serving
-    # A good request on the same rollout still works.
-    async with await post_chat(http, endpoint, PiConversation().request(stream=False)) as r:
-        assert r.status == 200
+    async with server.rollout() as handle:
+        endpoint = handle.endpoint
+        async with await post_chat(http, endpoint, body) as r:
+            assert r.status == 400
+            error = (await r.json())["error"]
+        assert fragment in error["message"] and error["type"] == "invalid_request_error"
+        async with http.get(f"{server.public_base_url}/health") as r:
+            assert r.status == 200  # still serving
+        # A good request on the same rollout still works.
+        async with await post_chat(http, endpoint, PiConversation().request(stream=False)) as r:
+            assert r.status == 200
 
 
 async def test_streaming_reply_is_openai_sse(server, http) -> None:
-    endpoint = server.open_rollout()
-    async with await post_chat(http, endpoint, PiConversation().request(stream=True)) as r:
-        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
-        events = sse_events(await r.text())
-    assert all(e["object"] == "chat.completion.chunk" and e["model"] == SERVED_NAME for e in events)
-    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
-    finishes = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
-    assert finishes[-1] in ("stop", "length", "tool_calls") and all(f is None for f in finishes[:-1])
-    usage = events[-1]
-    assert usage["choices"] == []
-    record = server.close_rollout(endpoint.rollout_id)
+    async with server.rollout() as handle:
+        endpoint = handle.endpoint
+        async with await post_chat(http, endpoint, PiConversation().request(stream=True)) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            events = sse_events(await r.text())
+        assert all(e["object"] == "chat.completion.chunk" and e["model"] == SERVED_NAME for e in events)
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+        finishes = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
+        assert finishes[-1] in ("stop", "length", "tool_calls") and all(f is None for f in finishes[:-1])
+        usage = events[-1]
+        assert usage["choices"] == []
+    record = handle.record
     (turn,) = record.turns
     assert usage["usage"] == {
         "prompt_tokens": turn.prompt_tokens,
@@ -175,33 +184,36 @@ async def test_streaming_reply_is_openai_sse(server, http) -> None:
 
 
 async def test_streaming_without_usage(server, http) -> None:
-    endpoint = server.open_rollout()
-    body = PiConversation().request(stream=True)
-    del body["stream_options"]
-    async with await post_chat(http, endpoint, body) as r:
-        events = sse_events(await r.text())
-    assert all(e["choices"] for e in events) and not any("usage" in e for e in events)
+    async with server.rollout() as handle:
+        endpoint = handle.endpoint
+        body = PiConversation().request(stream=True)
+        del body["stream_options"]
+        async with await post_chat(http, endpoint, body) as r:
+            events = sse_events(await r.text())
+        assert all(e["choices"] for e in events) and not any("usage" in e for e in events)
 
 
 async def test_non_streaming_reply(server, http) -> None:
-    endpoint = server.open_rollout()
-    async with await post_chat(http, endpoint, PiConversation().request(stream=False)) as r:
-        reply = await r.json()
-    assert reply["object"] == "chat.completion"
-    (choice,) = reply["choices"]
-    assert choice["message"]["role"] == "assistant"
-    assert choice["finish_reason"] in ("stop", "length", "tool_calls")
-    assert reply["usage"]["completion_tokens"] >= 1
+    async with server.rollout() as handle:
+        endpoint = handle.endpoint
+        async with await post_chat(http, endpoint, PiConversation().request(stream=False)) as r:
+            reply = await r.json()
+        assert reply["object"] == "chat.completion"
+        (choice,) = reply["choices"]
+        assert choice["message"]["role"] == "assistant"
+        assert choice["finish_reason"] in ("stop", "length", "tool_calls")
+        assert reply["usage"]["completion_tokens"] >= 1
 
 
 async def test_agent_max_tokens_only_lowers_the_limit(server, http) -> None:
-    endpoint = server.open_rollout()
-    body = PiConversation(max_tokens=3).request(stream=False)
-    async with await post_chat(http, endpoint, body) as r:
-        assert (await r.json())["usage"]["completion_tokens"] <= 3
-    body = PiConversation(max_tokens=100_000).request(stream=False)
-    async with await post_chat(http, server.open_rollout(), body) as r:
-        assert (await r.json())["usage"]["completion_tokens"] <= 24  # the rollout's own cap
+    async with server.rollout() as handle:
+        endpoint = handle.endpoint
+        body = PiConversation(max_tokens=3).request(stream=False)
+        async with await post_chat(http, endpoint, body) as r:
+            assert (await r.json())["usage"]["completion_tokens"] <= 3
+        body = PiConversation(max_tokens=100_000).request(stream=False)
+        async with server.rollout() as other, await post_chat(http, other.endpoint, body) as r:
+            assert (await r.json())["usage"]["completion_tokens"] <= 24  # the rollout's own cap
 
 
 class ConcurrencyProbe:
@@ -230,8 +242,12 @@ class ConcurrencyProbe:
 
 async def test_one_request_at_a_time_per_rollout_concurrent_across(vllm_client, tokenizer, http) -> None:
     probe = ConcurrencyProbe(vllm_client)
-    async with InterceptionServer(probe, tokenizer, sampling=SamplingParams(max_tokens=8)) as srv:
-        endpoints = [srv.open_rollout(model=f"m{i}") for i in range(3)]
+    async with (
+        InterceptionServer(probe, tokenizer, sampling=SamplingParams(max_tokens=8)) as srv,
+        AsyncExitStack() as stack,
+    ):
+        handles = [await stack.enter_async_context(srv.rollout(model=f"m{i}")) for i in range(3)]
+        endpoints = [h.endpoint for h in handles]
         body = PiConversation().request(stream=False)
 
         async def call(endpoint):
@@ -248,16 +264,17 @@ async def test_one_request_at_a_time_per_rollout_concurrent_across(vllm_client, 
 async def test_context_overflow_is_answered_and_recorded(vllm_server, tokenizer, http) -> None:
     small = VLLMClient(vllm_server.url, SERVED_NAME, max_model_len=200)
     async with small, InterceptionServer(small, tokenizer) as srv:
-        endpoint = srv.open_rollout()
-        async with await post_chat(http, endpoint, PiConversation().request(stream=False)) as r:
-            assert r.status == 400
-            assert (await r.json())["error"]["code"] == "context_length_exceeded"
-        # Streaming: the headers went out before generation, so the error is an SSE error event.
-        async with await post_chat(http, endpoint, PiConversation().request(stream=True)) as r:
-            assert r.status == 200
-            (event,) = sse_events(await r.text(), done=False)
-        assert event["error"]["code"] == "context_length_exceeded"
-        record = srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            async with await post_chat(http, endpoint, PiConversation().request(stream=False)) as r:
+                assert r.status == 400
+                assert (await r.json())["error"]["code"] == "context_length_exceeded"
+            # Streaming: the headers went out before generation, so the error is an SSE error event.
+            async with await post_chat(http, endpoint, PiConversation().request(stream=True)) as r:
+                assert r.status == 200
+                (event,) = sse_events(await r.text(), done=False)
+            assert event["error"]["code"] == "context_length_exceeded"
+        record = handle.record
     assert [e.kind for e in record.errors] == ["context_overflow"] * 2
     assert record.turns == [] and record.rows == []
 
@@ -268,55 +285,67 @@ async def test_dead_vllm_is_answered_503_and_recorded(tokenizer, http) -> None:
         dead_port = s.getsockname()[1]  # nothing listens once the socket closes
     dead = VLLMClient(f"http://127.0.0.1:{dead_port}", "x", max_model_len=8192, backoff_s=0.01)
     async with dead, InterceptionServer(dead, tokenizer) as srv:
-        endpoint = srv.open_rollout()
-        async with await post_chat(http, endpoint, PiConversation().request(stream=False)) as r:
-            assert r.status == 503
-            assert r.content_type == "application/json"
-        record = srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            async with await post_chat(http, endpoint, PiConversation().request(stream=False)) as r:
+                assert r.status == 503
+                assert r.content_type == "application/json"
+        record = handle.record
     assert [e.kind for e in record.errors] == ["server_unavailable"]
     assert "Cannot connect" in record.errors[0].message or "Connect" in record.errors[0].message
 
 
-async def test_close_rollout_returns_the_chain(server, http) -> None:
-    endpoint = server.open_rollout()
-    convo = PiConversation()
-    for _ in range(2):
-        async with await post_chat(http, endpoint, convo.request(stream=False)) as r:
-            convo.add_reply((await r.json())["choices"][0]["message"])
-        convo.messages.append({"role": "user", "content": [{"type": "text", "text": "Go on."}]})
-    record = server.close_rollout(endpoint.rollout_id)
+async def test_a_closed_rollout_holds_the_chain(server, http) -> None:
+    async with server.rollout() as handle:
+        endpoint = handle.endpoint
+        convo = PiConversation()
+        for _ in range(2):
+            async with await post_chat(http, endpoint, convo.request(stream=False)) as r:
+                convo.add_reply((await r.json())["choices"][0]["message"])
+            convo.messages.append({"role": "user", "content": [{"type": "text", "text": "Go on."}]})
+    record = handle.record
     assert record.requests == 2 and len(record.turns) == 2
     assert [t.kind for t in record.turns] == ["clean", "clean"]
     assert len(record.rows) == 1 and record.rows[0].num_turns == 2
-    with pytest.raises(KeyError):
-        server.close_rollout(endpoint.rollout_id)
+    with pytest.raises(RuntimeError, match="used once"):
+        async with handle:
+            pass
 
 
-def test_rollout_ids_are_validated_and_unique(server) -> None:
-    server.open_rollout("task-1.a_b")
-    with pytest.raises(ValueError, match="already exists"):
-        server.open_rollout("task-1.a_b")
+async def test_rollout_ids_are_validated_and_unique(server) -> None:
+    async with server.rollout("task-1.a_b"):
+        with pytest.raises(ValueError, match="already exists"):
+            async with server.rollout("task-1.a_b"):
+                pass
+    with pytest.raises(ValueError, match="already exists"):  # nor reused once closed
+        async with server.rollout("task-1.a_b"):
+            pass
     with pytest.raises(ValueError, match="invalid rollout id"):
-        server.open_rollout("../../etc")
-    tokens = {server.open_rollout().token for _ in range(50)}
+        async with server.rollout("../../etc"):
+            pass
+    tokens = set()
+    for _ in range(50):
+        async with server.rollout() as handle:
+            tokens.add(handle.endpoint.token)
     assert len(tokens) == 50 and all(len(t) >= 40 for t in tokens)
 
 
 async def test_agent_disconnecting_mid_generation_is_harmless(vllm_client, tokenizer, caplog) -> None:
     probe = ConcurrencyProbe(vllm_client)  # holds each generation for 0.2 s
     async with InterceptionServer(probe, tokenizer, sampling=SamplingParams(max_tokens=8), keepalive_s=0.05) as srv:
-        endpoint = srv.open_rollout()
-        convo = PiConversation()
-        async with aiohttp.ClientSession() as session:
-            with pytest.raises(asyncio.TimeoutError):
-                await read_chat(session, endpoint, convo.request(), timeout=aiohttp.ClientTimeout(total=0.05))
-        await asyncio.sleep(0.5)  # the server notices, and abandons the generation
-        assert sum(probe.in_flight.values()) == 0
-        # The agent retries the same request: the only turn is the one it received.
-        async with aiohttp.ClientSession() as session, await post_chat(session, endpoint, convo.request()) as r:
-            assert r.status == 200
-            await r.read()
-        record = srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            convo = PiConversation()
+            async with aiohttp.ClientSession() as session:
+                with pytest.raises(asyncio.TimeoutError):
+                    await read_chat(session, endpoint, convo.request(), timeout=aiohttp.ClientTimeout(total=0.05))
+            await asyncio.sleep(0.5)  # the server notices, and abandons the generation
+            assert sum(probe.in_flight.values()) == 0
+            # The agent retries the same request: the only turn is the one it received.
+            async with aiohttp.ClientSession() as session, await post_chat(session, endpoint, convo.request()) as r:
+                assert r.status == 200
+                await r.read()
+        record = handle.record
     assert [t.kind for t in record.turns] == ["clean"] and record.turns[0].retries == 0
     assert [e.kind for e in record.errors] == ["client_disconnected"]
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
@@ -325,11 +354,11 @@ async def test_agent_disconnecting_mid_generation_is_harmless(vllm_client, token
 async def test_closing_a_rollout_mid_generation_abandons_it(vllm_client, tokenizer) -> None:
     probe = ConcurrencyProbe(vllm_client)  # holds each generation for 0.2 s
     async with InterceptionServer(probe, tokenizer, sampling=SamplingParams(max_tokens=8)) as srv:
-        endpoint = srv.open_rollout()
         async with aiohttp.ClientSession() as session:
-            request = asyncio.create_task(read_chat(session, endpoint, PiConversation().request()))
-            await asyncio.sleep(0.1)
-            record = srv.close_rollout(endpoint.rollout_id)
+            async with srv.rollout() as handle:
+                request = asyncio.create_task(read_chat(session, handle.endpoint, PiConversation().request()))
+                await asyncio.sleep(0.1)
+            record = handle.record  # closed mid-generation
             with pytest.raises(aiohttp.ClientError):  # the agent is cut off mid-stream, not answered
                 await request
         assert sum(probe.in_flight.values()) == 0  # the generation was cancelled
@@ -348,13 +377,14 @@ class NeverReturns:
 
 async def test_stop_does_not_wait_for_a_stuck_generation(tokenizer) -> None:
     srv = await InterceptionServer(NeverReturns(), tokenizer).start()
-    endpoint = srv.open_rollout()
-    async with aiohttp.ClientSession() as session:
-        request = asyncio.create_task(read_chat(session, endpoint, PiConversation().request()))
-        await asyncio.sleep(0.3)
-        await asyncio.wait_for(srv.stop(), timeout=10)
-        with pytest.raises(aiohttp.ClientError):
-            await request
+    async with srv.rollout() as handle:
+        endpoint = handle.endpoint
+        async with aiohttp.ClientSession() as session:
+            request = asyncio.create_task(read_chat(session, endpoint, PiConversation().request()))
+            await asyncio.sleep(0.3)
+            await asyncio.wait_for(srv.stop(), timeout=10)
+            with pytest.raises(aiohttp.ClientError):
+                await request
 
 
 class ScriptedGenerator:
@@ -418,12 +448,13 @@ async def test_replaying_a_recorded_conversation_is_clean(tokenizer, http) -> No
         recorded.add_reply(echoed if echoed["tool_calls"] else {k: v for k, v in echoed.items() if k != "tool_calls"})
 
     async with InterceptionServer(generator, tokenizer) as srv:
-        endpoint = srv.open_rollout()
-        for body in requests:
-            async with await post_chat(http, endpoint, body) as r:
-                assert r.status == 200
-                await r.read()
-        record = srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            for body in requests:
+                async with await post_chat(http, endpoint, body) as r:
+                    assert r.status == 200
+                    await r.read()
+        record = handle.record
     assert [t.kind for t in record.turns] == ["clean"] * 3
     assert len(record.rows) == 1
     assert sum(record.rows[0].completion_mask) == sum(
@@ -456,20 +487,21 @@ async def test_tool_call_arguments_that_are_not_an_object_come_back_as_plain_tex
     text = '<tool_call>\n{"name": "bash", "arguments": "ls -la"}\n</tool_call>'
     generator = ScriptedGenerator.texts(training("qwen3"), [text + "<|im_end|>", "Done.<|im_end|>"])
     async with stub_server("qwen3", generator) as srv:
-        endpoint = srv.open_rollout()
-        convo = PiConversation()
-        async with await post_chat(http, endpoint, convo.request(stream=False)) as r:
-            assert r.status == 200, await r.text()
-            reply = await r.json()
-        message = reply["choices"][0]["message"]
-        assert "tool_calls" not in message and reply["choices"][0]["finish_reason"] == "stop"
-        assert message["content"] == text
-        convo.add_reply(message)
-        convo.messages.append({"role": "user", "content": "go on"})
-        async with await post_chat(http, endpoint, convo.request()) as r:
-            assert r.status == 200
-            await r.read()
-        record = srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            convo = PiConversation()
+            async with await post_chat(http, endpoint, convo.request(stream=False)) as r:
+                assert r.status == 200, await r.text()
+                reply = await r.json()
+            message = reply["choices"][0]["message"]
+            assert "tool_calls" not in message and reply["choices"][0]["finish_reason"] == "stop"
+            assert message["content"] == text
+            convo.add_reply(message)
+            convo.messages.append({"role": "user", "content": "go on"})
+            async with await post_chat(http, endpoint, convo.request()) as r:
+                assert r.status == 200
+                await r.read()
+        record = handle.record
     assert record.malformed_tool_calls == 1 and record.errors == []
     assert [t.kind for t in record.turns] == ["clean", "clean"] and len(record.rows) == 1
     assert record.rows[0].input_ids.tolist() == generator.prompts[-1] + generator.outputs[-1]
@@ -484,21 +516,22 @@ async def test_a_reply_the_template_would_refuse_comes_back_as_plain_text(http) 
     )
     generator = ScriptedGenerator.texts(training("llama3_2"), [calls + "<|eot_id|>", "Done.<|eot_id|>"])
     async with stub_server("llama3_2", generator) as srv:
-        endpoint = srv.open_rollout()
-        convo = PiConversation()
-        async with await post_chat(http, endpoint, convo.request()) as r:
-            assert r.status == 200
-            events = sse_events(await r.text())
-        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
-        assert not any("tool_calls" in d for d in deltas)
-        content = "".join(d.get("content") or "" for d in deltas)
-        assert content == calls
-        convo.add_reply({"role": "assistant", "content": content})
-        convo.messages.append({"role": "user", "content": "go on"})
-        async with await post_chat(http, endpoint, convo.request()) as r:
-            assert r.status == 200, await r.text()
-            await r.read()
-        record = srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            convo = PiConversation()
+            async with await post_chat(http, endpoint, convo.request()) as r:
+                assert r.status == 200
+                events = sse_events(await r.text())
+            deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+            assert not any("tool_calls" in d for d in deltas)
+            content = "".join(d.get("content") or "" for d in deltas)
+            assert content == calls
+            convo.add_reply({"role": "assistant", "content": content})
+            convo.messages.append({"role": "user", "content": "go on"})
+            async with await post_chat(http, endpoint, convo.request()) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+        record = handle.record
     assert record.malformed_tool_calls == 2 and record.errors == []
     assert [t.kind for t in record.turns] == ["clean", "clean"]
 
@@ -506,19 +539,20 @@ async def test_a_reply_the_template_would_refuse_comes_back_as_plain_text(http) 
 async def test_a_request_the_template_refuses_is_a_recorded_400(http) -> None:
     generator = ScriptedGenerator.texts(training("llama3_2"), ["Done.<|eot_id|>"])
     async with stub_server("llama3_2", generator) as srv:
-        endpoint = srv.open_rollout()
-        convo = PiConversation()
-        convo.add_reply(
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [sent_call("read", path="a"), sent_call("bash", command="ls")],
-            }
-        )
-        async with await post_chat(http, endpoint, convo.request()) as r:
-            assert r.status == 400
-            error = (await r.json())["error"]
-        record = srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            convo = PiConversation()
+            convo.add_reply(
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [sent_call("read", path="a"), sent_call("bash", command="ls")],
+                }
+            )
+            async with await post_chat(http, endpoint, convo.request()) as r:
+                assert r.status == 400
+                error = (await r.json())["error"]
+        record = handle.record
     assert "single tool-calls" in error["message"] and error["type"] == "invalid_request_error"
     assert [e.kind for e in record.errors] == ["bad_request"] and "single tool-calls" in record.errors[0].message
     assert record.turns == [] and generator.prompts == []
@@ -552,16 +586,17 @@ async def test_every_failure_in_a_turn_is_recorded_and_answered_in_openai_shape(
     """Streaming: the headers went out before generation, so a failure is an SSE error event (which the
     OpenAI clients raise as APIError); not streaming: an HTTP error status with an OpenAI error body."""
     async with stub_server("qwen3", Failing(error, delay_s=0.2), keepalive_s=0.05) as srv:
-        endpoint = srv.open_rollout()
-        async with await post_chat(http, endpoint, PiConversation().request(stream=stream)) as r:
-            if stream:
-                assert r.status == 200
-                (event,) = sse_events(await r.text(), done=False)
-                body = event
-            else:
-                assert r.status == status and r.content_type == "application/json"
-                body = await r.json()
-        record = srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            async with await post_chat(http, endpoint, PiConversation().request(stream=stream)) as r:
+                if stream:
+                    assert r.status == 200
+                    (event,) = sse_events(await r.text(), done=False)
+                    body = event
+                else:
+                    assert r.status == status and r.content_type == "application/json"
+                    body = await r.json()
+        record = handle.record
     assert body["error"]["code"] == code and str(error) in body["error"]["message"]
     assert [e.kind for e in record.errors] == [kind] and record.turns == [] and record.rows == []
 
@@ -572,17 +607,18 @@ async def test_a_retry_replaces_the_turn_the_agent_never_received(http) -> None:
     template = training("qwen3")
     generator = ScriptedGenerator.texts(template, ["First.<|im_end|>", "Second.<|im_end|>", "Third.<|im_end|>"])
     async with stub_server("qwen3", generator) as srv:
-        endpoint = srv.open_rollout()
-        convo = PiConversation()
-        for _ in range(2):  # the second is a retry of the first
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            convo = PiConversation()
+            for _ in range(2):  # the second is a retry of the first
+                async with await post_chat(http, endpoint, convo.request(stream=False)) as r:
+                    reply = await r.json()
+            assert reply["choices"][0]["message"]["content"] == "Second."
+            convo.add_reply(reply["choices"][0]["message"])
+            convo.messages.append({"role": "user", "content": "go on"})
             async with await post_chat(http, endpoint, convo.request(stream=False)) as r:
-                reply = await r.json()
-        assert reply["choices"][0]["message"]["content"] == "Second."
-        convo.add_reply(reply["choices"][0]["message"])
-        convo.messages.append({"role": "user", "content": "go on"})
-        async with await post_chat(http, endpoint, convo.request(stream=False)) as r:
-            assert (await r.json())["choices"][0]["message"]["content"] == "Third."
-        record = srv.close_rollout(endpoint.rollout_id)
+                assert (await r.json())["choices"][0]["message"]["content"] == "Third."
+        record = handle.record
     assert generator.prompts[0] == generator.prompts[1]
     assert [(t.kind, t.retries) for t in record.turns] == [("clean", 1), ("clean", 0)]
     assert record.retries == 1 and len(record.rows) == 1
@@ -593,15 +629,16 @@ async def test_a_retry_replaces_the_turn_the_agent_never_received(http) -> None:
 async def test_a_client_that_disconnects_before_its_reply_leaves_no_turn() -> None:
     generator = ScriptedGenerator.texts(training("qwen3"), ["Done.<|im_end|>"], delay_s=1.0)
     async with stub_server("qwen3", generator, keepalive_s=0.05) as srv:
-        endpoint = srv.open_rollout()
-        for stream in (True, False):
-            body = PiConversation().request(stream=stream)
-            async with aiohttp.ClientSession() as session:
-                with pytest.raises(asyncio.TimeoutError):
-                    await read_chat(session, endpoint, body, timeout=aiohttp.ClientTimeout(total=0.3))
-            await asyncio.sleep(0.3)
-            assert generator.cancelled == (1 if stream else 2)  # the server noticed and stopped generating
-        record = srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            for stream in (True, False):
+                body = PiConversation().request(stream=stream)
+                async with aiohttp.ClientSession() as session:
+                    with pytest.raises(asyncio.TimeoutError):
+                        await read_chat(session, endpoint, body, timeout=aiohttp.ClientTimeout(total=0.3))
+                await asyncio.sleep(0.3)
+                assert generator.cancelled == (1 if stream else 2)  # the server noticed and stopped generating
+        record = handle.record
     assert record.turns == [] and record.rows == []
     assert [e.kind for e in record.errors] == ["client_disconnected"] * 2
 
@@ -611,16 +648,17 @@ async def test_headers_at_once_and_keepalives_during_a_long_generation(http) -> 
     headers before generating, then an SSE comment every `keepalive_s` until the answer."""
     generator = ScriptedGenerator.texts(training("qwen3"), ["Done.<|im_end|>"], delay_s=1.5)
     async with stub_server("qwen3", generator, keepalive_s=0.1) as srv:
-        endpoint = srv.open_rollout()
-        started = time.monotonic()
-        r = await asyncio.wait_for(post_chat(http, endpoint, PiConversation().request()), timeout=0.5)
-        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
-        first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), timeout=0.5)
-        assert first == b": keep-alive\n\n"
-        assert time.monotonic() - started < 1.0
-        rest = (first + await r.read()).decode()
-        r.release()
-        record = srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            started = time.monotonic()
+            r = await asyncio.wait_for(post_chat(http, endpoint, PiConversation().request()), timeout=0.5)
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), timeout=0.5)
+            assert first == b": keep-alive\n\n"
+            assert time.monotonic() - started < 1.0
+            rest = (first + await r.read()).decode()
+            r.release()
+        record = handle.record
     assert rest.count(": keep-alive\n\n") >= 5 and rest.index("data: ") > rest.rindex(": keep-alive")
     assert sse_events(rest)[-2]["choices"][0]["finish_reason"] == "stop"
     assert len(record.turns) == 1
@@ -628,24 +666,23 @@ async def test_headers_at_once_and_keepalives_during_a_long_generation(http) -> 
 
 async def test_the_stall_watchdog_counts_a_generation_in_flight_as_activity(http) -> None:
     generator = ScriptedGenerator.texts(training("qwen3"), ["Done.<|im_end|>"], delay_s=1.5)
-    async with stub_server("qwen3", generator) as srv:
-        endpoint = srv.open_rollout()
+    async with stub_server("qwen3", generator) as srv, srv.rollout() as handle:
+        endpoint = handle.endpoint
         request = asyncio.create_task(post_chat(http, endpoint, PiConversation().request(stream=False)))
         await asyncio.sleep(1.0)
-        assert time.monotonic() - srv.last_activity(endpoint.rollout_id) < 0.2
+        assert time.monotonic() - handle.last_activity() < 0.2
         async with await request as r:
             assert r.status == 200
         await asyncio.sleep(0.5)
-        assert time.monotonic() - srv.last_activity(endpoint.rollout_id) >= 0.5  # idle again
-        srv.close_rollout(endpoint.rollout_id)
+        assert time.monotonic() - handle.last_activity() >= 0.5  # idle again
 
 
 async def test_a_big_request_does_not_stall_other_rollouts(http) -> None:
     """Rendering and tokenising a 2 MB tool output runs off the event loop, so another rollout's request is
     answered meanwhile."""
     generator = ScriptedGenerator.texts(training("qwen3"), ["Done.<|im_end|>"])
-    async with stub_server("qwen3", generator) as srv:
-        big, small = srv.open_rollout(), srv.open_rollout()
+    async with stub_server("qwen3", generator) as srv, AsyncExitStack() as stack:
+        big, small = [(await stack.enter_async_context(srv.rollout())).endpoint for _ in range(2)]
         convo = PiConversation()
         convo.add_reply(
             {"role": "assistant", "content": "", "tool_calls": [sent_call("bash", command="cat big.log")]},
@@ -674,17 +711,18 @@ async def test_the_arguments_the_agent_receives_are_the_generated_ones(http, tem
     reply = {"role": "assistant", "content": "", "tool_calls": [tool_call("edit", **arguments)]}
     generator = ScriptedGenerator.replies(training(template), [reply, {"role": "assistant", "content": "Done."}])
     async with stub_server(template, generator) as srv:
-        endpoint = srv.open_rollout()
-        convo = PiConversation()
-        async with await post_chat(http, endpoint, convo.request()) as r:
-            events = sse_events(await r.text())
-        (call,) = [c for e in events if e["choices"] for c in e["choices"][0]["delta"].get("tool_calls", [])]
-        assert call["function"]["name"] == "edit"
-        assert json.loads(call["function"]["arguments"]) == arguments
-        convo.add_reply({"role": "assistant", "content": None, "tool_calls": [call]})
-        async with await post_chat(http, endpoint, convo.request()) as r:
-            await r.read()
-        record = srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            convo = PiConversation()
+            async with await post_chat(http, endpoint, convo.request()) as r:
+                events = sse_events(await r.text())
+            (call,) = [c for e in events if e["choices"] for c in e["choices"][0]["delta"].get("tool_calls", [])]
+            assert call["function"]["name"] == "edit"
+            assert json.loads(call["function"]["arguments"]) == arguments
+            convo.add_reply({"role": "assistant", "content": None, "tool_calls": [call]})
+            async with await post_chat(http, endpoint, convo.request()) as r:
+                await r.read()
+        record = handle.record
     assert [t.kind for t in record.turns] == ["clean", "clean"] and record.malformed_tool_calls == 0
 
 
@@ -698,13 +736,38 @@ async def test_generation_stops_at_every_token_that_ends_a_turn(tokenizer, http)
             return await super().generate(prompt_ids, params, model)
 
     generator = Recording.texts(TrainingTemplate(tokenizer), ["Done.<|im_end|>"])
-    async with InterceptionServer(generator, tokenizer) as srv:
-        endpoint = srv.open_rollout()
+    async with InterceptionServer(generator, tokenizer) as srv, srv.rollout() as handle:
+        endpoint = handle.endpoint
         async with await post_chat(http, endpoint, PiConversation().request(stream=False)) as r:
             assert r.status == 200
-        srv.close_rollout(endpoint.rollout_id)
     assert generator.params.stop_token_ids == TrainingTemplate(tokenizer).stop_token_ids
     assert generator.params.stop_token_ids == (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+
+
+async def test_both_servers_give_the_handle_run_rollout_needs(tokenizer) -> None:
+    """`run_rollout` takes any `RolloutServer`: the InterceptionServer and the passthrough (`swe-grpo eval
+    --passthrough`) both give a handle with every member of `RolloutView`, and one without `in_flight` is not one."""
+    unused = VLLMClient("http://127.0.0.1:9", SERVED_NAME, max_model_len=8192)
+    for server in (InterceptionServer(unused, tokenizer), PassthroughServer("http://127.0.0.1:9/v1", SERVED_NAME)):
+        assert isinstance(server, RolloutServer)
+        async with server.rollout() as handle:
+            assert isinstance(handle, RolloutView), type(handle)
+            assert not handle.in_flight() and handle.oldest_version() is None and handle.record is None
+        assert handle.record is not None and handle.record.rollout_id == handle.endpoint.rollout_id
+        with pytest.raises(RuntimeError, match="used once"):
+            async with handle:
+                pass
+
+    class Partial:
+        endpoint, socket, record = None, None, None
+
+        def last_activity(self) -> float:
+            return 0.0
+
+        def oldest_version(self) -> int | None:
+            return None
+
+    assert not isinstance(Partial(), RolloutView)
 
 
 async def test_the_parser_probes_with_the_servers_template_kwargs(tokenizer) -> None:

@@ -109,24 +109,18 @@ async def test_a_repository_cannot_configure_mini_and_the_token_stays_in_its_env
         vllm_server.url, SERVED_NAME, stop_token_ids=[tokenizer.eos_token_id], guided=[bash(argv), bash(SUBMIT)]
     )
     async with client, InterceptionServer(client, tokenizer, model_name=SERVED_NAME) as server:
-        endpoint = server.open_rollout()
-        door = Door.make(endpoint.rollout_id)
+        door = Door.make("mini")
         try:
-            await server.open_door(endpoint.rollout_id, door.socket)
-            async with await backend.create(task, mounts=[mini.mount(), door.mount()], network=False) as sandbox:
-                result = await mini.run(
-                    sandbox,
-                    endpoint,
-                    task.problem_statement,
-                    agent_config(client),
-                    lambda: server.last_activity(endpoint.rollout_id),
-                    door=door,
-                )
-                after = await sandbox.exec(f"grep -rlsF -e {endpoint.token} /tmp /testbed; ls /tmp", timeout_s=60)
+            async with server.rollout("mini", socket=door.socket) as handle:
+                endpoint = handle.endpoint
+                async with await backend.create(task, mounts=[mini.mount(), door.mount()], network=False) as sandbox:
+                    result = await mini.run(
+                        sandbox, endpoint, task.problem_statement, agent_config(client), handle.last_activity, door=door
+                    )
+                    after = await sandbox.exec(f"grep -rlsF -e {endpoint.token} /tmp /testbed; ls /tmp", timeout_s=60)
         finally:
-            await server.close_door(door.socket)
             door.remove()
-        record = server.close_rollout(endpoint.rollout_id)
+        record = handle.record
 
     assert result.exit_code == 0, result.stderr_tail
     assert record.errors == [] and [t.kind for t in record.turns] == ["clean", "clean"]

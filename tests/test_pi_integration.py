@@ -80,20 +80,21 @@ async def run_session(
     task = make_repo(tmp_path)
     backend = LocalBackend(cache_dir=tmp_path / "checkouts")
     async with InterceptionServer(client, tokenizer, model_name=SERVED_NAME, sampling=sampling) as server:
-        endpoint = server.open_rollout()
-        # The host's network: Pi reaches the InterceptionServer on the host's loopback (no door here).
-        async with await backend.create(task, mounts=[pi_bundle.mount()], network=True) as sandbox:
-            config = AgentConfig(context_window=client.max_model_len, max_tokens=max_tokens, timeout_s=180)
-            result = await run_pi(
-                sandbox,
-                pi_bundle,
-                endpoint,
-                task.problem_statement,
-                config,
-                lambda: server.last_activity(endpoint.rollout_id),
-            )
-            calc = (await sandbox.get_file("/testbed/calc.py")).decode()
-        record = server.close_rollout(endpoint.rollout_id)
+        async with server.rollout() as handle:
+            endpoint = handle.endpoint
+            # The host's network: Pi reaches the InterceptionServer on the host's loopback (no door here).
+            async with await backend.create(task, mounts=[pi_bundle.mount()], network=True) as sandbox:
+                config = AgentConfig(context_window=client.max_model_len, max_tokens=max_tokens, timeout_s=180)
+                result = await run_pi(
+                    sandbox,
+                    pi_bundle,
+                    endpoint,
+                    task.problem_statement,
+                    config,
+                    handle.last_activity,
+                )
+                calc = (await sandbox.get_file("/testbed/calc.py")).decode()
+        record = handle.record
     return result, record, calc
 
 

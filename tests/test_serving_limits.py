@@ -78,23 +78,22 @@ async def test_a_flood_of_idle_door_connections_holds_only_the_doors_cap(http, t
     `door_connections`, accepts at most `door_accepts_per_s` more a second (each answered 503 while it is full),
     leaves the rest in the kernel, and the server stays healthy for everyone."""
     async with limited_server(replace(LIMITS, idle_timeout_s=5.0)) as srv:
-        attacker, victim = srv.open_rollout(), srv.open_rollout()
         door = tmp_path / "door"  # a unix socket the server is handed
-        await srv.open_door(attacker.rollout_id, door)
-        fds = psutil.Process().num_fds()
-        flood = []
-        for _ in range(300):  # a connect the full backlog refuses is the attacker's loss, not the server's
-            with contextlib.suppress(OSError):
-                flood.append(await asyncio.open_unix_connection(str(door)))
-        await asyncio.sleep(1.0)
-        assert srv.open_connections()[f"door of {attacker.rollout_id}"] == LIMITS.door_connections
-        # The flood's own client sockets are this process's too: the server's share is what is left.
-        assert psutil.Process().num_fds() - fds <= len(flood) + LIMITS.door_connections + 8
-        assert await served(http, srv, victim) < 1.0
-        for _, writer in flood:
-            writer.close()
-        await srv.close_door(door)
-        record = srv.close_rollout(attacker.rollout_id)
+        async with srv.rollout(socket=door) as handle, srv.rollout() as other:
+            attacker, victim = handle.endpoint, other.endpoint
+            fds = psutil.Process().num_fds()
+            flood = []
+            for _ in range(300):  # a connect the full backlog refuses is the attacker's loss, not the server's
+                with contextlib.suppress(OSError):
+                    flood.append(await asyncio.open_unix_connection(str(door)))
+            await asyncio.sleep(1.0)
+            assert srv.open_connections()[f"door of {attacker.rollout_id}"] == LIMITS.door_connections
+            # The flood's own client sockets are this process's too: the server's share is what is left.
+            assert psutil.Process().num_fds() - fds <= len(flood) + LIMITS.door_connections + 8
+            assert await served(http, srv, victim) < 1.0
+            for _, writer in flood:
+                writer.close()
+        record = handle.record
     # 1 s at 20 a second beyond the first `door_connections`: about 20 accepted and answered 503, not 300.
     assert 5 <= record.refused_connections <= 2 * LIMITS.door_accepts_per_s
 
@@ -119,17 +118,16 @@ async def test_opening_and_closing_door_connections_in_a_loop_costs_the_loop_lit
     """Churn, from a process of its own (as a sandbox): connections opened and closed as fast as it can. The door
     accepts them at its rate only; another rollout's requests are answered about as fast as without the churn."""
     async with limited_server() as srv:
-        attacker, victim = srv.open_rollout(), srv.open_rollout()
         door = tmp_path / "door"  # a unix socket the server is handed
-        await srv.open_door(attacker.rollout_id, door)
-        quiet = sorted([await served(http, srv, victim) for _ in range(5)])[2]
-        churn = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", CHURN, str(door), "3", stdout=asyncio.subprocess.PIPE
-        )
-        await asyncio.sleep(0.5)
-        busy = sorted([await served(http, srv, victim) for _ in range(5)])[2]
-        opened = int((await churn.communicate())[0])
-        await srv.close_door(door)
+        async with srv.rollout(socket=door), srv.rollout() as other:
+            victim = other.endpoint
+            quiet = sorted([await served(http, srv, victim) for _ in range(5)])[2]
+            churn = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", CHURN, str(door), "3", stdout=asyncio.subprocess.PIPE
+            )
+            await asyncio.sleep(0.5)
+            busy = sorted([await served(http, srv, victim) for _ in range(5)])[2]
+            opened = int((await churn.communicate())[0])
     # 3 s at 20 a second, and the backlog: the door accepts a few dozen, not every connection the churn opens.
     assert opened < 10 * LIMITS.door_accepts_per_s and busy < quiet + 0.01, (quiet, busy, opened)
 
@@ -139,35 +137,34 @@ async def test_a_connection_that_never_completes_its_request_head_is_closed(spea
     """Silent, or dribbling a head it never finishes (slowloris): closed after `idle_timeout_s`, over TCP and
     through a door, and its slot in the door's cap is free again."""
     async with limited_server() as srv:
-        endpoint = srv.open_rollout()
         door = tmp_path / "door"  # a unix socket the server is handed
-        await srv.open_door(endpoint.rollout_id, door)
-        opened = [
-            await asyncio.open_connection("127.0.0.1", srv.port),
-            *[await asyncio.open_unix_connection(str(door)) for _ in range(LIMITS.door_connections)],
-        ]
-        started = time.monotonic()
-        for _, writer in opened:
-            writer.write(speaks)
-        for reader, _ in opened:
-            await closed_within(reader, LIMITS.idle_timeout_s + 2)
-        assert time.monotonic() - started >= LIMITS.idle_timeout_s * 0.9
-        reader, writer = await asyncio.open_unix_connection(str(door))  # the door has room again
-        writer.write(head(endpoint, 2) + b"{}")
-        assert (await closed_within(reader, 5)).startswith(b"HTTP/1.1 400")
-        writer.close()
-        await srv.close_door(door)
-        srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout(socket=door) as handle:
+            endpoint = handle.endpoint
+            opened = [
+                await asyncio.open_connection("127.0.0.1", srv.port),
+                *[await asyncio.open_unix_connection(str(door)) for _ in range(LIMITS.door_connections)],
+            ]
+            started = time.monotonic()
+            for _, writer in opened:
+                writer.write(speaks)
+            for reader, _ in opened:
+                await closed_within(reader, LIMITS.idle_timeout_s + 2)
+            assert time.monotonic() - started >= LIMITS.idle_timeout_s * 0.9
+            reader, writer = await asyncio.open_unix_connection(str(door))  # the door has room again
+            writer.write(head(endpoint, 2) + b"{}")
+            assert (await closed_within(reader, 5)).startswith(b"HTTP/1.1 400")
+            writer.close()
 
 
 async def test_a_body_that_never_arrives_whole_is_answered_408() -> None:
     async with limited_server() as srv:
-        endpoint = srv.open_rollout()
-        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
-        writer.write(head(endpoint, 1000) + b'{"messages": ')
-        reply = await closed_within(reader, LIMITS.body_timeout_s + 12)  # + aiohttp's lingering time (10 s)
-        writer.close()
-        record = srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            writer.write(head(endpoint, 1000) + b'{"messages": ')
+            reply = await closed_within(reader, LIMITS.body_timeout_s + 12)  # + aiohttp's lingering time (10 s)
+            writer.close()
+        record = handle.record
     assert reply.startswith(b"HTTP/1.1 408")
     assert [e.kind for e in record.errors] == ["bad_request"] and "not received" in record.errors[0].message
 
@@ -177,38 +174,39 @@ async def test_big_bodies_on_many_connections_hold_at_most_one_capped_body(http)
     it at once. Now a rollout's request is read only once its previous one is over, a newer one supersedes it,
     and a body stops at `max_request_bytes`: memory grows by about one capped body, and the others are served."""
     async with limited_server() as srv:
-        attacker, victim = srv.open_rollout(), srv.open_rollout()
-        process = psutil.Process()
-        before, peak = process.memory_info().rss, 0
-        chunk = b"4000\r\n" + b"x" * 0x4000 + b"\r\n"  # 16 KiB chunks
+        async with srv.rollout() as handle, srv.rollout() as other:
+            attacker, victim = handle.endpoint, other.endpoint
+            process = psutil.Process()
+            before, peak = process.memory_info().rss, 0
+            chunk = b"4000\r\n" + b"x" * 0x4000 + b"\r\n"  # 16 KiB chunks
 
-        async def stream(mib: int) -> bytes:
-            """Stream `mib` MiB until the server answers; its answer."""
-            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
-            writer.write(head(attacker, None))
-            reply = asyncio.create_task(reader.read(100))
-            with contextlib.suppress(ConnectionError):
-                for _ in range(mib * 64):
-                    if reply.done():
-                        break
-                    writer.write(chunk)
-                    await writer.drain()
-            try:
-                return await reply
-            finally:
-                writer.close()
+            async def stream(mib: int) -> bytes:
+                """Stream `mib` MiB until the server answers; its answer."""
+                reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+                writer.write(head(attacker, None))
+                reply = asyncio.create_task(reader.read(100))
+                with contextlib.suppress(ConnectionError):
+                    for _ in range(mib * 64):
+                        if reply.done():
+                            break
+                        writer.write(chunk)
+                        await writer.drain()
+                try:
+                    return await reply
+                finally:
+                    writer.close()
 
-        async def watch() -> None:
-            nonlocal peak
-            while True:
-                peak = max(peak, process.memory_info().rss)
-                await asyncio.sleep(0.01)
+            async def watch() -> None:
+                nonlocal peak
+                while True:
+                    peak = max(peak, process.memory_info().rss)
+                    await asyncio.sleep(0.01)
 
-        watching = asyncio.create_task(watch())
-        replies = await asyncio.gather(*(stream(64) for _ in range(3)))
-        victim_s = await served(http, srv, victim)
-        watching.cancel()
-        record = srv.close_rollout(attacker.rollout_id)
+            watching = asyncio.create_task(watch())
+            replies = await asyncio.gather(*(stream(64) for _ in range(3)))
+            victim_s = await served(http, srv, victim)
+            watching.cancel()
+        record = handle.record
     assert sorted(r[:12] for r in replies) == [b"HTTP/1.1 409", b"HTTP/1.1 409", b"HTTP/1.1 413"], replies
     assert peak - before < 4 * LIMITS.max_request_bytes, (peak - before) / MIB
     assert victim_s < 1.0
@@ -217,12 +215,13 @@ async def test_big_bodies_on_many_connections_hold_at_most_one_capped_body(http)
 
 async def test_a_body_announced_over_the_cap_is_refused_unread() -> None:
     async with limited_server() as srv:
-        endpoint = srv.open_rollout()
-        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
-        writer.write(head(endpoint, 250 * MIB))
-        reply = await asyncio.wait_for(reader.read(100), 5)
-        writer.close()
-        record = srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            writer.write(head(endpoint, 250 * MIB))
+            reply = await asyncio.wait_for(reader.read(100), 5)
+            writer.close()
+        record = handle.record
     assert reply.startswith(b"HTTP/1.1 413") and [e.kind for e in record.errors] == ["bad_request"]
 
 
@@ -241,7 +240,8 @@ async def test_the_tcp_port_and_all_listeners_together_are_capped(http) -> None:
         for _, writer in flood:
             writer.close()
         await asyncio.sleep(0.1)
-        assert await served(http, srv, srv.open_rollout()) < 1.0
+        async with srv.rollout() as handle:
+            assert await served(http, srv, handle.endpoint) < 1.0
     assert 0 < limits.total_connections() < psutil.Process().rlimit(psutil.RLIMIT_NOFILE)[0]
 
 
@@ -253,40 +253,42 @@ async def test_a_rollout_holds_at_most_its_cap_of_tcp_connections(http) -> None:
     limits = replace(LIMITS, rollout_tcp_connections=3, idle_timeout_s=5.0)
     body = b'{"messages": [{"role": "user", "content": "hi"}], "stream": false}'
     async with limited_server(limits) as srv:
-        attacker, victim = srv.open_rollout(), srv.open_rollout()
+        async with srv.rollout() as handle, srv.rollout() as other:
+            attacker, victim = handle.endpoint, other.endpoint
 
-        async def kept_alive() -> tuple[bytes, asyncio.StreamReader, asyncio.StreamWriter]:
-            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
-            writer.write(head(attacker, len(body)) + body)
-            status = await asyncio.wait_for(reader.readline(), 5)
-            return status, reader, writer
+            async def kept_alive() -> tuple[bytes, asyncio.StreamReader, asyncio.StreamWriter]:
+                reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+                writer.write(head(attacker, len(body)) + body)
+                status = await asyncio.wait_for(reader.readline(), 5)
+                return status, reader, writer
 
-        opened = [await kept_alive() for _ in range(5)]
-        statuses = [status.split()[1] for status, _, _ in opened]
-        assert statuses[3:] == [b"503", b"503"], statuses
-        assert all(s != b"503" for s in statuses[:3]), statuses
-        assert await served(http, srv, victim) < 1.0
-        opened[0][2].close()
-        await asyncio.sleep(0.2)
-        status, _, writer = await kept_alive()
-        assert status.split()[1] != b"503", status
-        writer.close()
-        for _, _, w in opened:
-            w.close()
-        record = srv.close_rollout(attacker.rollout_id)
+            opened = [await kept_alive() for _ in range(5)]
+            statuses = [status.split()[1] for status, _, _ in opened]
+            assert statuses[3:] == [b"503", b"503"], statuses
+            assert all(s != b"503" for s in statuses[:3]), statuses
+            assert await served(http, srv, victim) < 1.0
+            opened[0][2].close()
+            await asyncio.sleep(0.2)
+            status, _, writer = await kept_alive()
+            assert status.split()[1] != b"503", status
+            writer.close()
+            for _, _, w in opened:
+                w.close()
+        record = handle.record
     assert record.refused_connections == 2
 
 
 async def test_an_agent_that_goes_away_mid_body_is_a_client_disconnection(caplog) -> None:
     async with limited_server() as srv:
-        endpoint = srv.open_rollout()
-        _, writer = await asyncio.open_connection("127.0.0.1", srv.port)
-        writer.write(head(endpoint, 1000) + b'{"messages": ')
-        await writer.drain()
-        await asyncio.sleep(0.1)
-        writer.transport.abort()
-        await asyncio.sleep(0.2)
-        record = srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            _, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            writer.write(head(endpoint, 1000) + b'{"messages": ')
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.transport.abort()
+            await asyncio.sleep(0.2)
+        record = handle.record
     assert [e.kind for e in record.errors] == ["client_disconnected"]
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
@@ -298,8 +300,8 @@ async def test_a_refused_body_is_freed_with_its_answer(ending: str) -> None:
     sandbox repeating it piled capped bodies up in the server (P9's big_bodies from a real sandbox: +171 MiB beside
     a bound of +160). With the collector off, what a refused body held (413, and 408 too slow) is gone once the
     refusal is answered."""
-    async with limited_server() as srv:
-        endpoint = srv.open_rollout()
+    async with limited_server() as srv, srv.rollout() as handle:
+        endpoint = handle.endpoint
         gc.collect()
         gc.disable()
         tracemalloc.start()
@@ -323,7 +325,6 @@ async def test_a_refused_body_is_freed_with_its_answer(ending: str) -> None:
         finally:
             tracemalloc.stop()
             gc.enable()
-        srv.close_rollout(endpoint.rollout_id)
     assert reply.startswith(b"HTTP/1.1 413" if ending == "over_the_cap" else b"HTTP/1.1 408"), reply
     assert held < LIMITS.max_request_bytes // 8, held / MIB
 
@@ -358,25 +359,24 @@ async def test_requests_back_to_back_on_a_kept_alive_connection_are_held_to_the_
     `rollout_request_burst`) before anything of them is read: the flood gets about that many answers, each held
     request costs a sleeping handler, and another rollout is served as fast as before."""
     async with limited_server() as srv:
-        attacker, victim = srv.open_rollout(), srv.open_rollout()
         door = tmp_path / "door"  # a unix socket the server is handed
-        await srv.open_door(attacker.rollout_id, door)
-        quiet = sorted([await served(http, srv, victim) for _ in range(5)])[2]
-        flood = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            KEEPALIVE_FLOOD,
-            str(door),
-            attacker.rollout_id,
-            attacker.token,
-            "3",
-            stdout=asyncio.subprocess.PIPE,
-        )
-        await asyncio.sleep(0.5)
-        busy = sorted([await served(http, srv, victim) for _ in range(5)])[2]
-        answered = int((await flood.communicate())[0])
-        await srv.close_door(door)
-        record = srv.close_rollout(attacker.rollout_id)
+        async with srv.rollout(socket=door) as handle, srv.rollout() as other:
+            attacker, victim = handle.endpoint, other.endpoint
+            quiet = sorted([await served(http, srv, victim) for _ in range(5)])[2]
+            flood = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                KEEPALIVE_FLOOD,
+                str(door),
+                attacker.rollout_id,
+                attacker.token,
+                "3",
+                stdout=asyncio.subprocess.PIPE,
+            )
+            await asyncio.sleep(0.5)
+            busy = sorted([await served(http, srv, victim) for _ in range(5)])[2]
+            answered = int((await flood.communicate())[0])
+        record = handle.record
     allowed = LIMITS.rollout_request_burst + 3 * LIMITS.rollout_requests_per_s
     assert answered <= allowed + 2 and record.requests <= allowed + 2, (answered, record.requests, allowed)
     assert record.paced_requests >= answered - LIMITS.rollout_request_burst - 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +43,15 @@ async def test_a_call_to_an_unknown_tool_goes_to_the_agent_as_a_call(http) -> No
     reply = {"role": "assistant", "content": "", "tool_calls": [tool_call("rm_rf", path="/")]}
     generator = ScriptedGenerator.replies(training("qwen3"), [reply, {"role": "assistant", "content": "Done."}])
     async with stub_server("qwen3", generator) as srv:
-        endpoint = srv.open_rollout()
-        convo = PiConversation()
-        message = await chat(http, endpoint, convo.request())
-        (call,) = message["tool_calls"]
-        assert call["function"]["name"] == "rm_rf" and json.loads(call["function"]["arguments"]) == {"path": "/"}
-        convo.add_reply(message, tool_outputs=["Tool rm_rf not found"])
-        await chat(http, endpoint, convo.request())
-        record = srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            convo = PiConversation()
+            message = await chat(http, endpoint, convo.request())
+            (call,) = message["tool_calls"]
+            assert call["function"]["name"] == "rm_rf" and json.loads(call["function"]["arguments"]) == {"path": "/"}
+            convo.add_reply(message, tool_outputs=["Tool rm_rf not found"])
+            await chat(http, endpoint, convo.request())
+        record = handle.record
     assert record.malformed_tool_calls == 0 and record.errors == []
     assert [t.kind for t in record.turns] == ["clean", "clean"] and record.turns[0].finish_reason == "tool_calls"
 
@@ -81,8 +83,9 @@ async def test_arguments_echoed_with_other_number_spelling_stay_clean(http) -> N
     (Python's `1.0 == True` must not decide it)."""
     text = '<tool_call>\n{"name": "bash", "arguments": {"command": "sleep 1", "timeout": 1.0}}\n</tool_call><|im_end|>'
     generator = ScriptedGenerator.texts(training("qwen3"), [text, "Done.<|im_end|>"] * 2)
-    async with stub_server("qwen3", generator) as srv:
-        endpoints = [srv.open_rollout(), srv.open_rollout()]
+    async with stub_server("qwen3", generator) as srv, AsyncExitStack() as stack:
+        handles = [await stack.enter_async_context(srv.rollout()) for _ in range(2)]
+        endpoints = [h.endpoint for h in handles]
         for endpoint, echoed in zip(
             endpoints, ['{"command":"sleep 1","timeout":1}', '{"command":"sleep 1","timeout":true}'], strict=True
         ):
@@ -95,7 +98,8 @@ async def test_arguments_echoed_with_other_number_spelling_stay_clean(http) -> N
             if echoed.endswith("1}"):
                 call["id"] = convo.messages[-1]["tool_call_id"] = "toolu_01"
             await chat(http, endpoint, convo.request())
-        clean, forked = (srv.close_rollout(e.rollout_id) for e in endpoints)
+        await stack.aclose()
+        clean, forked = (h.record for h in handles)
     assert [t.kind for t in clean.turns] == ["clean", "clean"]
     assert [t.kind for t in forked.turns] == ["clean", "fork"]
 
@@ -123,21 +127,22 @@ async def test_a_retry_that_says_the_same_replaces_the_undelivered_turn(http, ch
     outputs = ["Zero.<|im_end|>"] * turn + ["Lost.<|im_end|>", "Used.<|im_end|>", "Done.<|im_end|>"]
     generator = ScriptedGenerator.texts(template, outputs)
     async with stub_server("qwen3", generator) as srv:
-        endpoint = srv.open_rollout()
-        convo = PiConversation()
-        for _ in range(turn):
-            convo.add_reply(await chat(http, endpoint, convo.request()))
-            convo.messages.append({"role": "user", "content": [{"type": "text", "text": "Go on."}]})
-        assert (await chat(http, endpoint, convo.request()))["content"] == "Lost."  # the agent never sees it
-        retry = convo.request()
-        change(retry)
-        used = await chat(http, endpoint, retry)
-        assert used["content"] == "Used."
-        convo.messages = retry["messages"]
-        convo.add_reply(used)
-        convo.messages.append({"role": "user", "content": "Go on."})
-        await chat(http, endpoint, {**convo.request(), "tools": retry["tools"]})
-        record = srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            convo = PiConversation()
+            for _ in range(turn):
+                convo.add_reply(await chat(http, endpoint, convo.request()))
+                convo.messages.append({"role": "user", "content": [{"type": "text", "text": "Go on."}]})
+            assert (await chat(http, endpoint, convo.request()))["content"] == "Lost."  # the agent never sees it
+            retry = convo.request()
+            change(retry)
+            used = await chat(http, endpoint, retry)
+            assert used["content"] == "Used."
+            convo.messages = retry["messages"]
+            convo.add_reply(used)
+            convo.messages.append({"role": "user", "content": "Go on."})
+            await chat(http, endpoint, {**convo.request(), "tools": retry["tools"]})
+        record = handle.record
     trained = "".join(
         template.tokenizer.decode([i for i, m in zip(row.input_ids, row.completion_mask, strict=True) if m])
         for row in record.rows
@@ -152,10 +157,11 @@ async def test_a_different_conversation_is_not_a_retry(http) -> None:
     template = training("qwen3")
     generator = ScriptedGenerator.texts(template, ["Kept.<|im_end|>", "Other.<|im_end|>"])
     async with stub_server("qwen3", generator) as srv:
-        endpoint = srv.open_rollout()
-        await chat(http, endpoint, PiConversation().request())
-        await chat(http, endpoint, PiConversation(task="Something else entirely.").request())
-        record = srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            await chat(http, endpoint, PiConversation().request())
+            await chat(http, endpoint, PiConversation(task="Something else entirely.").request())
+        record = handle.record
     assert [(t.kind, t.retries) for t in record.turns] == [("clean", 0), ("fork", 0)] and len(record.rows) == 2
 
 
@@ -167,12 +173,13 @@ async def test_requests_refused_before_the_turn_are_recorded_on_the_rollout(http
     are still the rollout's requests, recorded as `bad_request`."""
     generator = ScriptedGenerator.texts(training("qwen3"), ["Done.<|im_end|>"])
     async with stub_server("qwen3", generator) as srv:
-        endpoint = srv.open_rollout()
-        surrogate = b'{"messages": [{"role": "user", "content": "\\ud800"}]}'
-        for body in (surrogate, {**PiConversation().request(), "max_tokens": 0}):
-            async with await post_chat(http, endpoint, body) as r:
-                assert r.status == 400
-        record = srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            surrogate = b'{"messages": [{"role": "user", "content": "\\ud800"}]}'
+            for body in (surrogate, {**PiConversation().request(), "max_tokens": 0}):
+                async with await post_chat(http, endpoint, body) as r:
+                    assert r.status == 400
+        record = handle.record
     assert [e.kind for e in record.errors] == ["bad_request"] * 2 and record.requests == 2
     assert "JSON" in record.errors[0].message and "max_tokens" in record.errors[1].message
 
@@ -206,14 +213,14 @@ async def test_a_connection_lost_while_a_big_reply_is_written_is_a_client_discon
     big = "word " * 600_000  # a 3 MB reply: far more than the socket buffers take, so the write waits on the agent
     generator = ScriptedGenerator.texts(training("qwen3"), [big + "<|im_end|>"])
     async with stub_server("qwen3", generator) as srv:
-        endpoint = srv.open_rollout()
         door = tmp_path / "door"  # a unix socket the server is handed
-        await srv.open_door(endpoint.rollout_id, door)
-        body = PiConversation().request(stream=stream)
-        await _request_then_vanish(str(door), endpoint.token, endpoint.rollout_id, body)
-        await asyncio.sleep(0.5)
-        record = srv.close_rollout(endpoint.rollout_id)
-        await srv.close_door(door)
+        async with srv.rollout(socket=door) as handle:
+            endpoint = handle.endpoint
+            body = PiConversation().request(stream=stream)
+            await _request_then_vanish(str(door), endpoint.token, endpoint.rollout_id, body)
+            await asyncio.sleep(0.5)
+        record = handle.record
+    assert not door.exists()  # the server removes the socket it was handed
     assert [e.kind for e in record.errors] == ["client_disconnected"] and record.turns == []
 
 
@@ -224,21 +231,22 @@ async def test_a_newer_request_supersedes_the_one_in_flight(http) -> None:
     template = training("qwen3")
     generator = ScriptedGenerator.texts(template, ["One.<|im_end|>", "Two.<|im_end|>"], delay_s=0.5)
     async with stub_server("qwen3", generator, keepalive_s=0.05) as srv:
-        endpoint = srv.open_rollout()
-        convo = PiConversation()
-        for stream in (True, False):
-            older = asyncio.create_task(read_status_and_body(http, endpoint, convo.request(stream=stream)))
-            await asyncio.sleep(0.2)
-            newer = await chat(http, endpoint, convo.request())
-            status, text = await older
-            if stream:
-                assert status == 200 and sse_events(text, done=False)[0]["error"]["code"] == "superseded"
-            else:
-                assert status == 409 and json.loads(text)["error"]["code"] == "superseded"
-            assert "One." not in text and "Two." not in text  # the older one got no reply at all
-            convo.add_reply(newer)
-            convo.messages.append({"role": "user", "content": "Go on."})
-        record = srv.close_rollout(endpoint.rollout_id)
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            convo = PiConversation()
+            for stream in (True, False):
+                older = asyncio.create_task(read_status_and_body(http, endpoint, convo.request(stream=stream)))
+                await asyncio.sleep(0.2)
+                newer = await chat(http, endpoint, convo.request())
+                status, text = await older
+                if stream:
+                    assert status == 200 and sse_events(text, done=False)[0]["error"]["code"] == "superseded"
+                else:
+                    assert status == 409 and json.loads(text)["error"]["code"] == "superseded"
+                assert "One." not in text and "Two." not in text  # the older one got no reply at all
+                convo.add_reply(newer)
+                convo.messages.append({"role": "user", "content": "Go on."})
+        record = handle.record
     assert [e.kind for e in record.errors] == ["superseded"] * 2
     assert [(t.kind, t.retries) for t in record.turns] == [("clean", 0)] * 2 and len(record.rows) == 1
     row = record.rows[0]
@@ -257,23 +265,24 @@ async def test_a_fork_of_a_long_history_does_not_stall_the_event_loop(http) -> N
     requests) never waits that long."""
     generator = ScriptedGenerator.texts(training("qwen3"), ["Done.<|im_end|>"])
     async with stub_server("qwen3", generator) as srv:
-        endpoint = srv.open_rollout()
-        convo = PiConversation()
-        convo.messages.append({"role": "user", "content": "context " * 500_000})
-        convo.add_reply(await chat(http, endpoint, convo.request()))
-        convo.messages[1]["content"][0]["text"] += " (edited)"  # the agent edits its history: a fork
-        convo.messages.append({"role": "user", "content": "Go on."})
-        lags: list[float] = []
+        async with srv.rollout() as handle:
+            endpoint = handle.endpoint
+            convo = PiConversation()
+            convo.messages.append({"role": "user", "content": "context " * 500_000})
+            convo.add_reply(await chat(http, endpoint, convo.request()))
+            convo.messages[1]["content"][0]["text"] += " (edited)"  # the agent edits its history: a fork
+            convo.messages.append({"role": "user", "content": "Go on."})
+            lags: list[float] = []
 
-        async def probe() -> None:
-            while True:
-                started = time.monotonic()
-                await asyncio.sleep(0.01)
-                lags.append(time.monotonic() - started - 0.01)
+            async def probe() -> None:
+                while True:
+                    started = time.monotonic()
+                    await asyncio.sleep(0.01)
+                    lags.append(time.monotonic() - started - 0.01)
 
-        probing = asyncio.create_task(probe())
-        await chat(http, endpoint, convo.request())
-        probing.cancel()
-        record = srv.close_rollout(endpoint.rollout_id)
+            probing = asyncio.create_task(probe())
+            await chat(http, endpoint, convo.request())
+            probing.cancel()
+        record = handle.record
     assert [t.kind for t in record.turns] == ["clean", "fork"]
     assert max(lags) < 0.2, max(lags)

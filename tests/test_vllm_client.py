@@ -317,8 +317,10 @@ async def test_a_rollouts_turns_carry_its_id(tokenizer) -> None:
         VLLMClient(url, "m", max_model_len=100) as client,
         InterceptionServer(client, tokenizer, model_name="m") as server,
         aiohttp.ClientSession() as http,
+        server.rollout("rollout-a") as a,
+        server.rollout("rollout-b") as b,
     ):
-        endpoints = [server.open_rollout(rollout_id) for rollout_id in ("rollout-a", "rollout-b")]
+        endpoints = [a.endpoint, b.endpoint]
         for endpoint in endpoints * 2:
             body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
             headers = {"Authorization": f"Bearer {endpoint.token}"}

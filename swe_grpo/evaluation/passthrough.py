@@ -1,11 +1,11 @@
 """`swe-grpo eval --passthrough URL`: evaluate an agent against any OpenAI-compatible endpoint, no token ids.
 
-`PassthroughServer` stands where the InterceptionServer stands in `run_rollout` (`open_rollout`,
-`close_rollout`, `last_activity`): each rollout gets its own URL and secret, and the agent's chat-completion
-requests are forwarded to `{URL}/chat/completions` with the evaluation's model name and sampling
-(temperature, top_p, and max_tokens as a cap), streamed back to the agent byte for byte, and logged: one JSON
-line per call (the request body, the reply's assistant message, finish reason, usage and status) in
-`log_dir/{rollout_id}.jsonl`. A rollout's record has a `TurnRecord` per answered call (token counts from the
+`PassthroughServer` stands where the InterceptionServer stands in `run_rollout` (`RolloutServer`: its
+`rollout()` gives the same handle, `swe_grpo.serving.handle`): each rollout gets its own URL and secret, and
+the agent's chat-completion requests are forwarded to `{URL}/chat/completions` with the evaluation's model name
+and sampling (temperature, top_p, and max_tokens as a cap), streamed back to the agent byte for byte, and
+logged: one JSON line per call (the request body, the reply's assistant message, finish reason, usage and
+status) in `log_dir/{rollout_id}.jsonl`. A rollout's record has a `TurnRecord` per answered call (token counts from the
 reply's `usage` when the endpoint reports it) and no training rows. The upstream's failures are named as the
 InterceptionServer names vLLM's: unreachable or 5xx `server_unavailable`, a context-length refusal
 `context_overflow`, another 4xx `bad_response`, so attempts end with the same outcomes.
@@ -31,6 +31,7 @@ from typing import Any, cast
 import aiohttp
 from aiohttp import web
 
+from swe_grpo.serving.handle import Socket
 from swe_grpo.serving.limits import ServingLimits
 from swe_grpo.serving.openai_wire import APIError, errors_as_json, json_response, read_body
 from swe_grpo.serving.session import RolloutRecord
@@ -176,17 +177,22 @@ class PassthroughServer:
 
     # ----------------------------------------------------------------- rollouts, as run_rollout uses them
 
-    def open_rollout(self, rollout_id: str | None = None) -> RolloutEndpoint:
-        rollout_id = rollout_id or uuid.uuid4().hex
+    def rollout(self, rollout_id: str | None = None, *, socket: Socket | None = None) -> PassthroughRollout:
+        """A handle on a new rollout (`RolloutServer.rollout`). There is no door here: `socket` is refused."""
+        if socket is not None:
+            raise ValueError("a passthrough server serves no door's socket: run with the door off (--no-door)")
+        return PassthroughRollout(self, rollout_id or uuid.uuid4().hex)
+
+    def _open(self, rollout_id: str) -> _Rollout:
         if rollout_id in self._rollouts:
             raise ValueError(f"rollout {rollout_id!r} already exists")
         endpoint = RolloutEndpoint(
             rollout_id, f"{self.public_base_url}/rollout/{rollout_id}/v1", secrets.token_urlsafe(32), self.model
         )
-        self._rollouts[rollout_id] = _Rollout(endpoint)
-        return endpoint
+        rollout = self._rollouts[rollout_id] = _Rollout(endpoint)
+        return rollout
 
-    def close_rollout(self, rollout_id: str) -> RolloutRecord:
+    def _close(self, rollout_id: str) -> RolloutRecord:
         rollout = self._rollouts.pop(rollout_id)
         return RolloutRecord(
             rollout_id=rollout_id,
@@ -198,13 +204,6 @@ class PassthroughServer:
             generation_s=rollout.generation_s,
             messages=rollout.messages,
         )
-
-    def last_activity(self, rollout_id: str) -> float:
-        return time.monotonic() if self.in_flight(rollout_id) else self._rollouts[rollout_id].last_activity
-
-    def in_flight(self, rollout_id: str) -> bool:
-        """Whether a request of the rollout is being forwarded: a reply its agent has not had."""
-        return self._rollouts[rollout_id].in_flight > 0
 
     @property
     def open_rollouts(self) -> int:
@@ -312,6 +311,45 @@ class PassthroughServer:
         line = {"turn": len(rollout.turns), "status": status, "request": body, **reply}
         with (self.log_dir / f"{rollout.endpoint.rollout_id}.jsonl").open("a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
+
+
+class PassthroughRollout:
+    """A `PassthroughServer`'s handle on one rollout: a `RolloutView` (`swe_grpo.serving.handle`). Single use."""
+
+    socket = None  # no door
+
+    def __init__(self, server: PassthroughServer, rollout_id: str):
+        self._server, self._id = server, rollout_id
+        self._rollout: _Rollout | None = None
+        self.record: RolloutRecord | None = None
+
+    async def __aenter__(self) -> PassthroughRollout:
+        if self._rollout is not None or self.record is not None:
+            raise RuntimeError("a rollout handle is used once")
+        self._rollout = self._server._open(self._id)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.record = self._server._close(self._id)
+
+    def _live(self) -> _Rollout:
+        if self._rollout is None:
+            raise RuntimeError("the rollout is not open: use `async with server.rollout(...) as session`")
+        return self._rollout
+
+    @property
+    def endpoint(self) -> RolloutEndpoint:
+        return self._live().endpoint
+
+    def last_activity(self) -> float:
+        return time.monotonic() if self.in_flight() else self._live().last_activity
+
+    def in_flight(self) -> bool:
+        """Whether a request of the rollout is being forwarded: a reply its agent has not had."""
+        return self._live().in_flight > 0
+
+    def oldest_version(self) -> int | None:
+        return None  # no policy versions: nothing here is trained on
 
 
 @asynccontextmanager

@@ -4,10 +4,10 @@ An agent sandbox (`local`, `docker`) is created with `network=False`: a network 
 only its own loopback, no route anywhere. The door is how its agent still reaches its model:
 
 - host side: `Door.make(rollout_id)` makes a fresh host directory with the forwarder in it, and
-  `InterceptionServer.open_door(rollout_id, door.socket)` serves that rollout on the unix socket `Door.socket`
-  there (the server knows no sandbox: it is handed a path). A request that arrives on a door socket is served
-  only if its path names the door's rollout (its two routes); anything else (`/health`, another rollout, an
-  unknown path) gets 403. The rollout's token is checked as over TCP.
+  `InterceptionServer.rollout(rollout_id, socket=door.socket)` serves that rollout on the unix socket
+  `Door.socket` there (the server knows no sandbox: it is handed a path). A request that arrives on a door
+  socket is served only if its path names the door's rollout (its two routes); anything else (`/health`,
+  another rollout, an unknown path) gets 403. The rollout's token is checked as over TCP.
 - sandbox side: the directory is mounted at `DOOR_MOUNT`, and the agent runs under the forwarder
   (`door_forwarder.c`: a static binary, so it runs in any image and needs nothing from the agent's bundle),
   which listens on `127.0.0.1:DOOR_PORT` inside the sandbox's namespace, pipes each connection to the
@@ -24,7 +24,7 @@ the build command: `forwarder()`. Without a compiler that links statically, open
 So from inside, 127.0.0.1 is the sandbox's own loopback: vLLM, the trainer, the InterceptionServer's TCP
 port and every other host service are unreachable, as is anything beyond the host. A unix socket is
 reached by path, not by network namespace: the sandbox sees no host path but its mounts.
-`InterceptionServer.close_door(door.socket)` stops serving the socket, and `Door.remove` removes the directory;
+Closing the rollout's handle stops serving the socket, and `Door.remove` removes the directory;
 the first door a process makes removes the doors that dead processes left (`remove_orphaned_doors`).
 
 An allowlist (off by default: `Door.allow`, e.g. `("pypi.org:443", "files.pythonhosted.org:443")`) opens

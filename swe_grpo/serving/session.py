@@ -6,7 +6,7 @@ and the errors recorded against it. It serialises the rollout's requests: `lock`
 delivered, the newest's; `pace` holds its requests to a rate. `record_error` keeps a named `RequestError` per
 failure, at most `ERRORS_PER_KIND` of each kind (an attacker's rollout can send bad requests without end; later ones
 are only counted). `close` refuses further requests and abandons those in flight; `record()` is the
-`RolloutRecord` that `close_rollout` returns.
+`RolloutRecord` its handle holds once closed (`swe_grpo.serving.handle`).
 Single event loop, no threads: nothing here locks beyond the rollout's `lock`.
 """
 
@@ -31,7 +31,7 @@ ERRORS_PER_KIND = 100
 
 @dataclass
 class RolloutRecord:
-    """Everything recorded for one rollout; returned by `close_rollout`."""
+    """Everything recorded for one rollout: its handle's `record` once it is closed."""
 
     rollout_id: str
     rows: list[TrainingRow]
@@ -49,7 +49,7 @@ class RolloutRecord:
 
 @dataclass
 class RolloutSession:
-    """One open rollout. `model` is pinned at `open_rollout` (None: the live policy's)."""
+    """One open rollout. `model` is pinned when it is opened (None: the live policy's)."""
 
     endpoint: RolloutEndpoint
     chain: TokenChain

@@ -127,25 +127,21 @@ async def capture_pi_run(
     template = TrainingTemplate(tokenizer)
     generator = ScriptedGenerator([completion_ids(template, reply) for reply in replies])
     config = AgentConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=120, stall_timeout_s=60)
-    async with InterceptionServer(generator, tokenizer) as server, recording_hop(server.public_base_url) as hop:
-        endpoint = server.open_rollout()
-        try:
-            proxied = replace(endpoint, base_url=hop.url + endpoint.base_url.removeprefix(server.public_base_url))
-            # The host's network: Pi reaches the recording hop on the host's loopback (no door).
-            async with await backend.create(task, mounts=[bundle.mount()], network=True) as sandbox:
-                result = await run_pi(
-                    sandbox,
-                    bundle,
-                    proxied,
-                    task.problem_statement,
-                    config,
-                    lambda: server.last_activity(endpoint.rollout_id),
-                )
-                patch = await sandbox.diff(task.base_commit)
-                outputs = {}
-                for command in after:
-                    done = await sandbox.exec(command, timeout_s=60, env={"TOKEN": endpoint.token})
-                    outputs[command] = done.stdout + done.stderr
-        finally:
-            record = server.close_rollout(endpoint.rollout_id)
+    async with (
+        InterceptionServer(generator, tokenizer) as server,
+        recording_hop(server.public_base_url) as hop,
+        server.rollout() as session,
+    ):
+        endpoint = session.endpoint
+        proxied = replace(endpoint, base_url=hop.url + endpoint.base_url.removeprefix(server.public_base_url))
+        # The host's network: Pi reaches the recording hop on the host's loopback (no door).
+        async with await backend.create(task, mounts=[bundle.mount()], network=True) as sandbox:
+            result = await run_pi(sandbox, bundle, proxied, task.problem_statement, config, session.last_activity)
+            patch = await sandbox.diff(task.base_commit)
+            outputs = {}
+            for command in after:
+                done = await sandbox.exec(command, timeout_s=60, env={"TOKEN": endpoint.token})
+                outputs[command] = done.stdout + done.stderr
+    assert session.record is not None
+    record = session.record
     return PiRun(result, record, hop, endpoint.token, patch, outputs)

@@ -41,6 +41,7 @@ from swe_grpo.agents import Agent, AgentConfig, make_agent
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout_within
 from swe_grpo.sandbox import make_backend
 from swe_grpo.sandbox.base import SandboxBackend
+from swe_grpo.serving.handle import RolloutView
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient, VLLMError
 from swe_grpo.tasks import Task
@@ -121,7 +122,7 @@ class RolloutEngine:
         self._sampler = TaskSampler(
             self.tasks, self.config.task_sampling, seed=self.config.seed, group_size=self.config.num_generations
         )
-        self._grading: dict[str, int | None] = {}  # rollout id -> its oldest version, while it is graded
+        self._sessions: dict[str, RolloutView] = {}  # rollout id -> its handle on the server, open or closed
         self._last_progress = time.monotonic()
         self._loop_tick = time.monotonic()  # the event loop's latest sign of life
         self._generation_failing: _Failing | None = None
@@ -412,7 +413,15 @@ class RolloutEngine:
         limit = self.config.rollout_limit_for(task)
         try:
             return await run_rollout_within(
-                limit, task, self._server, self.backend, self.agent, config, rollout_id, on_grading=self._on_grading
+                limit,
+                task,
+                self._server,
+                self.backend,
+                self.agent,
+                config,
+                rollout_id,
+                on_grading=self._on_grading,
+                on_session=lambda session: self._sessions.__setitem__(rollout_id, session),
             )
         except asyncio.CancelledError:
             if rollout_id in self._stale and not self._stop.is_set():  # type: ignore[union-attr]
@@ -424,12 +433,10 @@ class RolloutEngine:
         finally:
             del self._in_flight[rollout_id]
             self._stale.discard(rollout_id)
-            self._grading.pop(rollout_id, None)
+            self._sessions.pop(rollout_id, None)
 
     def _on_grading(self, trajectory: Trajectory) -> None:
-        """A rollout starts grading, its tokens final: remember their version, and cancel it at once if
-        they are already too stale to train on."""
-        self._grading[trajectory.rollout_id] = trajectory.oldest_version
+        """A rollout starts grading, its tokens final: cancel it at once if they are already too stale to train on."""
         self._push_metrics({"rollout/grading_started_total": 1.0})
         self._cancel_if_stale(trajectory.rollout_id)
 
@@ -439,10 +446,8 @@ class RolloutEngine:
 
     def _cancel_if_stale(self, rollout_id: str) -> None:
         """Cancel the rollout, at whatever stage, if its oldest tokens can no longer be trained on."""
-        if rollout_id in self._grading:  # its agent session is closed; its tokens were recorded
-            oldest = self._grading[rollout_id]
-        else:
-            oldest = self._server.oldest_version(rollout_id) if self._server else None
+        session = self._sessions.get(rollout_id)  # open, or closed with its tokens recorded
+        oldest = session.oldest_version() if session else None
         version = self._policy.version
         if oldest is not None and version - oldest > self.config.max_staleness and rollout_id not in self._stale:
             log.info("cancelling %s: its tokens from v%d are too stale at v%d", rollout_id, oldest, version)

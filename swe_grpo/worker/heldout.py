@@ -35,15 +35,15 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from swe_grpo.agents import Agent
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout_within
 from swe_grpo.sandbox.base import SandboxBackend
+from swe_grpo.serving.handle import RolloutHandle, RolloutServer, Socket
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import SamplingParams
 from swe_grpo.tasks import Task
-from swe_grpo.types import Policy, RolloutEndpoint, RolloutOutlet
+from swe_grpo.types import Policy, RolloutOutlet
 from swe_grpo.worker.config import WorkerConfig
 from swe_grpo.worker.telemetry import round_metrics
 
@@ -75,11 +75,8 @@ class _EvalServer:
         self._server = server
         self._sampling = sampling
 
-    def open_rollout(self, rollout_id: str | None = None) -> RolloutEndpoint:
-        return self._server.open_rollout(rollout_id, sampling=self._sampling)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._server, name)
+    def rollout(self, rollout_id: str | None = None, *, socket: Socket | None = None) -> RolloutHandle:
+        return self._server.rollout(rollout_id, socket=socket, sampling=self._sampling)
 
 
 class HeldOutEval:
@@ -125,7 +122,7 @@ class HeldOutEval:
                 log.info("held-out eval: %d round(s) due during the round of v%d skipped", passed, version)
                 self.outlet.put_metrics({"eval/rounds_skipped_busy_total": float(passed)})
 
-    async def _round(self, version: int, server: Any, rollout_config: RolloutConfig) -> None:
+    async def _round(self, version: int, server: RolloutServer, rollout_config: RolloutConfig) -> None:
         """Attempt every eval task `eval_k` times, `eval_concurrency` at a time, and put out the round's metrics."""
         started = time.monotonic()
         slots = asyncio.Semaphore(self.config.eval_concurrency)
