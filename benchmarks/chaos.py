@@ -139,6 +139,9 @@ class ChaosConfig:
     calm_after: float = 0.9  # the share of the run after which nothing is injected
     stale_after_s: float = 300.0  # TRL's default heartbeat_stale_after_s
     sample_every_s: float = 30.0
+    # The worker's stall bound: an agent with no model request served for this long ends `timeout`. On a box at
+    # load ~25 (2 cores) Pi alone took longer than 20 s to send its first request, and every rollout ended so.
+    stall_timeout_s: float = 20.0
     seed: int = 0
     samples_path: Path | None = None  # where the RSS/FD samples are written as they are taken
 
@@ -710,7 +713,7 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
         max_tokens=128,
         drop_zero_variance_groups=False,  # the scripted policy resolves nothing: every group trains
         agent_timeout_s=300,
-        stall_timeout_s=20,
+        stall_timeout_s=config.stall_timeout_s,
         grade_timeout_s=20,
         adapter_prefix=ADAPTER_PREFIX,
         adapter_dir=str(adapter_dir),
@@ -937,6 +940,7 @@ def main() -> int:
     parser.add_argument("--fault-every", type=float, default=40.0, help="mean seconds between process faults")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--sample-every", type=float, default=30.0)
+    parser.add_argument("--stall-timeout", type=float, default=20.0, help="the worker's stall_timeout_s")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, help="the report as JSON")
     args = parser.parse_args()
@@ -952,6 +956,7 @@ def main() -> int:
         fault_every_s=args.fault_every,
         concurrency=args.concurrency,
         sample_every_s=args.sample_every,
+        stall_timeout_s=args.stall_timeout,
         seed=args.seed,
         samples_path=args.output.with_suffix(".samples.json") if args.output else None,
     )
