@@ -128,6 +128,21 @@ def test_in_a_test_class_the_canaries_are_its_methods() -> None:
     assert text.rstrip().endswith("unittest.main()")
 
 
+def test_never_under_a_mark_that_would_change_their_outcome() -> None:
+    """A decorated test class gets no canary methods (module-level functions instead); a module with a
+    module-wide `pytestmark` hosts no plain canary (a new file instead), though its tests keep their mutants."""
+    task_ids = ["tests/test_cart.py::CartTest::test_add_item"]
+    marked_class = CLASSES.replace("class CartTest", "@pytest.mark.xfail\nclass CartTest")
+    canaries = Canaries.plant(task_ids, {"tests/test_cart.py": marked_class}, (), random.Random(5))
+    assert all(test_id.count("::") == 1 for test_id in canaries.ids), canaries.ids
+    marked_module = "import pytest\n\npytestmark = pytest.mark.xfail\n\n" + FUNCTIONS
+    task_ids = ["tests/test_cart.py::test_total_sums_prices"]
+    canaries = Canaries.plant(task_ids, {"tests/test_cart.py": marked_module}, task_ids, random.Random(5))
+    plain = {test_id.split("::")[0] for test_id in (*canaries.passing, *canaries.failing)}
+    assert plain != {"tests/test_cart.py"} and len(plain) == 1, plain
+    assert [m.split("::")[0] for m in canaries.mutants] == ["tests/test_cart.py"]
+
+
 def test_without_a_test_module_to_host_them_a_new_file_named_like_the_projects() -> None:
     canaries = Canaries.plant(["tests/test_cart.py::test_total"], {}, ["tests/test_cart.py::test_total"])
     ((path, text),) = canaries.files.items()

@@ -6,9 +6,10 @@ as the task's are), the files on disk, pytest's collected items, the JUnit names
 - their names are made of the words of the project's own test names (`test_parse_value_quoted`), never a
   random hex string, and no name in their module or class is reused;
 - they live in the task's own test files, beside its tests: module-level functions at the end of a module
-  of functions, methods at the end of a test class where the task's tests are methods; only where no
-  test file of the task can take them (none parses, none is a test module) a new file beside the first
-  FAIL_TO_PASS test's, named from the project's test file names;
+  of functions, methods at the end of a test class where the task's tests are methods; never under a
+  mark that would change their outcome (a decorated class, a module's `pytestmark`): then module-level
+  functions, or another file; only where no test file of the task can take them (none parses, none is a
+  test module, all are marked) a new file beside the first test's, named from the project's test files;
 - their ids are shuffled in among the task's ids on the command line (the task's own ids keep their order,
   so the task's tests run in the order they would without canaries; a mutant comes after its original);
   nothing about them is in the environment;
@@ -85,7 +86,8 @@ class Canaries:
                 no_mutant.append(f"{test_id}: {why}")
             else:
                 mutants[why[0]] = test_id
-        hosts = [m for m in files.values() if any(t.split("::", 1)[0] == m.path for t in test_ids)]
+        # A module-wide mark (`pytestmark`) would apply to the plain canaries too: not a host for them.
+        hosts = [m for m in files.values() if any(t.split("::", 1)[0] == m.path for t in test_ids) and not m.marked()]
         if hosts:
             plain = rng.choice(hosts).add_plain(test_ids, rng, words)
         else:
@@ -150,6 +152,12 @@ class _Module:
         self.inserts: list[tuple[int, str]] = []
         self.taken = {n.name for n in ast.walk(self.tree) if isinstance(n, _DEFS)} if self.tree else set()
 
+    def marked(self) -> bool:
+        """Whether the module sets marks for all its tests (`pytestmark = ...`)."""
+        assert self.tree is not None
+        targets = [t for n in self.tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) for t in _targets(n)]
+        return any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in targets)
+
     def test_names(self) -> list[str]:
         assert self.tree is not None
         return [n.name for n in ast.walk(self.tree) if isinstance(n, _DEFS) and n.name.startswith("test")]
@@ -206,6 +214,8 @@ class _Module:
         classes = [t.split("::")[1] for t in test_ids if t.split("::", 1)[0] == self.path and t.count("::") >= 2]
         chosen = rng.choice(classes) if classes else None
         owner = next((n for n in self.tree.body if isinstance(n, ast.ClassDef) and n.name == chosen), None)
+        if owner is not None and owner.decorator_list:  # marks that would apply to the canaries too
+            owner = None
         a, b = rng.randint(2, 99), rng.randint(2, 99)
         bodies = (f"{a} + {b} == {a + b}", f"{a} + {b} == {a + b + rng.randint(1, 9)}")
         ids = []
@@ -237,6 +247,10 @@ class _Module:
 
 
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def _targets(node: ast.Assign | ast.AnnAssign) -> list[ast.expr]:
+    return list(node.targets) if isinstance(node, ast.Assign) else [node.target]
 
 
 def _ended(text: str) -> str:
