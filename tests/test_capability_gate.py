@@ -17,6 +17,7 @@ from forgeries import FORGERIES, forged_source
 from real_projects import PROJECTS, sdist
 
 from swe_grpo.demo.tasks import demo_tasks
+from swe_grpo.grading import capability
 from swe_grpo.grading.capability import CAPABILITIES, FileChange, allowed_capabilities, gate
 from swe_grpo.grading.capability_uses import uses
 from swe_grpo.paths import cache_root
@@ -196,6 +197,19 @@ def test_the_task_allows_capabilities_groups_and_the_old_rule_names() -> None:
 )
 def test_what_the_gate_cannot_read_is_refused(path: str, before: bytes | None, after: bytes, finding: str) -> None:
     assert gate([FileChange(path, before, after)]).findings == [finding]
+
+
+def test_a_module_too_big_to_parse_is_refused_unless_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parsing costs the grader's process time and memory, and a patch may be 32 MiB (the bound lowered here,
+    to keep the test fast)."""
+    assert capability.MAX_PARSE_BYTES == 1 << 20
+    monkeypatch.setattr(capability, "MAX_PARSE_BYTES", 600)
+    big = b"x = 1\n" * 100
+    assert gate([FileChange("pkg/table.py", big, big + b"y = 2\n")]).findings == [
+        "oversize in pkg/table.py: 606 bytes, over the 600 it parses"
+    ]
+    assert gate([FileChange("pkg/table.py", big, big + b"y = 2\n")], allow=("oversize",)).findings == []
+    assert gate([FileChange("data/table.json", None, big + big)]).findings == []
 
 
 def test_a_coding_cookie_the_base_declared_is_kept() -> None:

@@ -70,6 +70,7 @@ CAPABILITIES: dict[str, str] = {
     "encoding": "a Python file that is not UTF-8, or a coding cookie other than its base's",
     "binary": "bytecode, extension modules, .pth files, or a path the gate cannot name",
     "unparsed": "a Python file the grader's Python cannot parse",
+    "oversize": f"a Python file over {1 << 20} bytes, before or after (the gate parses up to that)",
 }
 
 #: Names for several capabilities at once, for `tamper_allow`.
@@ -139,11 +140,21 @@ def is_python(path: str, after: bytes | None) -> bool:
     return first.startswith(b"#!") and b"python" in first
 
 
+#: The largest Python file the gate parses. Its parse takes time and memory in the grader's process (about
+#: 30 s and 250 MiB a MiB of code on a loaded 2-core box), and a patch may be 32 MiB; a fix that touches a
+#: bigger module is refused as `oversize` unless the task allows it.
+MAX_PARSE_BYTES = 1 << 20
+
+
 def gate(changes: Iterable[FileChange], allow: Collection[str] = ()) -> GateResult:
     """The capabilities `changes` add, less those `allow` names (see `allowed_capabilities`)."""
     allowed = allowed_capabilities(allow)
     result = GateResult()
     for change in changes:
+        size = max(len(change.before or b""), len(change.after or b""))
+        if size > MAX_PARSE_BYTES and "oversize" not in allowed and is_python(change.path, change.after):
+            result.findings.append(f"oversize in {change.path}: {size} bytes, over the {MAX_PARSE_BYTES} it parses")
+            continue
         for cap, where in _added(change):
             if cap == "unparsed":
                 if cap not in allowed:
