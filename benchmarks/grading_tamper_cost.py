@@ -6,9 +6,10 @@ command on the task's tests, `--repeat` times each, alternating:
   - plain: the command as the grader ran it before (no boot, no canaries, no pinned environment);
   - boot: the boot armed (the PATH shim, the audit hook, the exit scan) and the environment pinned;
   - witnessed: the boot plus the two canary tests, as a graded run runs it now.
-Also: the static scan of the gold patch (in the host process), the boot's exit scan (inside the runner,
-as it reports it), the probe's extra witnessed run (one test
-plus the canaries; once per task base, kept for later grades), and a whole `grade()` of the gold patch
+Also: the capability gate on the gold patch's files (`gate_parse_s`: the parse and judgement alone, in the
+host process; `gate_in_grade_s`: as a grade runs it, reading the files out of the sandbox too), the boot's
+exit scan (inside the runner, as it reports it), the probe's extra witnessed run (one test plus the
+canaries; once per task base, kept for later grades), and a whole `grade()` of the gold patch
 (first grade of a task: probe included; then a second one, the probe reused). Medians, in seconds.
 
 Run as root: `.venv/bin/python benchmarks/grading_tamper_cost.py [--repeat 5] [--real]
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import shlex
 import statistics
 import sys
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _provenance import Provenance
 
 from swe_grpo.demo.tasks import demo_tasks
-from swe_grpo.grading import DEFAULT_TEST_CMD, grade, scan_patch
+from swe_grpo.grading import DEFAULT_TEST_CMD, FileChange, gate, grade
 from swe_grpo.grading.probe import witnessed_run
 from swe_grpo.sandbox.base import Sandbox
 from swe_grpo.sandbox.local import LocalBackend
@@ -63,11 +65,18 @@ async def measure(backend: LocalBackend, task: Task, repeat: int) -> dict[str, f
     ids = [*task.fail_to_pass, *task.pass_to_pass]
     times: dict[str, list[float]] = {"plain_s": [], "boot_s": [], "witnessed_s": []}
 
+    paths = re.findall(r"^diff --git a/\S+ b/(\S+)$", task.patch, re.MULTILINE)
+    files: dict[str, list[bytes]] = {path: [] for path in paths}
+
     async def runs(sandbox: Sandbox) -> float:
         made = await sandbox.exec("mktemp -d", timeout_s=30, cwd=sandbox.workdir)
         scratch = made.stdout.strip()
+        for path in paths:
+            files[path].append(await sandbox.get_file(f"{sandbox.workdir}/{path}"))
         applied = await sandbox.exec(f"git apply <<'EOF'\n{task.patch}EOF\n", timeout_s=60, cwd=sandbox.workdir)
         assert applied.exit_code == 0, applied.stderr
+        for path in paths:
+            files[path].append(await sandbox.get_file(f"{sandbox.workdir}/{path}"))
         for _ in range(repeat):
             times["plain_s"].append(await _plain(sandbox, scratch, task, ids))
             times["boot_s"].append(await _witnessed(sandbox, scratch, task, ids, canaries=False))
@@ -81,10 +90,11 @@ async def measure(backend: LocalBackend, task: Task, repeat: int) -> dict[str, f
         probe_run_s = await runs(sandbox)
     finally:
         await sandbox.destroy()
+    changes = [FileChange(path, before, after) for path, (before, after) in files.items()]
     started = time.perf_counter()
     for _ in range(100):
-        scan_patch(task.patch)
-    scan_s = (time.perf_counter() - started) / 100
+        assert gate(changes).findings == []
+    gate_parse_s = (time.perf_counter() - started) / 100
     first = await grade(task, task.patch, backend, timeout_s=300)
     again = await grade(task, task.patch, backend, timeout_s=300)
     assert first.outcome == again.outcome == "resolved", (first.error, again.error)
@@ -96,7 +106,8 @@ async def measure(backend: LocalBackend, task: Task, repeat: int) -> dict[str, f
         "boot_overhead_s": round(medians["boot_s"] - medians["plain_s"], 4),
         "canary_overhead_s": round(medians["witnessed_s"] - medians["boot_s"], 4),
         "probe_extra_run_s": round(probe_run_s, 4),
-        "static_scan_s": round(scan_s, 6),
+        "gate_parse_s": round(gate_parse_s, 6),
+        "gate_in_grade_s": round(again.timings["gate_s"], 4),
         "exit_scan_s": again.timings["exit_scan_s"],
         "grade_first_s": round(first.timings["total_s"], 3),
         "grade_again_s": round(again.timings["total_s"], 3),
