@@ -35,24 +35,35 @@ REPLIES = [
 ]
 
 
+def _writable(training: TrainingTemplate, reply: dict[str, Any]) -> bool:
+    """Whether a model can write `reply` in one generation after the generation prompt, and, for a call, the template
+    goes on to its results from the token that closed it."""
+    message = normalize_message(reply)
+    try:
+        ids = training.encode(training.reply_text(message))
+    except ValueError:
+        return False
+    # What follows a call is its results; a final answer is the conversation's last turn.
+    results = [{"role": "tool", "tool_call_id": c["id"], "content": "."} for c in message.get("tool_calls") or []]
+    return not results or training.interstitial_ids(message, results, None, ids[-1]) is not None
+
+
 def replies_for(template: str, training: TrainingTemplate | None = None) -> list[dict[str, Any]]:
     """REPLIES as a model under `template` can write them: one tool call a turn where the template allows no
     more (Llama 3.x, gpt-oss); no reasoning where the generation prompt has already closed the think block (Qwen3.5
     "nothink"), and some where it opens one that a reply without reasoning does not (Nemotron 3: `<think>\n`, against
-    `<think></think>`): a reply the model cannot write after its generation prompt is not one to script."""
+    `<think></think>`); no text beside calls where the template writes that text after the calls' results (Gemma 4).
+    A reply the model cannot write in one generation is not one to script."""
     replies = copy.deepcopy(REPLIES)
     if template.startswith(("llama3", "gptoss")):
         replies[1]["tool_calls"] = replies[1]["tool_calls"][:1]
     if training is None:
         return replies
-    user = {"role": "user", "content": "."}
-    prompt = training.render([user], generation_prompt=True)
     for k, reply in enumerate(replies):
         without = {key: value for key, value in reply.items() if key != "reasoning_content"}
-        for candidate in (reply, without, {**reply, "reasoning_content": reply.get("reasoning_content", "Thinking.")}):
-            if training.render([user, normalize_message(candidate)]).startswith(prompt):
-                replies[k] = candidate
-                break
+        thinking = {**reply, "reasoning_content": reply.get("reasoning_content", "Thinking.")}
+        silent = {**reply, "content": ""} if reply.get("tool_calls") else reply
+        replies[k] = next((c for c in (reply, without, thinking, silent) if _writable(training, c)), reply)
     return replies
 
 

@@ -466,3 +466,39 @@ def test_a_json_body_is_no_glm_call_by_accident() -> None:
     # Under a Hermes template a body that is not JSON is malformed; it becomes a GLM call only under GLM's template.
     parsed = parse_with_tools("qwen3", "<tool_call>\nbash\n</tool_call><|im_end|>")
     assert "tool_calls" not in parsed.message and parsed.malformed_tool_calls == 1
+
+
+# --------------------------------------------------------------------------- Gemma 4
+
+Q = '<|"|>'
+
+
+def test_gemma_calls_read_as_the_template_writes_values() -> None:
+    first = f"call:edit{{newText:{Q}  x = {{'a': \"b\"}}\n\t{Q},path:{Q}a.py{Q}}}"
+    second = f"call:write{{content:{Q}{Q},opts:{{deep:[1,-2.5,1e+20,null,None,true,{Q}s{Q}]}}}}"
+    text = f"<|channel>thought\nTwo edits.\n<channel|><|tool_call>{first}<tool_call|><|tool_call>{second}<tool_call|>"
+    parsed = parse_with_tools("gemma4_v5", text + "<|tool_response>")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.message["tool_calls"]] == [
+        ("edit", {"newText": "  x = {'a': \"b\"}\n\t", "path": "a.py"}),
+        ("write", {"content": "", "opts": {"deep": [1, -2.5, 1e20, None, None, True, "s"]}}),
+    ]
+    assert parsed.message["reasoning_content"] == "Two edits." and parsed.malformed_tool_calls == 0
+
+
+GEMMA_MALFORMED = [
+    f"call:bash{{command:{Q}ls}}",  # unclosed string
+    f"call:bash{{command: {Q}ls{Q}}}",  # a space the template never writes
+    f"call:bash{{command:{Q}ls{Q},command:{Q}rm{Q}}}",
+    "call:read{offset:9007199254740993}",
+    "call:read{offset:NaN}",
+    "call:read{offset:07}",
+    f"call:bash{{command:{Q}ls{Q}}}",  # with no closer (below)
+    f"call bash{{command:{Q}ls{Q}}}",
+]
+
+
+@pytest.mark.parametrize("call", GEMMA_MALFORMED)
+def test_a_malformed_gemma_call_goes_back_as_text(call: str) -> None:
+    closer = "" if call == GEMMA_MALFORMED[6] else "<tool_call|>"
+    parsed = parse_with_tools("gemma4_v5", f"<|tool_call>{call}{closer}<|tool_response>")
+    assert "tool_calls" not in parsed.message and parsed.malformed_tool_calls == 1

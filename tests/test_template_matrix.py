@@ -39,12 +39,13 @@ MATRIX: dict[str, str] = {
     # `<tool_call>NAME<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>`
     "glm4moe": SERVED,
     # `<|tool_call>call:NAME{k:<|"|>v<|"|>}<tool_call|>`
-    "gemma4": _NOT_READ_BACK,
-    "gemma4_v2": _NOT_READ_BACK,
-    "gemma4_v3": _NOT_READ_BACK,
-    "gemma4_v4": _NOT_READ_BACK,
-    "gemma4_v5": _NOT_READ_BACK,
-    "diffusion_gemma": _NOT_READ_BACK,
+    "gemma4": SERVED,
+    "gemma4_v2": SERVED,
+    "gemma4_v3": SERVED,
+    "gemma4_v4": SERVED,
+    "gemma4_v5": SERVED,
+    # after a tool result it writes no generation prompt, then renders the next turn with `<|turn>model\n`
+    "diffusion_gemma": "has a model write a reply after a tool result otherwise than after a user turn",
     # Qwen3.5 XML calls; the generation prompt opens `<think>\n` (with thinking on), so a reply has reasoning
     "nemotron_3_nano": SERVED,
     "nemotron_3_super": SERVED,

@@ -28,17 +28,18 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from swe_grpo.tokens.call_values import Reading, ToolTypes, openai_call, parameter_types
+from swe_grpo.tokens.calls_gemma import REASONING as GEMMA_REASONING
+from swe_grpo.tokens.calls_gemma import read_gemma
 from swe_grpo.tokens.calls_harmony import read_harmony
 from swe_grpo.tokens.calls_tagged import json_call, read_tagged
 from swe_grpo.tokens.template import TemplateNotPrefixPreservingError, TemplateRefusedError, TrainingTemplate
 
 _BARE_CALL = re.compile(r'\s*\{\s*"name"\s*:')
-_THINK_OPENER = "<think>"
-_THINK_CLOSER = "</think>"
+_THINK = ("<think>", "</think>")
 # How much of the prompt's end holds its generation prompt's think opener, where the template writes one.
 _PROMPT_TAIL_TOKENS = 8
 # The layouts a probe call is tried in, in this order; the first that reads it back exactly is the template's.
-_LAYOUTS = ("tagged", "glm", "harmony", "bare")
+_LAYOUTS = ("tagged", "glm", "harmony", "gemma4", "bare")
 
 # The start-up probe: values a template must let through exactly (see `ResponseParser._check_round_trip`).
 _PROBE_TYPES = {"text": "string", "digits": "string", "padded": "string", "count": "integer", "options": "object"}
@@ -87,8 +88,9 @@ class ResponseParser:
         except TemplateNotPrefixPreservingError as e:
             raise UnsupportedTemplateError(f"the chat template cannot be served exactly: {e}") from e
         self._specials = re.compile("|".join(re.escape(t) for t in tokenizer.all_special_tokens))
-        # Set by the probe: whether the template writes reasoning as a think block, and its call layout.
-        self._thinks = False
+        # Set by the probe: the opener and closer of the template's reasoning block (None: it writes none), and
+        # its call layout.
+        self._reasoning: tuple[str, str] | None = None
         self.layout = _LAYOUTS[0]
         self._check_round_trip()
 
@@ -120,6 +122,8 @@ class ResponseParser:
         """The calls in `text` (the reply after any leading reasoning), read in the template's layout."""
         if self.layout == "harmony":
             return read_harmony(text, self._specials)
+        if self.layout == "gemma4":
+            return read_gemma(text)
         whole = self._without_outer_specials(text) if self.layout == "bare" else ""
         if _BARE_CALL.match(whole) is None:  # a bare call is the whole reply; tagged blocks are read anywhere
             return read_tagged(text, types, glm=self.layout == "glm")
@@ -129,20 +133,22 @@ class ResponseParser:
             return Reading([], 1, "")
 
     def _split_reasoning(self, text: str, prompt_ids: list[int]) -> tuple[str, str]:
-        """(reasoning, the rest of `text`). Only a think block that leads the reply is reasoning: one the
-        generation prompt opened (Qwen3.5+) or one the reply opens before anything else (Qwen3). It ends at its
-        first closer, or with the text when the model never closed it. What follows is the reply, taken as the
-        tokens say it: a later think block is text, and a call in it is a call (as vLLM's reasoning parsers split
-        at the first closer). A call written in the leading block is a thought, never executed."""
-        if not self._thinks:
+        """(reasoning, the rest of `text`). Only a reasoning block (`<think>`, Gemma 4's thought channel) that leads
+        the reply is reasoning: one the generation prompt opened (Qwen3.5+) or one the reply opens before anything
+        else (Qwen3). It ends at its first closer, or with the text when the model never closed it. What follows is
+        the reply, taken as the tokens say it: a later block is text, and a call in it is a call (as vLLM's
+        reasoning parsers split at the first closer). A call written in the leading block is a thought, never
+        executed."""
+        if self._reasoning is None:
             return "", text
+        opener, closer = self._reasoning
         prompt_end = self.tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-        if not prompt_end.rstrip().endswith(_THINK_OPENER):
+        if not prompt_end.rstrip().endswith(opener):
             opened = text.lstrip()
-            if not opened.startswith(_THINK_OPENER):
+            if not opened.startswith(opener):
                 return "", text
-            text = opened[len(_THINK_OPENER) :]
-        thought, _, rest = text.partition(_THINK_CLOSER)
+            text = opened[len(opener) :]
+        thought, _, rest = text.partition(closer)
         return thought, rest
 
     def _without_outer_specials(self, text: str) -> str:
@@ -170,28 +176,13 @@ class ResponseParser:
     def _written(self, reply: dict[str, Any], tools: list) -> str:
         """What a model writes for the probe `reply` after the generation prompt: as it is, or with reasoning where
         the generation prompt opens a think block that a reply without reasoning does not (Nemotron 3 with thinking
-        on: `<think>\n`, against `<think></think>`). UnsupportedTemplateError, naming both, when neither starts with
-        the generation prompt."""
+        on: `<think>\n`, against `<think></think>`). `TrainingTemplate` has refused a template where neither fits."""
         try:
             return self.template.reply_text(reply, tools)
         except TemplateRefusedError:
             raise
         except ValueError:
-            pass
-        try:
             return self.template.reply_text({**reply, "reasoning_content": "Call the probe."}, tools)
-        except TemplateRefusedError:
-            raise
-        except ValueError:
-            prompt = self.template.render([{"role": "user", "content": "."}], tools, generation_prompt=True)
-            turn = self.template.render([{"role": "user", "content": "."}, reply], tools)
-            start = next((i for i, (a, b) in enumerate(zip(prompt, turn, strict=False)) if a != b), len(prompt))
-            start = max(prompt.rfind("<", 0, start + 1), 0)  # from the token where they part
-            raise UnsupportedTemplateError(
-                "cannot check that tool calls read back exactly: the chat template renders a reply that does not "
-                f"start with its own generation prompt (the prompt ends {prompt[start:][:40]!r}, a rendered reply "
-                f"goes on {turn[start:][:40]!r}), with or without reasoning"
-            ) from None
 
     def _check_round_trip(self) -> None:
         """Render a probe call with the training template, as the model would write it after the generation prompt,
@@ -204,16 +195,18 @@ class ResponseParser:
         try:
             prompt = template.render([user], tools, generation_prompt=True)
             written = self._written(reply, tools)
-        except TemplateRefusedError as e:  # a template that cannot write a tool call at all
+        except ValueError as e:  # a template that cannot write a tool call at all (TemplateRefusedError), or so
             raise UnsupportedTemplateError(
                 f"the chat template cannot render a tool call to read back exactly: {e}"
             ) from e
-        self._thinks = _THINK_CLOSER in written  # the probe's reasoning may be empty, its block still written
+        # The probe's reasoning may be empty, its block still written.
+        think = _THINK if _THINK[1] in written else None
         ids, prompt_ids = template.encode(written), template.encode(prompt)
         want = json.dumps([("probe", _PROBE_ARGUMENTS)], sort_keys=True)
         read: dict[str, list] = {}
         for layout in _LAYOUTS:
             self.layout = layout
+            self._reasoning = GEMMA_REASONING if layout == "gemma4" else think
             parsed = self.parse(ids, prompt_ids, "stop", tools)
             got = [
                 (c["function"]["name"], json.loads(c["function"]["arguments"]))

@@ -117,6 +117,7 @@ class TrainingTemplate:
         self._turn_start = len(self.render([_CONTEXT_USER]))
         self._candidates = sorted(self.tokenizer.get_added_vocab(), key=len, reverse=True)
         self.end_tokens: tuple[str, ...] = self._find_end_tokens()
+        self._check_turn_after_results()
         self.end_token_ids: frozenset[int] = frozenset(self.tokenizer.convert_tokens_to_ids(list(self.end_tokens)))
         # What generation stops at: every token that closes a turn, and the EOS (a model may end with it anyway).
         self.stop_token_ids: tuple[int, ...] = tuple(sorted(self.end_token_ids | {self.eos_token_id}))
@@ -149,6 +150,42 @@ class TrainingTemplate:
             if closer[0] not in found:
                 found.append(closer[0])
         return tuple(found)
+
+    def _check_turn_after_results(self) -> None:
+        """Refuse a template under which a model writes a reply after a tool result otherwise than after a user turn
+        (DiffusionGemma: after a user turn its generation prompt opens the turn, `<|turn>model\n`; after a tool
+        result it writes none and renders the next turn with that header, which the model would have to write
+        itself). A reply may need reasoning to start as the generation prompt does (Nemotron's `<think>\n`)."""
+        call = {"id": "call_probe", "type": "function", "function": {"name": "probe", "arguments": {"k": "v"}}}
+        calling: Message = {"role": "assistant", "content": "", "tool_calls": [call]}
+        after_user = [_CONTEXT_USER]
+        after_result = [_CONTEXT_USER, calling, {"role": "tool", "tool_call_id": "call_probe", "content": "."}]
+
+        def written(history: list[Message], reply: Message) -> str:
+            prompt, turn = self.render(history, generation_prompt=True), self.render([*history, reply])
+            return turn[len(prompt) :] if turn.startswith(prompt) else ""
+
+        for reply in ({"role": "assistant", "content": "probe"}, calling):
+            try:
+                variants = [
+                    (written(after_user, r), written(after_result, r))
+                    for r in (reply, {**reply, "reasoning_content": "probe"})
+                ]
+            except TemplateRefusedError:
+                return  # a template that writes no tool call this way
+            if any(first and first == later for first, later in variants):
+                continue
+            first, later = variants[0]
+            if not any(first for first, _ in variants):
+                prompt = self.render(after_user, generation_prompt=True)
+                raise TemplateNotPrefixPreservingError(
+                    "the chat template renders a reply that does not start with its own generation prompt (which "
+                    f"ends {prompt[-20:]!r}), with or without reasoning"
+                )
+            raise TemplateNotPrefixPreservingError(
+                "the chat template has a model write a reply after a tool result otherwise than after a user "
+                f"turn: {later[:40]!r} against {first[:40]!r}"
+            )
 
     def _closer(self, before: str, after: str, tokens: tuple[str, ...] | None = None) -> tuple[str, str] | None:
         """(the token that closes the last assistant turn of `before`, the text after it in `after`), or None when
