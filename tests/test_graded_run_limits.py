@@ -208,13 +208,23 @@ def spawning_task(tmp_path_factory: pytest.TempPathFactory) -> Task:
     )
 
 
+# Another honest fix than the gold's.
+OTHER_FIX = "def greet(name):\n    return f'hello {name}!'\n"
+
+
+def other_fix(repo: Path, task: Task) -> None:
+    (repo / "cli.py").write_text(OTHER_FIX)
+
+
 async def test_a_suite_that_spawns_grades_with_the_limits_lifted(backend: SandboxBackend, spawning_task: Task) -> None:
-    """Never calibrated: the gold's run is ended by the limits, so is the run without the patch: the limits
-    are lifted for the task and the gold resolves without them (the grade's witnesses say so); an empty
-    patch is still unresolved. Calibrated with the limits off, a grade does not try them."""
+    """Never calibrated: an honest fix's run is ended by the limits, so is the run without the patch: the
+    limits are lifted for the task and the fix resolves without them (the grade's witnesses say so); the gold
+    too, and an empty patch is still unresolved. Calibrated with the limits off, a grade does not try them."""
+    fixed = await grade(spawning_task, make_patch(spawning_task, other_fix), backend, timeout_s=120)
+    assert (fixed.outcome, fixed.reward) == ("resolved", 1.0), (fixed.error, fixed.log_tail)
+    assert "limits" not in fixed.witnesses and "control_s" in fixed.timings
     gold = await grade(spawning_task, spawning_task.patch, backend, timeout_s=120)
-    assert (gold.outcome, gold.reward) == ("resolved", 1.0), (gold.error, gold.log_tail)
-    assert "limits" not in gold.witnesses and "control_s" in gold.timings
+    assert (gold.outcome, "limits" in gold.witnesses) == ("resolved", False), (gold.error, gold.log_tail)
     # The same command spelled out: a task of its own to the probe's memory, which has not lifted its limits.
     calibrated = replace(spawning_task, runner_limits=False, test_cmd=DEFAULT_TEST_CMD)
     empty, again = await asyncio.gather(
@@ -222,6 +232,43 @@ async def test_a_suite_that_spawns_grades_with_the_limits_lifted(backend: Sandbo
     )
     assert (empty.outcome, empty.reward) == ("unresolved", 0.0), (empty.error, empty.log_tail)
     assert again.outcome == "resolved" and "limits" not in again.witnesses and "control_s" not in again.timings
+
+
+# A FAIL_TO_PASS test that spawns only once its assertion holds: the run without the patch is not ended.
+LATE_SPAWN_TESTS = """\
+import subprocess
+import sys
+
+from cli import greet
+
+
+def test_greet():
+    assert greet("x") == "hello x!"
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+def test_greet_type():
+    assert isinstance(greet("x"), str)
+"""
+
+
+async def test_a_test_that_spawns_once_fixed_is_found_by_the_gold(
+    local_backend: LocalBackend, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The control run without the patch cannot show that the tests spawn (they fail before); the one with
+    the task's gold fix does: an honest fix resolves with the limits lifted."""
+    task = committed_task(
+        tmp_path_factory.mktemp("late"),
+        {"cli.py": CLI, "tests/test_cli.py": LATE_SPAWN_TESTS},
+        fixed={"cli.py": CLI.replace("+ name", "+ name + '!'")},
+        instance_id="local__late-1",
+        problem_statement="greet forgets the exclamation mark",
+        fail_to_pass=("tests/test_cli.py::test_greet",),
+        pass_to_pass=("tests/test_cli.py::test_greet_type",),
+    )
+    fixed = await grade(task, make_patch(task, other_fix), local_backend, timeout_s=120)
+    assert (fixed.outcome, fixed.reward) == ("resolved", 1.0), (fixed.error, fixed.log_tail)
+    assert "limits" not in fixed.witnesses
 
 
 async def test_calibration_records_the_limits(local_backend: LocalBackend, spawning_task: Task, tmp_path: Path) -> None:

@@ -23,9 +23,12 @@ status file, before any repository code runs, says whether it is in force (`limi
 Where the base suite needs them (tests that run a subprocess, a CLI, `git`), the limits are off for the
 task: `Task.runner_limits` records it (`swe-grpo tasks calibrate` grades the gold patch with the limits on
 and records False when it cannot resolve without lifting them). A task never calibrated is graded with the
-limits on, and a run they end is blamed as a timeout is: the tests run once more without the patch; when
-that run is ended by the limits too, the base suite needs them, the limits are off for the task from then
-on (kept with its probe) and the patch is graded again without them. Such tasks keep the other layers
+limits on, and a run they end is blamed as a timeout is, by control runs: when the run was the task's gold
+fix's own, or the tests run without the patch, or with the gold fix (a FAIL_TO_PASS test may spawn only
+once fixed), are ended by the limits too, the task's tests need them, the limits are off for the task from
+then on (kept with its probe) and the patch is graded again without them; else the patch is
+`grading_tampered`. A task with neither a calibration nor a gold patch whose FAIL_TO_PASS tests spawn only
+once fixed would see an honest fix ended: calibrate such tasks. Such tasks keep the other layers
 only (the capability gate, the canaries, the consistency checks, the boot's tripwires).
 
 What the limits cannot stop: re-pointing a standard descriptor (dup2 onto 0, 1 or 2 is how pytest captures

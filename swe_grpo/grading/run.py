@@ -6,7 +6,7 @@ import asyncio
 import re
 import shlex
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -345,6 +345,19 @@ def run_inconsistency(
     return None
 
 
+async def _tests_need_more(task: Task, patch: str, attempt: Callable[[str, dict[str, float]], Awaitable[_Run]]) -> bool:
+    """Whether the task's tests need what the runner's limits refuse, for a patch whose run they ended: the
+    run was the gold fix's own (`patch` is `task.patch`), or a control run ended too: without the patch,
+    then with the gold fix when the task has one (a FAIL_TO_PASS test may spawn only once fixed)."""
+    if task.patch.strip() and patch == task.patch:
+        return True
+    for control_patch in ("", *([task.patch] if task.patch.strip() else [])):
+        control = await attempt(control_patch, {})
+        if control.witnessed is not None and control.witnessed.killed_by_limit:
+            return True
+    return False
+
+
 async def grade(
     task: Task,
     patch: str,
@@ -405,13 +418,14 @@ async def grade(
             return result("grading_tampered", 0.0, "static scan: " + "; ".join(run.scanned))
         assert run.witnessed is not None  # the patch applied and passed the scan, so the tests ran
         if run.witnessed.killed_by_limit:
-            # Never calibrated: whose doing? The tests once more without the patch; ended by the limits too,
-            # they need what the limits refuse: off for this task, and the patch graded again without them.
+            # Never calibrated: whose doing? When the task's tests need what the limits refuse (the gold fix's
+            # run, or a control run without the patch or with the gold fix, is ended too), they are off for the
+            # task and the patch is graded again without them.
             if task.runner_limits is None and run.probe is not None:
                 control_started = time.monotonic()
-                control = await attempt("", {})
+                needed = await _tests_need_more(task, patch, attempt)
                 timings["control_s"] = time.monotonic() - control_started
-                if control.witnessed is not None and control.witnessed.killed_by_limit:
+                if needed:
                     lift_limits(backend, task, _env(plugin_autoload), run.probe)
                     run = await attempt(patch, timings)
                     assert run.witnessed is not None  # the same patch, applied and scanned as before
