@@ -11,7 +11,7 @@ from conftest import TEMPLATES, tiny_tokenizer
 from pi_shapes import TOOLS, scripted_output, tool_call
 
 from swe_grpo.tokens.chain import TrainingTemplate, normalize_message
-from swe_grpo.tokens.responses import ParsedResponse, ResponseParser
+from swe_grpo.tokens.responses import ParsedResponse, ResponseParser, UnsupportedTemplateError
 
 
 def parse(template: str, text_or_message, stop_reason: str = "stop"):
@@ -502,3 +502,67 @@ def test_a_malformed_gemma_call_goes_back_as_text(call: str) -> None:
     closer = "" if call == GEMMA_MALFORMED[6] else "<tool_call|>"
     parsed = parse_with_tools("gemma4_v5", f"<|tool_call>{call}{closer}<|tool_response>")
     assert "tool_calls" not in parsed.message and parsed.malformed_tool_calls == 1
+
+
+# --------------------------------------------------------------------------- LFM2 pythonic
+
+
+def _lfm(calls: str) -> str:
+    return f"<|tool_call_start|>[{calls}]<|tool_call_end|><|im_end|>"
+
+
+def test_lfm_calls_with_escaped_strings_and_printed_values() -> None:
+    calls = (
+        "edit(path='a b.py', newText='it\\'s\\n\tx\\\\y', count=3, ratio=-1.5, flag=True, none=None, "
+        "opts={\"k\": [1, \"2\"]}, items=[1, 'two', None]), read(path='c.py')"
+    )
+    parsed = parse_with_tools("lfm2_v2", "Editing.\n" + _lfm(calls))
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.message["tool_calls"]] == [
+        (
+            "edit",
+            {
+                "path": "a b.py",
+                "newText": "it's\n\tx\\y",
+                "count": 3,
+                "ratio": -1.5,
+                "flag": True,
+                "none": None,
+                "opts": {"k": [1, "2"]},
+                "items": [1, "two", None],
+            },
+        ),
+        ("read", {"path": "c.py"}),
+    ]
+    assert parsed.message["content"] == "Editing." and parsed.malformed_tool_calls == 0
+
+
+LFM_MALFORMED = [
+    "bash(command='ls)",  # unclosed string
+    "bash(command='ls', command='pwd')",
+    "bash(command='ls\nx')",  # a raw line break: the template escapes it
+    "bash(command='a\\qb')",  # an escape the template never writes
+    "read(offset=03)",
+    "read(offset=1_000)",
+    "read(offset=9007199254740993)",
+    "bash(command='ls') extra",
+    "bash(command = 'ls')",
+]
+
+
+@pytest.mark.parametrize("calls", LFM_MALFORMED)
+def test_a_malformed_lfm_call_goes_back_as_text(calls: str) -> None:
+    parsed = parse_with_tools("lfm2_v2", _lfm(calls))
+    assert "tool_calls" not in parsed.message and parsed.malformed_tool_calls == 1
+
+
+def test_raw_quoted_strings_read_more_than_one_way() -> None:
+    """LFM2.5's template writes a string raw between single quotes: a call with two string arguments reads both as
+    written and with the first swallowing `', b='` of the second. That is why it is refused; one string is fine."""
+    from swe_grpo.tokens.calls_pythonic import read_pythonic
+
+    ambiguous = read_pythonic("<|tool_call_start|>[f(a='x', b='y')]<|tool_call_end|>", escaped=False)
+    assert ambiguous.calls == [] and ambiguous.attempted == 1
+    (call,) = read_pythonic("<|tool_call_start|>[f(a='it's', n=3)]<|tool_call_end|>", escaped=False).calls
+    assert json.loads(call["function"]["arguments"]) == {"a": "it's", "n": 3}
+    with pytest.raises(UnsupportedTemplateError, match="do not parse back exactly"):
+        ResponseParser(tiny_tokenizer("lfm2_2_5"))

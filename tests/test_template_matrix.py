@@ -54,11 +54,13 @@ MATRIX: dict[str, str] = {
     # the generation prompt opens `<think>\n` but a rendered assistant turn never does (and after tool results the
     # template writes no generation prompt at all)
     "deepseekv3": _PROMPT_MISMATCH,
-    # pythonic `<|tool_call_start|>[NAME(k='v')]<|tool_call_end|>`
-    "lfm2_v2": _NOT_READ_BACK,
+    # pythonic `<|tool_call_start|>[NAME(k='v')]<|tool_call_end|>`: LFM2 v2 and LFM2.5-VL escape strings; LFM2.5
+    # writes them raw between single quotes, so a call with two string arguments reads more than one way
+    # (tests/test_responses.py shows it)
+    "lfm2_v2": SERVED,
     "lfm2_2_5": _NOT_READ_BACK,
     "lfm2_2_5_v2": _NOT_READ_BACK,
-    "lfm2_2_5_vl": _NOT_READ_BACK,
+    "lfm2_2_5_vl": SERVED,
     # ATEM: `<|start|>assistant to=NAME<|message|><atem:function_calls>...`
     "muse_glimmer": _NOT_READ_BACK,
 }

@@ -8,6 +8,9 @@ value retyped, no text elsewhere in the reply taken out of them). The layouts, o
 - `<tool_call>` blocks (`calls_tagged`): Hermes JSON (Qwen3, and a fallback for every tagged template), Qwen3.5+ XML
   (and Nemotron 3), GLM-4-MoE `<arg_key>`/`<arg_value>` pairs;
 - gpt-oss harmony (`calls_harmony`): channels and `to=functions.NAME` recipients, the analysis channel as reasoning;
+- Gemma 4 (`calls_gemma`): `<|tool_call>call:NAME{k:<|"|>v<|"|>}<tool_call|>`, the thought channel as reasoning;
+- LFM2 pythonic (`calls_pythonic`): `<|tool_call_start|>[NAME(k='v')]<|tool_call_end|>`, strings escaped or raw as
+  the template writes them (an ambiguous raw one is malformed);
 - a bare `{"name": ..., "parameters": {...}}` reply (Llama 3.x).
 
 Every value goes through `call_values` (JSON as an agent reads it, typing by the tool's schema). A reply with any
@@ -31,6 +34,7 @@ from swe_grpo.tokens.call_values import Reading, ToolTypes, openai_call, paramet
 from swe_grpo.tokens.calls_gemma import REASONING as GEMMA_REASONING
 from swe_grpo.tokens.calls_gemma import read_gemma
 from swe_grpo.tokens.calls_harmony import read_harmony
+from swe_grpo.tokens.calls_pythonic import read_pythonic
 from swe_grpo.tokens.calls_tagged import json_call, read_tagged
 from swe_grpo.tokens.template import TemplateNotPrefixPreservingError, TemplateRefusedError, TrainingTemplate
 
@@ -39,7 +43,7 @@ _THINK = ("<think>", "</think>")
 # How much of the prompt's end holds its generation prompt's think opener, where the template writes one.
 _PROMPT_TAIL_TOKENS = 8
 # The layouts a probe call is tried in, in this order; the first that reads it back exactly is the template's.
-_LAYOUTS = ("tagged", "glm", "harmony", "gemma4", "bare")
+_LAYOUTS = ("tagged", "glm", "harmony", "gemma4", "pythonic", "pythonic_raw", "bare")
 
 # The start-up probe: values a template must let through exactly (see `ResponseParser._check_round_trip`).
 _PROBE_TYPES = {"text": "string", "digits": "string", "padded": "string", "count": "integer", "options": "object"}
@@ -124,6 +128,8 @@ class ResponseParser:
             return read_harmony(text, self._specials)
         if self.layout == "gemma4":
             return read_gemma(text)
+        if self.layout.startswith("pythonic"):
+            return read_pythonic(text, escaped=self.layout == "pythonic")
         whole = self._without_outer_specials(text) if self.layout == "bare" else ""
         if _BARE_CALL.match(whole) is None:  # a bare call is the whole reply; tagged blocks are read anywhere
             return read_tagged(text, types, glm=self.layout == "glm")
@@ -184,6 +190,13 @@ class ResponseParser:
         except ValueError:
             return self.template.reply_text({**reply, "reasoning_content": "Call the probe."}, tools)
 
+    def _written_thought(self) -> str:
+        """What a model writes for a reply with reasoning ("" where it cannot: the generation prompt closed it)."""
+        try:
+            return self.template.reply_text({"role": "assistant", "content": "x", "reasoning_content": "y"})
+        except ValueError:
+            return ""
+
     def _check_round_trip(self) -> None:
         """Render a probe call with the training template, as the model would write it after the generation prompt,
         and require that one layout parses it back to exactly the probe's name and arguments."""
@@ -199,8 +212,8 @@ class ResponseParser:
             raise UnsupportedTemplateError(
                 f"the chat template cannot render a tool call to read back exactly: {e}"
             ) from e
-        # The probe's reasoning may be empty, its block still written.
-        think = _THINK if _THINK[1] in written else None
+        # The probe's reasoning may be empty, its block still written; or the template writes one only for reasoning.
+        think = _THINK if _THINK[1] in written or _THINK[1] in self._written_thought() else None
         ids, prompt_ids = template.encode(written), template.encode(prompt)
         want = json.dumps([("probe", _PROBE_ARGUMENTS)], sort_keys=True)
         read: dict[str, list] = {}
