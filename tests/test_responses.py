@@ -566,3 +566,24 @@ def test_raw_quoted_strings_read_more_than_one_way() -> None:
     assert json.loads(call["function"]["arguments"]) == {"a": "it's", "n": 3}
     with pytest.raises(UnsupportedTemplateError, match="do not parse back exactly"):
         ResponseParser(tiny_tokenizer("lfm2_2_5"))
+
+
+# Each ~30k+ tokens a parser that scans on from every opener (or tries every closer) reads in quadratic time.
+DEGENERATE = {
+    "gptoss": "<|channel|>analysis<|message|>x<|end|><|start|>assistant" * 5000 + " to=functions.bash",
+    "glm4moe": "\n<think></think>\n<tool_call>bash" + "\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>" * 3000,
+    "gemma4_v5": "<|tool_call>call:f{a:" + "[" * 90 + "]" * 90 + ",b:" + "{x:" * 99 + "1" + "}" * 5000,
+    "lfm2_v2": "<|tool_call_start|>[f(a=[" + "]" * 20000 + ")]<|tool_call_end|>",
+}
+
+
+@pytest.mark.parametrize("template", DEGENERATE)
+def test_degenerate_output_in_each_layout_parses_in_linear_time(template: str) -> None:
+    tokenizer = tiny_tokenizer(template)
+    training = TrainingTemplate(tokenizer)
+    ids = training.encode(DEGENERATE[template])
+    parser = ResponseParser(tokenizer, training)
+    start = time.perf_counter()
+    parsed = parser.parse(ids, [], "length", TOOLS)
+    assert time.perf_counter() - start < 1.0
+    assert "tool_calls" not in parsed.message and parsed.malformed_tool_calls == 1

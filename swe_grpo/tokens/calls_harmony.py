@@ -24,7 +24,7 @@ from swe_grpo.tokens.call_values import JSON_DECODER, Reading, openai_call
 _START = "<|start|>assistant"
 _MESSAGE = "<|message|>"
 _CALL = "<|call|>"
-_ENDS = ("<|end|>", "<|return|>", _CALL)
+_END = re.compile(r"<\|end\|>|<\|return\|>|<\|call\|>")
 _FUNCTIONS = "functions."
 _HEADER = re.compile(
     r"(?: to=(?P<before>[^\s<]+))?<\|channel\|>(?P<channel>analysis|commentary|final)"
@@ -34,9 +34,10 @@ _HEADER = re.compile(
 
 def _message_end(text: str, body: int) -> tuple[int, int]:
     """(where the message whose body starts at `body` ends, where the next one starts): its first end token, or the
-    end of the text for a message the model never ended."""
-    ends = [(i, i + len(token)) for token in _ENDS if (i := text.find(token, body)) != -1]
-    return min(ends) if ends else (len(text), len(text))
+    end of the text for a message the model never ended. One search for all three: a reply of many messages is read
+    in one pass."""
+    end = _END.search(text, body)
+    return (end.start(), end.end()) if end else (len(text), len(text))
 
 
 def read_harmony(text: str, specials: re.Pattern[str]) -> Reading:

@@ -28,6 +28,29 @@ _ESCAPED_STRING = re.compile(r"'((?:[^'\\\n\r]|\\[\\'nr])*)'")  # no raw line br
 _BUDGET = 10_000  # readings tried before a reply counts as malformed (raw strings full of quotes)
 
 
+def _list_end(text: str, pos: int) -> int:
+    """Where the Python list literal opened at `pos` ends (after its `]`), or -1: brackets counted outside its
+    strings (quoted with `'` or `"`, backslash escapes), in one pass."""
+    depth, quote, i = 0, "", pos
+    while i < len(text):
+        char = text[i]
+        if quote:
+            if char == "\\":
+                i += 1
+            elif char == quote:
+                quote = ""
+        elif char in "'\"":
+            quote = char
+        elif char in "[{(":
+            depth += 1
+        elif char in "]})":
+            depth -= 1
+            if depth == 0:
+                return i + 1 if char == "]" else -1
+        i += 1
+    return -1
+
+
 def _holdable(value: Any) -> Any:
     """`value`, refused (`Malformed`, a ValueError) where the agent's JSON parser would read it as another value."""
     return strict_json(json.dumps(value))
@@ -78,15 +101,16 @@ class _Reader:
 
     def _list(self, pos: int) -> Iterator[tuple[Any, int]]:
         """A list as Python prints it: its text must be `repr` of what it reads as."""
-        end = pos
-        while (end := self.text.find("]", end + 1)) != -1:
-            self._step()
-            try:
-                value = ast.literal_eval(self.text[pos : end + 1])
-            except (ValueError, SyntaxError, MemoryError, RecursionError):
-                continue
-            if isinstance(value, list) and repr(value) == self.text[pos : end + 1]:
-                yield _holdable(value), end + 1
+        self._step()
+        end = _list_end(self.text, pos)
+        if end == -1:
+            return
+        try:
+            value = ast.literal_eval(self.text[pos:end])
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            return
+        if isinstance(value, list) and repr(value) == self.text[pos:end]:
+            yield _holdable(value), end
 
     def arguments(self, pos: int, seen: dict[str, Any]) -> Iterator[tuple[dict[str, Any], int]]:
         """The arguments from `pos` through the call's `)`."""
