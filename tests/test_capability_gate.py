@@ -212,6 +212,15 @@ def test_a_module_too_big_to_parse_is_refused_unless_allowed(monkeypatch: pytest
     assert gate([FileChange("data/table.json", None, big + big)]).findings == []
 
 
+def test_a_symbolic_link_named_like_code_is_refused() -> None:
+    link = FileChange("pkg/core.py", b"x = 1\n", b"notes.txt", link=True)
+    assert gate([link]).findings == [
+        "binary in pkg/core.py: a symbolic link: the interpreter would run what it points at, which the gate does"
+        " not read"
+    ]
+    assert gate([FileChange("docs/latest", None, b"v2", link=False)]).findings == []
+
+
 def test_a_coding_cookie_the_base_declared_is_kept() -> None:
     latin = "# -*- coding: latin-1 -*-\nx = 'caf\xe9'\n".encode("latin-1")
     assert gate([FileChange("pkg/core.py", latin, latin + b"y = 2\n")]).findings == []

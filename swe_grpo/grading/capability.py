@@ -105,11 +105,13 @@ _COOKIE = re.compile(rb"^[ \t\f]*#.*?coding[:=][ \t]*([-\w.]+)")
 
 @dataclass(frozen=True)
 class FileChange:
-    """One file the patch touches: its repository path and its bytes before and after (None: absent)."""
+    """One file the patch touches: its repository path, its bytes before and after (None: absent), and whether
+    the patch leaves it a symbolic link."""
 
     path: str
     before: bytes | None
     after: bytes | None
+    link: bool = False  # after the patch, a symbolic link (`after` holds where it points)
 
 
 @dataclass
@@ -173,6 +175,9 @@ def _added(change: FileChange) -> Iterator[tuple[str, str]]:
         return
     if path.endswith(BINARY_SUFFIXES):
         yield "binary", f"a {path.rpartition('.')[2]} file"
+        return
+    if change.link and (path.endswith(_PYTHON_SUFFIXES) or "." not in path.rpartition("/")[2]):
+        yield "binary", "a symbolic link: the interpreter would run what it points at, which the gate does not read"
         return
     if not is_python(path, after):
         return

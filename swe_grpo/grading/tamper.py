@@ -340,6 +340,12 @@ def _batch_blobs(data: bytes, count: int) -> list[bytes | None]:
     return blobs
 
 
+def _links(raw: str) -> set[str]:
+    """The paths `git diff --raw -z` shows as symbolic links (mode 120000) after the change."""
+    items = raw.split("\0")
+    return {path for meta, path in zip(items[::2], items[1::2], strict=False) if meta.split(" ")[1:2] == ["120000"]}
+
+
 async def gate_patch(
     sandbox: Sandbox, scratch: str, base: str, index: str, paths: Iterable[str], allow: Collection[str]
 ) -> GateResult:
@@ -356,11 +362,15 @@ async def gate_patch(
         q = shlex.quote
         read = await step(
             sandbox,
-            f"GIT_INDEX_FILE={q(index)} git cat-file --batch < {q(scratch)}/gate.in > {q(scratch)}/gate.out",
+            f"export GIT_INDEX_FILE={q(index)} && git cat-file --batch < {q(scratch)}/gate.in > {q(scratch)}/gate.out"
+            f" && git diff --cached --raw -z --no-renames {q(base)}",
             "reading the patched files",
         )
         if read.exit_code != 0:
             raise BrokenTask(failure("reading the patched files", read))
         blobs = _batch_blobs(await sandbox.get_file(f"{scratch}/gate.out"), 2 * len(named))
-        changes += [FileChange(path, blobs[2 * i], blobs[2 * i + 1]) for i, path in enumerate(named)]
+        links = _links(read.stdout)
+        changes += [
+            FileChange(path, blobs[2 * i], blobs[2 * i + 1], link=path in links) for i, path in enumerate(named)
+        ]
     return await asyncio.to_thread(gate, changes, allow)
