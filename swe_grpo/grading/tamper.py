@@ -29,7 +29,6 @@ each class of tampering it names is also refused by the gate, which needs no run
 
 from __future__ import annotations
 
-import asyncio
 import shlex
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -37,6 +36,12 @@ from dataclasses import dataclass
 from swe_grpo.grading.capability import BINARY_SUFFIXES, CAPABILITIES, FileChange, GateResult, gate
 from swe_grpo.grading.steps import BrokenTask, failure, step
 from swe_grpo.sandbox.base import Sandbox
+from swe_grpo.sandbox.bounded import BoundExceeded, run_bounded
+
+#: The capability gate's bounds on one patch (its files before and after: within `MAX_PATCH_BYTES` of change,
+#: the gate's parse took seconds and hundreds of MiB at most; these leave a loaded host room).
+GATE_TIMEOUT_S = 120.0
+GATE_MEMORY_BYTES = 2 << 30
 
 # --- the boot: an audit hook and an exit scan, before any repository code ------------------------------
 
@@ -351,7 +356,9 @@ async def gate_patch(
 ) -> GateResult:
     """The capability gate (`swe_grpo.grading.capability`) on the files of `paths`: each as `base` has it and
     as the git index `index` (the filtered patch staged over `base`) has it, read with git before anything
-    of the patch has run. The parse runs off the event loop."""
+    of the patch has run. The parse runs in a process of its own (`run_bounded`: it holds the GIL, and the
+    files are the agent's), within `GATE_TIMEOUT_S` and `GATE_MEMORY_BYTES`: files too large to check in them
+    are a finding (the policy's: reward 0), the gate's own failure `BrokenTask`."""
     wanted = [path for path in paths if _may_be_code(path)]
     odd = [path for path in wanted if not path.isprintable()]  # cat-file --batch reads names by line
     named = [path for path in wanted if path not in odd]
@@ -373,4 +380,9 @@ async def gate_patch(
         changes += [
             FileChange(path, blobs[2 * i], blobs[2 * i + 1], link=path in links) for i, path in enumerate(named)
         ]
-    return await asyncio.to_thread(gate, changes, allow)
+    try:
+        return await run_bounded(gate, changes, allow, timeout_s=GATE_TIMEOUT_S, memory_bytes=GATE_MEMORY_BYTES)
+    except BoundExceeded as e:
+        if e.bound == "error":  # the gate's own failure, not the patch's
+            raise BrokenTask(f"the capability gate failed: {e}") from e
+        return GateResult(findings=[f"the patch's files are too large to check ({e})"])

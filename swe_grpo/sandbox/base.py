@@ -43,6 +43,11 @@ WORKDIR = "/testbed"
 #: The largest patch `Sandbox.diff` returns unless told otherwise (bytes).
 MAX_PATCH_BYTES = 32 << 20
 
+#: The most lines of a patch `Sandbox.diff` returns unless told otherwise: what is done on the host with a patch
+#: (splitting it, the grader's gate) costs per line, so short lines must not buy more work than the byte bound
+#: means (10 M one-character lines fit in 30 MB). About the byte bound at 32 bytes a line.
+MAX_PATCH_LINES = 1_000_000
+
 #: How long `Sandbox.diff` may take unless told otherwise (seconds, in all).
 DIFF_TIMEOUT_S = 120.0
 
@@ -71,12 +76,12 @@ class PatchError(Exception):
 
 
 class PatchTooLarge(PatchError):
-    """The patch is over the limit it was taken with (never returned cut)."""
+    """The patch is over a limit it was taken with, of bytes or of lines (never returned cut)."""
 
     outcome = "patch_too_large"
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"the patch is larger than {limit} bytes")
+    def __init__(self, limit: int, unit: Literal["bytes", "lines"] = "bytes") -> None:
+        super().__init__(f"the patch is larger than {limit} {unit}")
         self.limit = limit
 
 
@@ -150,7 +155,12 @@ class Sandbox(ABC):
         larger than that raises `FileTooLarge`, having been read (and held) no further than about that."""
 
     async def diff(
-        self, base_commit: str, *, max_bytes: int = MAX_PATCH_BYTES, timeout_s: float = DIFF_TIMEOUT_S
+        self,
+        base_commit: str,
+        *,
+        max_bytes: int = MAX_PATCH_BYTES,
+        timeout_s: float = DIFF_TIMEOUT_S,
+        max_lines: int = MAX_PATCH_LINES,
     ) -> str:
         """The agent's work: the working tree at `workdir` against `base_commit`, as a patch that
         `git apply` turns a checkout of `base_commit` into that tree.
@@ -189,19 +199,20 @@ class Sandbox(ABC):
         of someone else's work.
 
         Raises, each a `PatchError` the rollout names as the policy's outcome (reward 0.0): `PatchTooLarge`
-        when the patch is over `max_bytes` (it is never returned cut; when a file needs the binary form, the
-        all-binary rendering it is taken from must fit too), `BaseCommitLost` (above), `DiffUnreadable` when
+        when the patch is over `max_bytes` or `max_lines`, both counted before anything parses it (it is never
+        returned cut; when a file needs the binary form, the all-binary rendering it is taken from must fit
+        too), `BaseCommitLost` (above), `DiffUnreadable` when
         what the agent left cannot be read as a patch (above; a symlink target that is not UTF-8, which git
         writes raw even in a binary patch, included), `DiffTimeout` past `timeout_s`. `SandboxError` only
         when the sandbox itself fails (an exec or a read that cannot be made)."""
         deadline = time.monotonic() + timeout_s
         scratch = f"/tmp/swe-grpo-diff-{uuid.uuid4().hex}"
         try:
-            text = await self._render_patch(scratch, base_commit, "text", max_bytes, deadline)
+            text = await self._render_patch(scratch, base_commit, "text", max_bytes, max_lines, deadline)
             sections = _sections(text)
             if all(_is_text(s) for s in sections):
                 return text.decode()
-            binary = await self._render_patch(scratch, base_commit, "binary", max_bytes, deadline)
+            binary = await self._render_patch(scratch, base_commit, "binary", max_bytes, max_lines, deadline)
             patch = _merge_sections(sections, _sections(binary))
             if len(patch) > max_bytes:
                 raise PatchTooLarge(max_bytes)
@@ -211,10 +222,16 @@ class Sandbox(ABC):
                 await self.exec(["rm", "-rf", "--", scratch], timeout_s=60)
 
     async def _render_patch(
-        self, scratch: str, base_commit: str, style: Literal["text", "binary"], max_bytes: int, deadline: float
+        self,
+        scratch: str,
+        base_commit: str,
+        style: Literal["text", "binary"],
+        max_bytes: int,
+        max_lines: int,
+        deadline: float,
     ) -> bytes:
         """Run `_DIFF_SCRIPT` in `style` (text: also check the tree and make the scratch git directory and
-        index) within what is left until `deadline`, and read the patch it wrote."""
+        index) within what is left until `deadline`, and read the patch it wrote, its lines counted first."""
         argv = ["bash", "-c", _DIFF_SCRIPT, "swe-grpo-diff", scratch, self.workdir, base_commit, style, str(max_bytes)]
         left = deadline - time.monotonic()
         result = await self.exec(argv, timeout_s=left, cwd="/") if left > 0 else None
@@ -233,6 +250,8 @@ class Sandbox(ABC):
             patch = b""
         if len(patch) != size:  # only a process the agent left running can have changed it since
             raise DiffUnreadable(f"the {size}-byte patch changed while it was read back")
+        if patch.count(b"\n") > max_lines:
+            raise PatchTooLarge(max_lines, "lines")
         return patch
 
     async def exhausted(self) -> Exhaustion | None:

@@ -1,0 +1,84 @@
+"""Host-side work on what a sandbox gave back (an agent's patch, the files it touched, a test report), bounded
+in time and memory and off the event loop that serves every rollout: `run_bounded(fn, *args, timeout_s=...,
+memory_bytes=...)` returns `fn(*args)` or raises `BoundExceeded` naming the bound.
+
+Why a process, not a thread: such work is mostly parsing, and a parser written in C (`ast.parse`, `re`,
+ElementTree) holds the GIL for its whole input, so a thread stalls the serving loop as surely as running it
+inline, and a thread's memory cannot be bounded. Each call forks a child of this process (copy-on-write: no
+import, no start-up; a forkserver or a spawned process would re-run the main script's top level, as
+multiprocessing prepares its children, and pay for the imports). The child touches nothing of the parent's
+but `fn` and its arguments, caps its own address space at what it was forked with plus `memory_bytes`
+(RLIMIT_AS), and is killed at `timeout_s`, or when the caller is cancelled. `fn`'s result must pickle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import resource
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, Literal, TypeVar
+
+T = TypeVar("T")
+
+_FORK = multiprocessing.get_context("fork")
+
+
+class BoundExceeded(Exception):
+    """`fn` did not return within its bounds: `bound` is "time", "memory", or "error" (it raised, or its
+    process died); the message says which and how."""
+
+    def __init__(self, bound: Literal["time", "memory", "error"], message: str) -> None:
+        super().__init__(message)
+        self.bound = bound
+
+
+async def run_bounded(fn: Callable[..., T], *args: Any, timeout_s: float, memory_bytes: int) -> T:
+    """`fn(*args)` in a child process of its own, within `timeout_s` seconds and `memory_bytes` more address
+    space than the child starts with. Raises `BoundExceeded`; a cancelled caller's child is killed."""
+    started: list[BaseProcess] = []
+    try:
+        return await asyncio.to_thread(_run, fn, args, timeout_s, memory_bytes, started)
+    except asyncio.CancelledError:
+        for process in started:  # the thread then sees EOF at once and reaps it
+            process.kill()
+        raise
+
+
+def _run(fn: Callable[..., T], args: tuple[Any, ...], timeout_s: float, memory_bytes: int, started: list) -> T:
+    receive, send = _FORK.Pipe(duplex=False)
+    process = _FORK.Process(target=_child, args=(send, memory_bytes, fn, args), daemon=True)
+    try:
+        process.start()
+        started.append(process)
+        send.close()
+        if not receive.poll(timeout_s):
+            raise BoundExceeded("time", f"{fn.__name__} took longer than {timeout_s:g}s")
+        try:
+            status, value = receive.recv()
+        except EOFError:
+            process.join()
+            raise BoundExceeded("error", f"{fn.__name__}'s process died (exit {process.exitcode})") from None
+    finally:
+        if process.pid is not None:
+            process.kill()
+            process.join()
+        receive.close()
+    if status == "ok":
+        return value
+    raise BoundExceeded(status, f"{fn.__name__}: {value}")
+
+
+def _child(send: Connection, memory_bytes: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    with open("/proc/self/status") as status:
+        size = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (size + memory_bytes, size + memory_bytes))
+    try:
+        result: tuple[str, Any] = ("ok", fn(*args))
+    except MemoryError:
+        result = ("memory", f"over its memory bound of {memory_bytes} bytes")
+    except Exception as e:
+        result = ("error", f"{type(e).__name__}: {e}")
+    send.send(result)
