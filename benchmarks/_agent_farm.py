@@ -1,10 +1,10 @@
 """A rollout plane without a GPU for the benchmarks that drive the real worker at hundreds of rollouts.
 
-`FarmAgent` is an `Agent` (swe_grpo.agents) whose run asks the agent farm, a process of its own, to hold
-one simulated Pi session (`_pi_agent.PiConversation`: Pi-shaped requests, the whole history every turn,
-a think pause between turns) against the rollout's interception endpoint. Pi is a process of its own per
-rollout; one farm process for all of them keeps 256 sessions affordable on two cores while the agents'
-CPU still stays out of the process that hosts the worker.
+`FarmAgent` is an `Agent` (swe_grpo.agents) whose launch, a small script in the sandbox, asks the agent farm, a
+process of its own, to hold one simulated Pi session (`_pi_agent.PiConversation`: Pi-shaped requests, the whole
+history every turn, a think pause between turns) against the rollout's interception endpoint. Pi is a process of
+its own per rollout; one farm process for all of them keeps 256 sessions affordable on two cores while the
+agents' CPU still stays out of the process that hosts the worker.
 
 `stub_vllm` is a STUB of vLLM's OpenAI server (`/v1/models`, `/v1/completions`): after `latency_s` it
 answers every completion with the fixed token ids of a valid Qwen3 tool-call answer (`StubGenerator`),
@@ -20,7 +20,6 @@ import itertools
 import multiprocessing
 import os
 import random
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -32,9 +31,8 @@ import orjson
 from _pi_agent import TOOL_OUTPUTS, PiConversation, StubGenerator, load_tokenizer, parse_sse, post
 from aiohttp import web
 
-from swe_grpo.agents import AgentConfig, AgentResult
-from swe_grpo.sandbox.base import Mount, Sandbox
-from swe_grpo.sandbox.door import Door
+from swe_grpo.agents.base import AgentConfig, Launch
+from swe_grpo.sandbox.base import Mount
 from swe_grpo.types import RolloutEndpoint
 
 STUB_MODEL = "stub"
@@ -155,10 +153,21 @@ def agent_farm(conn: Connection, cpus: set[int], turns: int, think_s: tuple[floa
     _serve_forever(conn, cpus, app)
 
 
+# Run in the sandbox: argv[1] the farm's /run URL, argv[2] the job (JSON, without the token: FARM_TOKEN has it).
+_HAND_OVER = r"""
+import json, os, sys, urllib.request
+job = dict(json.loads(sys.argv[2]), token=os.environ["FARM_TOKEN"])
+request = urllib.request.Request(sys.argv[1], json.dumps(job).encode(), {"Content-Type": "application/json"})
+answer = json.loads(urllib.request.urlopen(request, timeout=3600).read())
+print(answer["error"], file=sys.stderr)
+sys.exit(answer["exit_code"])
+"""
+
+
 @dataclass(frozen=True)
 class FarmAgent:
     """An `Agent` whose sessions run in the agent farm at `farm_url` (picklable: it crosses into rollout
-    hosts). Its sandbox is created and destroyed as Pi's is; nothing runs in it."""
+    hosts). Its sandbox is created and destroyed as Pi's is; in it runs only a script that waits for the farm."""
 
     farm_url: str
     name: str = "farm"
@@ -166,25 +175,16 @@ class FarmAgent:
     def mount(self) -> Mount:
         return Mount(Path(__file__).resolve().parent, "/opt/swe_grpo/farm")
 
-    async def run(
-        self,
-        sandbox: Sandbox,
-        endpoint: RolloutEndpoint,
-        problem_statement: str,
-        config: AgentConfig,
-        last_activity: Any,
-        door: Door | None = None,
-    ) -> AgentResult:
-        job = {
-            "rollout_id": endpoint.rollout_id,
-            "base_url": endpoint.base_url,
-            "token": endpoint.token,
-            "model": endpoint.model,
-        }
-        start = time.monotonic()
-        async with aiohttp.ClientSession() as session, session.post(f"{self.farm_url}/run", json=job) as resp:
-            answer = await resp.json()
-        return AgentResult(answer["exit_code"], False, False, time.monotonic() - start, "", answer["error"])
+    def launch(self, workdir: str, endpoint: RolloutEndpoint, problem_statement: str, config: AgentConfig) -> Launch:
+        """A stdlib script in the sandbox (on the host's network: run with the door off) that hands the session to
+        the farm and exits with the farm's exit code, printing its error."""
+        job = {"rollout_id": endpoint.rollout_id, "base_url": endpoint.base_url, "model": endpoint.model}
+        return Launch(
+            argv=["python3", "-c", _HAND_OVER, f"{self.farm_url}/run", orjson.dumps(job).decode()],
+            env={},
+            files={},
+            secret_env="FARM_TOKEN",
+        )
 
 
 async def stats(url: str) -> dict[str, int]:

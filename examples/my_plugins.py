@@ -1,7 +1,7 @@
 """A user's own sandbox backend and agent, plugged in by dotted path (examples/ on PYTHONPATH):
 
-    swe-grpo rollout --tasks demo --sandbox my_plugins:TimedBackend --agent my_plugins:CarefulPi ...
-    WorkerConfig(agent="my_plugins:CarefulPi"), SWERolloutWorker(..., sandbox="my_plugins:TimedBackend")
+swe-grpo rollout --tasks demo --sandbox my_plugins:TimedBackend --agent my_plugins:CarefulPi ...
+WorkerConfig(agent="my_plugins:CarefulPi"), SWERolloutWorker(..., sandbox="my_plugins:TimedBackend")
 """
 
 import logging
@@ -28,6 +28,6 @@ class CarefulPi(PiAgent):
 
     name = "pi-careful"
 
-    async def run(self, sandbox, endpoint, problem_statement, config, last_activity, door=None):
+    def launch(self, workdir, endpoint, problem_statement, config):
         statement = f"{problem_statement}\n\nRun the repository's tests before you finish."
-        return await super().run(sandbox, endpoint, statement, config, last_activity, door)
+        return super().launch(workdir, endpoint, statement, config)

@@ -79,7 +79,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from swe_grpo.agents.base import Agent, AgentConfig, AgentResult
+from swe_grpo.agents.base import Agent, AgentConfig, AgentResult, run_agent
 from swe_grpo.grading import DEFAULT_TIMEOUT_S, GradeResult, grade
 from swe_grpo.sandbox.base import DIFF_TIMEOUT_S, MAX_PATCH_BYTES, PatchError, Sandbox, SandboxBackend, SandboxError
 from swe_grpo.sandbox.door import Door, check_allow
@@ -313,7 +313,8 @@ async def run_rollout(
                         setup_error = await run_setup(sandbox, task, config)
                         timings["setup"] = time.monotonic() - setup_started
                     if setup_error is None:
-                        ran = await agent.run(
+                        ran = await run_agent(
+                            agent,
                             sandbox,
                             session.endpoint,
                             task.problem_statement,

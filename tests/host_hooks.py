@@ -66,3 +66,22 @@ def refuse_training_imports() -> None:
     loaded = sorted(n for n in sys.modules if n.split(".")[0] in ("torch", "trl"))
     if loaded:
         raise ImportError(f"a rollout host loaded {len(loaded)} training modules: {loaded[:10]}")
+
+
+def exit_leaving_a_process_behind(pid_file: str) -> None:
+    """A host that dies while starting, after starting a process that inherits its descriptors (its pipes to
+    the trainer among them), as a setup that launches a helper without closing them would. The helper's pid
+    goes to `pid_file`; it sleeps until killed."""
+    import os
+    import signal
+
+    helper = os.fork()
+    if helper == 0:
+        try:
+            while True:
+                signal.pause()
+        finally:  # never back into the host's code
+            os._exit(0)
+    with open(pid_file, "w") as f:
+        f.write(str(helper))
+    os._exit(3)

@@ -20,12 +20,10 @@ It needs no model that can write code: its replies are read (or not), never acte
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
-from swe_grpo.agents.base import AgentConfig, AgentResult, Launch, behind_door, run_agent
-from swe_grpo.sandbox.base import Mount, Sandbox
-from swe_grpo.sandbox.door import Door
+from swe_grpo.agents.base import AgentConfig, Launch
+from swe_grpo.sandbox.base import Mount
 from swe_grpo.types import RolloutEndpoint
 
 MOUNT = "/opt/swe_grpo/script-agent"
@@ -89,20 +87,10 @@ class ScriptAgent:
     def mount(self) -> Mount:
         return Mount(self.home, MOUNT)
 
-    async def run(
-        self,
-        sandbox: Sandbox,
-        endpoint: RolloutEndpoint,
-        problem_statement: str,
-        config: AgentConfig,
-        last_activity: Callable[[], float],
-        door: Door | None = None,
-    ) -> AgentResult:
-        endpoint = behind_door(endpoint, door)
-        launch = Launch(
+    def launch(self, workdir: str, endpoint: RolloutEndpoint, problem_statement: str, config: AgentConfig) -> Launch:
+        return Launch(
             argv=["python3", f"{MOUNT}/agent.py", self.behaviour, self.action],
             env={"OPENAI_BASE_URL": endpoint.base_url, "OPENAI_MODEL": endpoint.model},
             files={},
             secret_env="OPENAI_API_KEY",
         )
-        return await run_agent(sandbox, launch, endpoint.token, config, last_activity, door)

@@ -26,8 +26,8 @@ import pytest
 from conftest import SERVED_NAME
 from sandbox_helpers import calc_task, make_repo
 
-from swe_grpo.agents.base import AgentConfig
-from swe_grpo.agents.pi import PiBundle, run_pi
+from swe_grpo.agents.base import AgentConfig, run_agent
+from swe_grpo.agents.pi import PiAgent, PiBundle
 from swe_grpo.sandbox import door as door_module
 from swe_grpo.sandbox.base import Sandbox, SandboxBackend
 from swe_grpo.sandbox.door import DOOR_PORT, PROXY_PORT, Door, ForwarderBuildError
@@ -144,8 +144,14 @@ async def test_pi_through_the_door(vllm_server, vllm_client, tokenizer, pi_bundl
                 await local_backend.create(task, mounts=[pi_bundle.mount(), door.mount()], network=False) as sandbox,
             ):
                 config = AgentConfig(context_window=vllm_client.max_model_len, max_tokens=64, timeout_s=180)
-                result = await run_pi(
-                    sandbox, pi_bundle, handle.endpoint, "Fix calc.py.", config, handle.last_activity, door=door
+                result = await run_agent(
+                    PiAgent(pi_bundle),
+                    sandbox,
+                    handle.endpoint,
+                    "Fix calc.py.",
+                    config,
+                    handle.last_activity,
+                    door=door,
                 )
         finally:
             door.remove()

@@ -42,7 +42,6 @@ BASE = WorkerConfig(
     drop_zero_variance_groups=False,  # the fake agent never resolves the training task
     agent_timeout_s=120,
     stall_timeout_s=60,
-    door=False,  # the fake agent calls its endpoint from the host
     eval_tasks=(GOLD, EMPTY),
     eval_every=2,
     eval_k=2,

@@ -16,7 +16,7 @@ from sandbox_helpers import assert_no_local_sandbox_left, host_pids
 from test_pi_integration import RecordingClient, assert_rows_are_exactly_what_vllm_saw
 from test_rollout import STRUTIL, tool_call
 
-from swe_grpo.agents.base import AgentConfig
+from swe_grpo.agents.base import AgentConfig, run_agent
 from swe_grpo.agents.mini_swe import MINI_SWE_AGENT_VERSION, MiniSweAgent
 from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.rollout import RolloutConfig, run_rollout
@@ -114,8 +114,14 @@ async def test_a_repository_cannot_configure_mini_and_the_token_stays_in_its_env
             async with server.rollout("mini", socket=door.socket) as handle:
                 endpoint = handle.endpoint
                 async with await backend.create(task, mounts=[mini.mount(), door.mount()], network=False) as sandbox:
-                    result = await mini.run(
-                        sandbox, endpoint, task.problem_statement, agent_config(client), handle.last_activity, door=door
+                    result = await run_agent(
+                        mini,
+                        sandbox,
+                        endpoint,
+                        task.problem_statement,
+                        agent_config(client),
+                        handle.last_activity,
+                        door=door,
                     )
                     after = await sandbox.exec(f"grep -rlsF -e {endpoint.token} /tmp /testbed; ls /tmp", timeout_s=60)
         finally:

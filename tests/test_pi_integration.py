@@ -20,8 +20,8 @@ import pytest
 from conftest import SERVED_NAME
 from pi_shapes import make_repo
 
-from swe_grpo.agents.base import AgentConfig, AgentResult
-from swe_grpo.agents.pi import SUPPORTED_PI_VERSIONS, PiBundle, run_pi
+from swe_grpo.agents.base import AgentConfig, AgentResult, run_agent
+from swe_grpo.agents.pi import SUPPORTED_PI_VERSIONS, PiAgent, PiBundle
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.serving.interception import InterceptionServer, RolloutRecord
 from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient
@@ -85,9 +85,9 @@ async def run_session(
             # The host's network: Pi reaches the InterceptionServer on the host's loopback (no door here).
             async with await backend.create(task, mounts=[pi_bundle.mount()], network=True) as sandbox:
                 config = AgentConfig(context_window=client.max_model_len, max_tokens=max_tokens, timeout_s=180)
-                result = await run_pi(
+                result = await run_agent(
+                    PiAgent(pi_bundle),
                     sandbox,
-                    pi_bundle,
                     endpoint,
                     task.problem_statement,
                     config,

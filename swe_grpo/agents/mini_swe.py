@@ -20,14 +20,12 @@ network calls (the cost map) are off.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
-from swe_grpo.agents.base import AgentConfig, AgentResult, Launch, behind_door, run_agent
+from swe_grpo.agents.base import AgentConfig, Launch
 from swe_grpo.agents.mini_swe_install import LOADER, PY_VERSION
 from swe_grpo.paths import mini_swe_agent_dir
-from swe_grpo.sandbox.base import Mount, Sandbox
-from swe_grpo.sandbox.door import Door
+from swe_grpo.sandbox.base import Mount
 from swe_grpo.types import RolloutEndpoint
 
 MINI_SWE_AGENT_VERSION = "2.4.6"  # the pin in mini_swe_requirements.txt
@@ -93,15 +91,3 @@ class MiniSweAgent:
             files={_CONFIG_FILE: json.dumps(overrides).encode()},  # JSON is YAML
             secret_env=API_KEY_ENV,
         )
-
-    async def run(
-        self,
-        sandbox: Sandbox,
-        endpoint: RolloutEndpoint,
-        problem_statement: str,
-        config: AgentConfig,
-        last_activity: Callable[[], float],
-        door: Door | None = None,
-    ) -> AgentResult:
-        launch = self.launch(sandbox.workdir, behind_door(endpoint, door), problem_statement, config)
-        return await run_agent(sandbox, launch, endpoint.token, config, last_activity, door)

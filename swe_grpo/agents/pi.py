@@ -44,14 +44,12 @@ import json
 import logging
 import re
 import subprocess
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from swe_grpo.agents.base import AgentConfig, AgentResult, Launch, behind_door, run_agent
+from swe_grpo.agents.base import AgentConfig, Launch
 from swe_grpo.paths import pi_bundle_dir
-from swe_grpo.sandbox.base import Mount, Sandbox
-from swe_grpo.sandbox.door import Door
+from swe_grpo.sandbox.base import Mount
 from swe_grpo.types import RolloutEndpoint
 
 # The newest release that installs from npm with its declared dependencies here (every 1.x and 0.99.1 pin
@@ -231,35 +229,13 @@ class PiAgent:
     def mount(self) -> Mount:
         return self.bundle.mount()
 
-    async def run(
-        self,
-        sandbox: Sandbox,
-        endpoint: RolloutEndpoint,
-        problem_statement: str,
-        config: AgentConfig,
-        last_activity: Callable[[], float],
-        door: Door | None = None,
-    ) -> AgentResult:
-        return await run_pi(sandbox, self.bundle, endpoint, problem_statement, config, last_activity, door)
-
-
-async def run_pi(
-    sandbox: Sandbox,
-    bundle: PiBundle,
-    endpoint: RolloutEndpoint,
-    task_text: str,
-    config: AgentConfig,
-    last_activity: Callable[[], float],
-    door: Door | None = None,
-) -> AgentResult:
-    """Run Pi on `task_text` in `sandbox` (which must mount `bundle.mount()`, and `door.mount()` with a
-    door) through `swe_grpo.agents.base.run_agent`: until it exits, hits the wall-clock limit or stalls."""
-    endpoint = behind_door(endpoint, door)
-    files = {f"{_AGENT_DIR}/{name}": data for name, data in config_files(endpoint, config).items()}
-    launch = Launch(
-        argv=bundle.command(endpoint.model),
-        env={"PI_CODING_AGENT_DIR": _AGENT_DIR, "PI_OFFLINE": "1", "NODE_OPTIONS": ""},
-        files={**files, _TASK_FILE: task_text.encode()},
-        secret_env=API_KEY_ENV,
-    )
-    return await run_agent(sandbox, launch, endpoint.token, config, last_activity, door)
+    def launch(self, workdir: str, endpoint: RolloutEndpoint, problem_statement: str, config: AgentConfig) -> Launch:
+        """Pi on `problem_statement`, its configuration and the task in the sandbox's private /tmp (see the module
+        docstring); Pi works in the directory it is started in, `workdir`."""
+        files = {f"{_AGENT_DIR}/{name}": data for name, data in config_files(endpoint, config).items()}
+        return Launch(
+            argv=self.bundle.command(endpoint.model),
+            env={"PI_CODING_AGENT_DIR": _AGENT_DIR, "PI_OFFLINE": "1", "NODE_OPTIONS": ""},
+            files={**files, _TASK_FILE: problem_statement.encode()},
+            secret_env=API_KEY_ENV,
+        )

@@ -120,8 +120,8 @@ async def capture_pi_run(
     `replies` (assistant messages in normalised form, see `ScriptedGenerator`), behind the
     InterceptionServer and a `recording_hop`. `after`: shell commands run in the sandbox once Pi has
     exited, with the rollout's token in `$TOKEN`. The sandbox is gone when this returns."""
-    from swe_grpo.agents.base import AgentConfig
-    from swe_grpo.agents.pi import run_pi
+    from swe_grpo.agents.base import AgentConfig, run_agent
+    from swe_grpo.agents.pi import PiAgent
     from swe_grpo.serving.interception import InterceptionServer
 
     template = TrainingTemplate(tokenizer)
@@ -136,7 +136,9 @@ async def capture_pi_run(
         proxied = replace(endpoint, base_url=hop.url + endpoint.base_url.removeprefix(server.public_base_url))
         # The host's network: Pi reaches the recording hop on the host's loopback (no door).
         async with await backend.create(task, mounts=[bundle.mount()], network=True) as sandbox:
-            result = await run_pi(sandbox, bundle, proxied, task.problem_statement, config, session.last_activity)
+            result = await run_agent(
+                PiAgent(bundle), sandbox, proxied, task.problem_statement, config, session.last_activity
+            )
             patch = await sandbox.diff(task.base_commit)
             outputs = {}
             for command in after:

@@ -1,14 +1,21 @@
 """The child side of a rollout host: what runs inside the host's process (swe_grpo/worker/hosts.py has the
 trainer's side).
 
-`_host_main` is the process's entry point (`ProcessHost` spawns it): it builds the host's engine
-(`build_engine`, from the `HostSpec` the trainer pickled into it), starts it, and serves the trainer's
-requests ("policy", "health", "stop") on one pipe until it asks to stop or is gone; the engine's output
-(whole groups, metrics, traces) and this process's log records go to the trainer on another pipe, from a
-thread of their own (`_Sender`), so the engine's event loop never waits on the trainer. A host stops its
+`_host_main` is the process's entry point (`ProcessHost` spawns it): it receives its `HostSpec` as the
+first message on its command pipe (not as an argument of the spawn: see `ProcessHost.start`), builds the
+host's engine (`build_engine`), starts it, and serves the trainer's requests ("policy", "health", "stop")
+on that pipe until it asks to stop or is gone; the engine's output (whole groups, metrics, traces) and
+this process's log records go to the trainer on another pipe, from a thread of their own (`_Sender`), so
+the engine's event loop never waits on the trainer. A host stops its
 engine when the trainer dies, even by SIGKILL: it sees its command pipe close, and the kernel signals it
 (PR_SET_PDEATHSIG). An exception raised here reaches the trainer with its `__cause__` chain and each
 one's traceback (`pack_exception` here, `unpack_exception` on the trainer's side).
+
+A spawned process imports the trainer's main script again (as `__mp_main__`) before it runs anything of
+ours: a script without the `if __name__ == "__main__":` guard would build a second trainer and worker in
+every host. `refuse_in_a_rollout_host` (called by `SWERolloutWorker`) stops that host at once with the
+reason on its stderr and the exit code `UNGUARDED_SCRIPT_EXIT`, which the trainer's side turns into the
+same reason.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import contextlib
 import ctypes
 import dataclasses
 import itertools
+import linecache
 import logging
 import logging.handlers
 import multiprocessing
@@ -24,6 +32,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -50,6 +59,32 @@ log = logging.getLogger(__name__)
 
 _SEND_TIMEOUT_S = 60.0  # a host's last messages reach the trainer in milliseconds; past a minute it is gone
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+HOST_PROCESS_PREFIX = "swe-grpo-rollout-host-"  # a host process's name; set by spawn before the script re-runs
+UNGUARDED_SCRIPT_EXIT = 86  # a host's exit code for "your script has no __main__ guard": nothing else exits so
+UNGUARDED_SCRIPT = (
+    'your training script has no `if __name__ == "__main__":` guard. Rollout hosts are spawned processes, and a '
+    "spawned process imports the main script again: without the guard, every host would build a second worker "
+    "and trainer and train. Put everything that builds the worker and the trainer and calls train() under "
+    '`if __name__ == "__main__":` (or in a main() called there), as the README\'s script does; or run the '
+    "rollouts in the trainer's process with WorkerConfig(rollout_hosts=0)."
+)
+
+
+def refuse_in_a_rollout_host() -> None:
+    """Stop this process if it is a rollout host re-running the trainer's script (see the module docstring):
+    the reason and the script's line go to stderr, and the exit code tells the trainer's side. Returns at
+    once anywhere else."""
+    if not multiprocessing.current_process().name.startswith(HOST_PROCESS_PREFIX):
+        return
+    # The script's own frame: spawn runs it as `__mp_main__` (`sys.modules["__main__"]` is replaced only after).
+    in_script = [(f, n) for f, n in traceback.walk_stack(None) if f.f_globals.get("__name__") == "__mp_main__"]
+    where = ""
+    if in_script:
+        frame, lineno = in_script[0]
+        source = linecache.getline(frame.f_code.co_filename, lineno).strip()
+        where = f" (at {frame.f_code.co_filename}, line {lineno}: {source})"
+    print(f"swe_grpo rollout host: {UNGUARDED_SCRIPT}{where}", file=sys.stderr, flush=True)
+    raise SystemExit(UNGUARDED_SCRIPT_EXIT)
 
 
 @dataclass(frozen=True)
@@ -134,22 +169,27 @@ class _TrainerGone(BaseException):
 
 
 def _host_main(
-    spec: HostSpec,
     commands: Connection,
     results: Connection,
     backlog: tuple[ctypes.c_int64, ctypes.c_int64],
     trainer_pid: int,
 ) -> None:
-    """A host process: build the engine, start it, then serve the trainer's requests until it asks to stop
-    or is gone (its pipe closes, or the kernel's parent-death signal arrives); the engine is stopped either
-    way."""
+    """A host process: receive its `HostSpec`, build the engine, start it, then serve the trainer's requests
+    until it asks to stop or is gone (its pipe closes, or the kernel's parent-death signal arrives); the
+    engine is stopped either way. A failure to start, the spec's unpickling included, is the answer to the
+    trainer's wait for the start."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the trainer, which stops hosts
     outbox = _Sender(results)
-    _forward_logs(outbox, spec.log_levels)
     engine: RolloutEngine | None = None
     try:
         _die_with(trainer_pid)
         try:
+            received = commands.recv_bytes()
+        except (EOFError, OSError):
+            raise _TrainerGone() from None
+        try:
+            spec: HostSpec = pickle.loads(received)  # fails e.g. on a user's class this process cannot import
+            _forward_logs(outbox, spec.log_levels)
             if spec.setup is not None:
                 spec.setup()
             engine = build_engine(spec, _HostOutlet(outbox, *backlog))

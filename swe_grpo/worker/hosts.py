@@ -22,7 +22,10 @@ What holds across the boundary (on top of everything `swe_grpo.worker` guarantee
   counts its own still on their way there.
 - Health keeps the original cause: an exception raised in a host is re-raised in the trainer with its
   type, message and `__cause__` chain, each carrying the host's traceback as a note; a host process that
-  died is reported with its exit code or signal; one that does not answer within a minute is reported.
+  died is reported with its exit code or signal as soon as it has died, while starting too (its process is
+  watched beside its pipes, which a process it started may hold open); one that does not answer within a
+  minute is reported. A host that re-ran a training script without the `__main__` guard is
+  reported as such (swe_grpo/worker/host_main.py).
 - Nothing lost: a host's metrics up to its exit, `stop()`'s cancellations included, reach the trainer's
   `metrics_queue` before `stop()` returns.
 - Nothing leaked: `stop()` stops every host's engine (cancelling every rollout, destroying its
@@ -35,14 +38,17 @@ What holds across the boundary (on top of everything `swe_grpo.worker` guarantee
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import ctypes
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
@@ -50,6 +56,9 @@ from typing import Any, Protocol
 
 from swe_grpo.types import HostMessage, Policy, RolloutOutlet, RolloutWorkerError
 from swe_grpo.worker.host_main import (
+    HOST_PROCESS_PREFIX,
+    UNGUARDED_SCRIPT,
+    UNGUARDED_SCRIPT_EXIT,
     EngineArgs,
     HostSpec,
     _host_main,
@@ -191,19 +200,28 @@ class ProcessHost:
         self._delivered: ctypes.c_int64 = self._context.RawValue("q", 0)
         self._received = 0  # samples received so far; delivered by the pump before its next drain
         self._process: multiprocessing.process.BaseProcess | None = None
+        self._ended = -1  # a descriptor readable once the process has ended (`_end_watch`)
         self._commands: Connection | None = None
         self._results: Connection | None = None
         self._lock = threading.Lock()  # one request and its answer at a time
         self._wedged: str | None = None  # a request went unanswered: answers can no longer be matched
+        self._serving = False  # it answered its start: the spec was received, requests may be sent
 
     @property
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
 
     def start(self) -> None:
+        """Spawn the host's process and send it its spec; returns at once (see `wait_started`).
+
+        The spec (tasks, tokenizer: often megabytes) goes as the first message on the command pipe, from a
+        thread, and not as an argument of the spawn: multiprocessing writes those into a pipe whose reading
+        end it holds open itself, before the child reads it, and the child reads it only after re-running the
+        trainer's main script. A child that dies in that script (one without the `__main__` guard) would
+        leave `process.start()` blocked in that write for good."""
         self.spec = with_verified_templates(self.spec)
         try:
-            pickle.dumps(self.spec)
+            spec = pickle.dumps(self.spec)
         except Exception as e:  # said plainly here, not as a pickling traceback from inside multiprocessing
             raise TypeError(
                 f"what runs in {self.name} must pickle, and this does not: {e}. Pass the sandbox backend by name "
@@ -214,8 +232,8 @@ class ProcessHost:
         results, host_results = self._context.Pipe(duplex=False)
         process = self._context.Process(
             target=_host_main,
-            args=(self.spec, host_commands, host_results, (self._waiting, self._delivered), os.getpid()),
-            name=f"swe-grpo-rollout-host-{self.spec.index}",
+            args=(host_commands, host_results, (self._waiting, self._delivered), os.getpid()),
+            name=f"{HOST_PROCESS_PREFIX}{self.spec.index}",
             daemon=True,
         )
         try:
@@ -224,12 +242,20 @@ class ProcessHost:
             host_commands.close()
             host_results.close()
         self._process, self._commands, self._results = process, commands, results
+        self._ended = self._end_watch(process)
         self.name = f"rollout host {self.spec.index} (pid {process.pid})"
+        threading.Thread(target=self._send_spec, args=(spec,), name="swe-grpo-host-spec", daemon=True).start()
+
+    def _send_spec(self, spec: bytes) -> None:
+        assert self._commands is not None
+        with contextlib.suppress(OSError):  # the host died first: `wait_started` reports how
+            self._commands.send_bytes(spec)
 
     def wait_started(self, timeout_s: float) -> None:
 
         if (failure := self._answer(timeout_s, "start")) is not None:
             raise RolloutWorkerError(f"{self.name} failed to start") from failure
+        self._serving = True
 
     def set_policy(self, policy: Policy) -> None:
         self._ask("policy", policy)
@@ -240,10 +266,12 @@ class ProcessHost:
         self._delivered.value = self._received
         messages: list[HostMessage] = []
         try:
-            if self._results.poll(timeout_s):
+            self._wait_for(self._results, timeout_s)
+            exited = self._exited()  # before reading: all it sent before it ended is then readable
+            while len(messages) < 1000 and self._results.poll(0):
                 messages.append(self._results.recv())
-                while len(messages) < 1000 and self._results.poll(0):
-                    messages.append(self._results.recv())
+            if exited and not messages:  # ended, its pipe held open by a process it started
+                return None
         except EOFError:  # the host has ended (a message cut off by its death is dropped whole)
             return messages or None
         finally:
@@ -259,12 +287,13 @@ class ProcessHost:
         if process is None:
             return
         cause: BaseException | None = None
-        if process.is_alive() and self._wedged is None:
+        if process.is_alive() and self._wedged is None and self._serving:
             try:
                 self._ask("stop", timeout_s, answer_s=timeout_s + _KILL_AFTER_S)
             except RolloutWorkerError as e:
                 cause = e
-        process.join(_KILL_AFTER_S)
+            process.join(_KILL_AFTER_S)
+        # One that never served is still starting or re-running the trainer's script: SIGTERM stops its engine.
         for kill in (process.terminate, process.kill):
             if process.exitcode is None:
                 log.warning("%s did not exit; %s", self.name, kill.__name__)
@@ -295,13 +324,34 @@ class ProcessHost:
 
         assert self._commands is not None and self._process is not None
         try:
-            if not self._commands.poll(timeout_s):
+            if not self._wait_for(self._commands, timeout_s):
                 self._wedged = f"{self.name} did not answer {request!r} within {timeout_s:.0f}s"
                 raise RolloutWorkerError(self._wedged)
+            if not self._commands.poll(0):  # it ended without answering, its pipe held open by a process it started
+                raise RolloutWorkerError(f"{self.name} {self._death()}")
             status, payload = self._commands.recv()
         except (EOFError, OSError) as e:
             raise RolloutWorkerError(f"{self.name} {self._death()}") from e
         return unpack_exception(payload, self.name) if status == "error" else None
+
+    def _end_watch(self, process: multiprocessing.process.BaseProcess) -> int:
+        """A descriptor that becomes readable when `process` ends: a pidfd, which no process the host started
+        can hold open (multiprocessing's sentinel is a pipe that a process it forked inherits), or that
+        sentinel where the kernel has no pidfds (before Linux 5.3)."""
+        assert process.pid is not None
+        try:
+            pidfd = os.pidfd_open(process.pid)
+        except OSError:
+            return process.sentinel
+        weakref.finalize(self, os.close, pidfd)
+        return pidfd
+
+    def _wait_for(self, pipe: Connection, timeout_s: float) -> bool:
+        """Wait until `pipe` can be read or the host's process has ended; False after `timeout_s`."""
+        return bool(multiprocessing.connection.wait([pipe, self._ended], timeout_s))
+
+    def _exited(self) -> bool:
+        return bool(multiprocessing.connection.wait([self._ended], 0))
 
     def _death(self) -> str:
         """How the host's process ended, for an error message."""
@@ -312,4 +362,6 @@ class ProcessHost:
             return "closed its pipe but is still running"
         if code < 0:
             return f"was killed by {signal.Signals(-code).name}"
-        return f"exited with code {code} (its stderr has the reason)"
+        if code == UNGUARDED_SCRIPT_EXIT:
+            return f"exited at once (code {code}): {UNGUARDED_SCRIPT}"
+        return f"exited with code {code} (its stderr, which is the trainer's, has the reason)"

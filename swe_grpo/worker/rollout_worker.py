@@ -74,9 +74,10 @@ side only moves groups of samples, metrics, traces and log records out of them a
 asks each for its health and stops them. Every guarantee above holds across that boundary (hosts.py says
 how), and a host stops its engine when the trainer dies, even by SIGKILL. The InterceptionServer, Pi's
 traffic and grading thus never share the GIL with the training loop. A host is spawned, not forked, so a
-script that builds the worker needs the `if __name__ == "__main__":` guard, as with TRL's own worker;
-`host_setup` (picklable) runs first in each host. `rollout_hosts=0` runs the engine in a daemon thread of
-the trainer's process instead (the engine's own mode, which every host uses inside).
+script that builds the worker needs the `if __name__ == "__main__":` guard, as with TRL's own worker
+(without it, `start()` raises and says so); `host_setup` (picklable) runs first in each host.
+`rollout_hosts=0` runs the engine in a daemon thread of the trainer's process instead (the engine's own
+mode, which every host uses inside).
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ from swe_grpo.types import Policy, RolloutWorkerError
 from swe_grpo.worker.config import WorkerConfig
 from swe_grpo.worker.engine import RolloutEngine
 from swe_grpo.worker.group_queue import GroupQueue
+from swe_grpo.worker.host_main import refuse_in_a_rollout_host
 from swe_grpo.worker.hosts import EngineArgs, HostSpec, ProcessHost, RolloutHost, RolloutHosts
 
 log = logging.getLogger(__name__)
@@ -155,6 +157,9 @@ class SWERolloutWorker:
     by name needs no pickling). `host_setup`: called first where the rollouts run (each rollout host, or
     this process with `rollout_hosts=0`), e.g. to configure logging; a module-level function or a
     `functools.partial` of one, since it is pickled into the hosts.
+
+    Built in a rollout host, i.e. by a training script without the `if __name__ == "__main__":` guard that
+    a spawned host re-ran, it ends that host at once, and the trainer's `start()` raises with the reason.
     """
 
     def __init__(
@@ -170,6 +175,7 @@ class SWERolloutWorker:
         vllm_api_key: str | None = None,
         host_setup: Callable[[], None] | None = None,
     ):
+        refuse_in_a_rollout_host()
         rows = list(tasks)
         self.tasks = rows if all(isinstance(t, Task) for t in rows) else tasks_from_dataset(rows, source="tasks")
         if not self.tasks:
