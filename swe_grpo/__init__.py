@@ -9,29 +9,38 @@ import importlib
 from typing import Any
 
 from swe_grpo import _compat
-from swe_grpo.grading import GradeResult, grade
-from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout
-from swe_grpo.sandbox import make_backend
-from swe_grpo.serving.interception import InterceptionServer, RolloutRecord
-from swe_grpo.serving.vllm_client import (
-    BadResponseError,
-    ContextOverflowError,
-    Generation,
-    SamplingParams,
-    ServerUnavailableError,
-    VLLMClient,
-    VLLMError,
-)
-from swe_grpo.tasks import Task, load_tasks
-from swe_grpo.tokens.chain import TokenChain, TrainingRow, TrainingTemplate, TurnRecord
-from swe_grpo.tokens.responses import ParsedResponse, ResponseParser
-from swe_grpo.types import Policy, RolloutEndpoint, RolloutWorkerError
 
 _compat.install()
 
-# The trainer-side pieces import TRL's trainer (~10 s), and the demo is not the library: loaded on first
-# use, so the CLI and the rollout-only API stay quick to import.
+# Every name loads on first use: `import swe_grpo` imports no torch, transformers, TRL or aiohttp (the trainer's
+# pieces alone take ~10 s), so the CLI, a rollout host and a user's `from swe_grpo import Task` stay quick.
 _LAZY = {
+    "GradeResult": "swe_grpo.grading",
+    "grade": "swe_grpo.grading",
+    "RolloutConfig": "swe_grpo.rollout",
+    "Trajectory": "swe_grpo.rollout",
+    "run_rollout": "swe_grpo.rollout",
+    "make_backend": "swe_grpo.sandbox",
+    "InterceptionServer": "swe_grpo.serving.interception",
+    "RolloutRecord": "swe_grpo.serving.session",
+    "BadResponseError": "swe_grpo.serving.vllm_client",
+    "ContextOverflowError": "swe_grpo.serving.vllm_client",
+    "Generation": "swe_grpo.serving.vllm_client",
+    "SamplingParams": "swe_grpo.serving.vllm_client",
+    "ServerUnavailableError": "swe_grpo.serving.vllm_client",
+    "VLLMClient": "swe_grpo.serving.vllm_client",
+    "VLLMError": "swe_grpo.serving.vllm_client",
+    "Task": "swe_grpo.tasks",
+    "load_tasks": "swe_grpo.tasks",
+    "TokenChain": "swe_grpo.tokens.chain",
+    "TrainingRow": "swe_grpo.tokens.chain",
+    "TrainingTemplate": "swe_grpo.tokens.chain",
+    "TurnRecord": "swe_grpo.tokens.chain",
+    "ParsedResponse": "swe_grpo.tokens.responses",
+    "ResponseParser": "swe_grpo.tokens.responses",
+    "Policy": "swe_grpo.types",
+    "RolloutEndpoint": "swe_grpo.types",
+    "RolloutWorkerError": "swe_grpo.types",
     "SWERolloutWorker": "swe_grpo.worker.rollout_worker",
     "demo_tasks": "swe_grpo.demo.tasks",
     "WorkerConfig": "swe_grpo.worker.config",

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,7 +232,7 @@ def test_imports_run_down_the_layers(arrow: tuple[str, str]) -> None:
 
 
 def test_serving_imports_no_sandbox_code() -> None:
-    """DESIGN's rule in its own words (the layers say it too): the model server serves a socket it is handed."""
+    """The design's rule in its own words (the layers say it too): the model server serves a socket it is handed."""
     assert ("serving", "sandbox") not in arrows(TREE)
 
 
@@ -244,6 +246,15 @@ def test_the_data_path_imports_nothing_by_string() -> None:
 
 def test_parts_side_by_side_import_nothing_of_each_other() -> None:
     assert across(TREE) == []
+
+
+def test_importing_the_package_loads_nothing_heavy() -> None:
+    """`import swe_grpo` (what the CLI, a rollout host and `from swe_grpo import Task` pay first) imports no torch,
+    transformers, TRL, vLLM or aiohttp: the package's names load on first use (its `_LAZY`)."""
+    heavy = ("torch", "transformers", "trl", "vllm", "aiohttp")
+    code = f"import sys, swe_grpo; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert loaded.stdout.strip() == "[]", loaded.stdout
 
 
 def test_engine_never_imports_the_worker_facade() -> None:
