@@ -1,8 +1,9 @@
 """What one agent can make the InterceptionServer hold: every resource a rollout's connections touch, bounded.
 
-The policy is an adversary (DESIGN decision 12), and an agent sandbox holds its rollout's token: whatever its
-connections make the server hold (memory for bodies, descriptors for connections, time) must stay bounded, so that
-`/health` and every other rollout keep being served. The bounds (`ServingLimits`, defaults in brackets):
+The policy is an adversary (it optimises against every seam), and an agent sandbox holds its rollout's token:
+whatever its connections make the server hold (memory for bodies, descriptors for connections, time) must stay
+bounded, so that `/health` and every other rollout keep being served. The bounds (`ServingLimits`, defaults in
+brackets):
 
 - connections: each listener counts its open connections: a door at most `door_connections` [8] (an agent makes
   one request at a time; its HTTP client may keep a spare connection or two), the TCP port at most

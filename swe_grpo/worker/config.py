@@ -76,7 +76,7 @@ class WorkerConfig:
     # None: no limit (the trainer's default budget, vLLM's max_model_len, fits any row; <= 0 batches by count).
     token_budget: int | None = None
     log_traces: bool = False  # one group's agent conversations per policy version to the trainer's trackio run
-    rollout_hosts: int = 1  # 0: rollouts run in a thread of this process; N: in N child processes (rollout_hosts.py)
+    rollout_hosts: int = 1  # 0: rollouts run in a thread of this process; N: in N child processes (worker/hosts.py)
     # The harness when the worker is not given an Agent: a name of swe_grpo.agents.AGENTS, or a class of one's
     # own as "package.module:Class" (imported where the rollouts run).
     agent: str = "pi"
