@@ -145,7 +145,9 @@ async def test_stalled_agent_is_killed_and_named(vllm_server, tokenizer, pi_bund
         guided=[tool_call("bash", {"command": "sleep 600"})],
     )
     async with client:
-        trajectory, server = await rollout(client, tokenizer, backend, strutil, pi_bundle, stall_timeout_s=4)
+        # 30 s: the stall clock runs from Pi's start, which took over 4 s on a loaded 2-core box (before its first
+        # turn a stall is the host's `timeout`).
+        trajectory, server = await rollout(client, tokenizer, backend, strutil, pi_bundle, stall_timeout_s=30)
     assert (trajectory.outcome, trajectory.reward) == ("agent_stalled", 0.0), trajectory.error
     assert "stalled" in trajectory.error and trajectory.agent.stalled
     assert_nothing_left(backend, server)
