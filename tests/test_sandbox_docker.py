@@ -41,6 +41,7 @@ from swe_grpo.sandbox.docker import (
     DockerSandbox,
 )
 from swe_grpo.sandbox.docker import seccomp as seccomp_module
+from swe_grpo.sandbox.docker.engine import reap
 from swe_grpo.sandbox.docker.seccomp import MOUNT as SECCOMP_MOUNT
 from swe_grpo.sandbox.docker.seccomp import mount_dir
 from swe_grpo.sandbox.process import export_repo
@@ -297,6 +298,35 @@ async def test_destroy_removes_any_tree_the_agent_can_make(
         assert_gone(engine, sandbox)
     finally:
         await backend.close()
+
+
+class FailingContainer:
+    """A FAKE container the engine fails to remove (a real engine cannot be made to on demand)."""
+
+    name, id, labels = "stuck", "stuck", {OWNER_LABEL: f"{socket.gethostname()}/4194999/1"}  # a dead owner here
+
+    def remove(self, **_: object) -> None:
+        raise docker.errors.APIError("driver failed to remove the container's layer")
+
+
+def test_a_leftover_the_engine_cannot_remove_never_fails_the_reaper(
+    docker_url: str, engine: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reaper goes on past a container the engine fails to remove (it was raised out of `start()`), and
+    removes the next one (a real dead owner's container on the real engine)."""
+    dead_owner = f"{socket.gethostname()}/4194999/1"
+    leftover = engine.containers.create(
+        DEFAULT_IMAGE, entrypoint=["true"], labels={SANDBOX_LABEL: "1", OWNER_LABEL: dead_owner}
+    )
+    listed = [FailingContainer(), leftover]
+    client = docker.DockerClient(base_url=docker_url)
+    monkeypatch.setattr(client.containers, "list", lambda **_: listed)
+    try:
+        assert reap(client) == [leftover.name]
+    finally:
+        client.close()
+        with contextlib.suppress(docker.errors.NotFound):
+            leftover.remove(force=True)
 
 
 async def test_start_reaps_leftovers_of_dead_processes_only(

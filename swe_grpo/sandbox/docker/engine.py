@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import functools
 import ipaddress
+import logging
 import os
 import socket
 import urllib.parse
@@ -36,6 +37,8 @@ from docker.models.containers import Container
 from swe_grpo.sandbox.base import SandboxError
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 SANDBOX_LABEL = "swe_grpo.sandbox"
 OWNER_LABEL = "swe_grpo.owner"
@@ -106,13 +109,21 @@ def connect(base_url: str | None, max_pool_size: int) -> docker.DockerClient:
 
 
 def reap(client: docker.DockerClient) -> list[str]:
-    """Remove the labelled containers (and their anonymous volumes) whose owner is gone; their names."""
+    """Remove the labelled containers (and their anonymous volumes) whose owner is gone; their names. One the
+    engine fails to remove is logged and left for a later start: a leftover never fails this one."""
     reaped = []
     for container in client.containers.list(all=True, filters={"label": f"{SANDBOX_LABEL}=1"}):
-        if not owner_alive(container.labels.get(OWNER_LABEL, "")):
-            with contextlib.suppress(docker.errors.NotFound):
-                container.remove(force=True, v=True)
-                reaped.append(container.name or container.id or "?")
+        if owner_alive(container.labels.get(OWNER_LABEL, "")):
+            continue
+        name = container.name or container.id or "?"
+        try:
+            container.remove(force=True, v=True)
+        except docker.errors.NotFound:
+            continue
+        except ENGINE_ERRORS as e:
+            log.warning("cannot remove the leftover sandbox container %s: %s", name, e)
+            continue
+        reaped.append(name)
     return reaped
 
 
