@@ -150,6 +150,12 @@ def test_what_fixes_write_is_no_capability(source: str) -> None:
     assert uses(source) == {}
 
 
+def test_a_name_rebound_to_its_own_attribute_ends() -> None:
+    """`node = node.parent` where node names a module: the aliases settle (this looped forever, found on
+    xmltodict's gold patches)."""
+    assert uses("import os as node\nwhile node:\n    node = node.parent\nnode.fork()") == {"process": 4}
+
+
 def test_the_base_file_allows_what_it_already_uses() -> None:
     """Per file: a module that already calls ctypes may call it again; another module may not, and a new file
     has nothing to allow."""

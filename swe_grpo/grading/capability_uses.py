@@ -170,7 +170,8 @@ class _Uses:
                     module = self._alias_of(node.value)
                     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                     for target in targets:
-                        if module and isinstance(target, ast.Name) and self.modules.get(target.id) != module:
+                        # A name keeps its first binding: `x = x.parent` must not grow forever.
+                        if module and isinstance(target, ast.Name) and target.id not in self.modules:
                             self.modules[target.id] = module
                             changed = True
         for node in nodes:
