@@ -34,6 +34,7 @@ SPELLINGS = [
     ("import os\ngetattr(os, 'fo' + 'rk')()", "process"),
     ("import os\ngetattr(os, name)()", "dynamic-attr"),
     ("import os\ng = getattr\ng(os, name)()", "dynamic-attr"),
+    ("import json, os\nx = json\nx = os\nx.system('id')", "process"),
     ("import functools, os\nf = functools.partial(getattr, os)", "dynamic-attr"),
     ("import os\nga = object.__getattribute__\nga(os, name)", "dynamic-attr"),
     ("import xml.etree.ElementTree as ET\ntype(ET.ElementTree()).write = f", "monkeypatch"),

@@ -87,6 +87,7 @@ _MODULE_ATTRS: dict[str, dict[str, str]] = {
     "weakref": {"finalize": "finalizer"},
     "pydoc": {"locate": _I},
 }
+_ANY = "*"  # a name bound to more than one module: judged as each of them
 _MODULE_SPELLINGS = {"os": "os", "_os": "os", "posix": "os", "sys": "sys", "_sys": "sys"}
 # Attributes of sys that only writing makes a capability.
 _SYS_WRITES = {"stdout": "descriptors", "stderr": "descriptors", "__stdout__": "descriptors"}
@@ -170,9 +171,13 @@ class _Uses:
                     module = self._alias_of(node.value)
                     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                     for target in targets:
-                        # A name keeps its first binding: `x = x.parent` must not grow forever.
-                        if module and isinstance(target, ast.Name) and target.id not in self.modules:
-                            self.modules[target.id] = module
+                        # A name bound to two modules is bound to any (`_ANY`): each name only moves from
+                        # unbound to one module to any, so this ends (`x = x.parent` included).
+                        if not module or not isinstance(target, ast.Name) or self.modules.get(target.id) == _ANY:
+                            continue
+                        bound = self.modules.get(target.id)
+                        if bound != module:
+                            self.modules[target.id] = module if bound is None else _ANY
                             changed = True
         for node in nodes:
             self._node(node)
@@ -222,7 +227,7 @@ class _Uses:
             if node.attr in _MODULE_SPELLINGS:
                 return _MODULE_SPELLINGS[node.attr]
             inner = self._alias_of(node.value)
-            return f"{inner}.{node.attr}" if inner else None
+            return _ANY if inner == _ANY else f"{inner}.{node.attr}" if inner else None
         return None
 
     def _module_of(self, node: ast.expr | None) -> str | None:
@@ -232,6 +237,9 @@ class _Uses:
 
     def _attribute(self, name: str, module: str | None, node: ast.AST, *, store: bool) -> None:
         self.add(_ATTRS.get(name, ""), node)
+        if module == _ANY:
+            for attrs in _MODULE_ATTRS.values():
+                self.add(attrs.get(name, ""), node)
         if module:
             self.add(_MODULE_ATTRS.get(module, {}).get(name, ""), node)
             if store and module == "sys":
