@@ -248,9 +248,9 @@ async def test_a_patch_that_exhausts_the_grading_sandbox(backend: SandboxBackend
 
         return edit
 
-    # The runner's own limits off: they would end the fork bomb at its first spawn (grading_tampered, see
-    # tests/test_graded_run_limits.py); here the sandbox's limits are under test.
-    task = replace(STRUTIL_TASK, runner_limits=False)
+    # The capability gate and the runner's own limits off: they would refuse the fork bomb, or end it at its
+    # first spawn (grading_tampered, see tests/test_graded_run_limits.py); here the sandbox's limits are tested.
+    task = replace(STRUTIL_TASK, runner_limits=False, tamper_allow=("process-control",))
     patches = [task.patch, *(make_patch(task, fix_and(attack)) for attack in attacks)]
     gold, *guilty = await asyncio.gather(*(grade(task, patch, backend, timeout_s=120) for patch in patches))
     assert (gold.outcome, gold.reward) == ("resolved", 1.0), (gold.error, gold.log_tail)
