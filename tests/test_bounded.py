@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import itertools
+import multiprocessing
 import os
 import time
 
@@ -96,3 +97,22 @@ def _is_fork(pid: str) -> bool:
             return theirs.read() == ours.read()
     except OSError:
         return False
+
+
+def _bounded_in_a_daemon(queue: multiprocessing.Queue) -> None:
+    queue.put(asyncio.run(run_bounded(parse_lines, "a = 1\n", timeout_s=30, memory_bytes=256 << 20)))
+
+
+def test_it_runs_inside_a_daemonic_process() -> None:
+    """A rollout host is a daemonic multiprocessing child, and grading calls `run_bounded` there: multiprocessing
+    refuses a daemon children of its own ("daemonic processes are not allowed to have children"), which made every
+    graded rollout in a host `rollout_error`."""
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    host = context.Process(target=_bounded_in_a_daemon, args=(queue,), daemon=True)
+    host.start()
+    try:
+        assert queue.get(timeout=120) == 1
+    finally:
+        host.join(30)
+        host.kill()

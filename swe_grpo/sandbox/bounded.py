@@ -14,16 +14,16 @@ but `fn` and its arguments, caps its own address space at what it was forked wit
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
+import os
+import pickle
 import resource
+import select
+import signal
+import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import Any, Literal, TypeVar
 
 T = TypeVar("T")
-
-_FORK = multiprocessing.get_context("fork")
 
 
 class BoundExceeded(Exception):
@@ -38,40 +38,64 @@ class BoundExceeded(Exception):
 async def run_bounded(fn: Callable[..., T], *args: Any, timeout_s: float, memory_bytes: int) -> T:
     """`fn(*args)` in a child process of its own, within `timeout_s` seconds and `memory_bytes` more address
     space than the child starts with. Raises `BoundExceeded`; a cancelled caller's child is killed."""
-    started: list[BaseProcess] = []
+    started: list[int] = []
     try:
         return await asyncio.to_thread(_run, fn, args, timeout_s, memory_bytes, started)
     except asyncio.CancelledError:
-        for process in started:  # the thread then sees EOF at once and reaps it
-            process.kill()
+        for pid in started:  # the thread then sees EOF at once and reaps it
+            _kill(pid)
         raise
 
 
 def _run(fn: Callable[..., T], args: tuple[Any, ...], timeout_s: float, memory_bytes: int, started: list) -> T:
-    receive, send = _FORK.Pipe(duplex=False)
-    process = _FORK.Process(target=_child, args=(send, memory_bytes, fn, args), daemon=True)
-    try:
-        process.start()
-        started.append(process)
-        send.close()
-        if not receive.poll(timeout_s):
-            raise BoundExceeded("time", f"{fn.__name__} took longer than {timeout_s:g}s")
+    # A bare fork, not multiprocessing's: a rollout host is a daemonic multiprocessing child, and
+    # multiprocessing refuses a daemon children of its own.
+    receive, send = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns, never runs the parent's exit handlers
+        os.close(receive)
         try:
-            status, value = receive.recv()
-        except EOFError:
-            process.join()
-            raise BoundExceeded("error", f"{fn.__name__}'s process died (exit {process.exitcode})") from None
+            _child(send, memory_bytes, fn, args)
+        finally:
+            os._exit(0)
+    started.append(pid)
+    os.close(send)
+    try:
+        data = _read_until_eof(receive, time.monotonic() + timeout_s)
+        if data is None:
+            raise BoundExceeded("time", f"{fn.__name__} took longer than {timeout_s:g}s")
     finally:
-        if process.pid is not None:
-            process.kill()
-            process.join()
-        receive.close()
+        os.close(receive)
+        _kill(pid)
+    if not data:
+        raise BoundExceeded("error", f"{fn.__name__}'s process died without an answer")
+    status, value = pickle.loads(data)
     if status == "ok":
         return value
     raise BoundExceeded(status, f"{fn.__name__}: {value}")
 
 
-def _child(send: Connection, memory_bytes: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def _read_until_eof(fd: int, deadline: float) -> bytes | None:
+    """All the child wrote, once it closed its end; None when `deadline` passed first."""
+    chunks: list[bytes] = []
+    while (left := deadline - time.monotonic()) > 0:
+        if select.select([fd], [], [], left)[0]:
+            if not (chunk := os.read(fd, 1 << 20)):
+                return b"".join(chunks)
+            chunks.append(chunk)
+    return None
+
+
+def _kill(pid: int) -> None:
+    """End and reap the child, whatever state it is in (a second call finds it gone)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def _child(send: int, memory_bytes: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     with open("/proc/self/status") as status:
         size = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
     resource.setrlimit(resource.RLIMIT_AS, (size + memory_bytes, size + memory_bytes))
@@ -81,4 +105,9 @@ def _child(send: Connection, memory_bytes: int, fn: Callable[..., Any], args: tu
         result = ("memory", f"over its memory bound of {memory_bytes} bytes")
     except Exception as e:
         result = ("error", f"{type(e).__name__}: {e}")
-    send.send(result)
+    try:
+        data = pickle.dumps(result)
+    except MemoryError:
+        data = pickle.dumps(("memory", f"over its memory bound of {memory_bytes} bytes"))
+    with os.fdopen(send, "wb") as out:
+        out.write(data)
