@@ -182,8 +182,10 @@ def kill_the_runner(repo: Path, task: Task) -> None:
 
 
 async def test_a_patch_that_kills_the_runner_is_tampering(local_backend: LocalBackend) -> None:
-    """The boot's exit record is missing: whatever ended the runner, it was not the runner."""
-    result = await grade(STRUTIL, make_patch(STRUTIL, kill_the_runner), local_backend, timeout_s=60)
+    """The boot's exit record is missing: whatever ended the runner, it was not the runner. (The capability gate
+    refuses `os.kill` first; allowed here, so that the witness behind it is what is tested.)"""
+    task = replace(STRUTIL, tamper_allow=("process-control",))
+    result = await grade(task, make_patch(task, kill_the_runner), local_backend, timeout_s=60)
     assert_model_failure(result, "grading_tampered")
     assert "never reached its interpreter's exit" in (result.error or "")
 
@@ -191,7 +193,11 @@ async def test_a_patch_that_kills_the_runner_is_tampering(local_backend: LocalBa
 async def test_a_patch_that_kills_a_runner_without_the_boot_does_not_resolve(local_backend: LocalBackend) -> None:
     """A runner started by absolute path gets no boot (the probe sees that): no report, and a control run
     without the patch that has one, is the patch's fault."""
-    task = replace(STRUTIL, test_cmd=DEFAULT_TEST_CMD.replace("python3", "/usr/bin/python3"))
+    task = replace(
+        STRUTIL,
+        test_cmd=DEFAULT_TEST_CMD.replace("python3", "/usr/bin/python3"),
+        tamper_allow=("process-control",),  # past the capability gate, to the control run behind it
+    )
     result = await grade(task, make_patch(task, kill_the_runner), local_backend, timeout_s=60)
     assert_model_failure(result)
     assert "broke the test runner" in (result.error or "")
