@@ -197,13 +197,14 @@ async def test_agent_killed_before_its_first_turn_is_infra(vllm_client, tokenize
 async def test_agent_killed_by_its_own_tool_is_the_policys_doing(
     vllm_server, tokenizer, pi_bundle, backend, strutil
 ) -> None:
-    """`kill -9 $PPID` from Pi's bash tool (the tool's parent is Pi): reward 0.0 under its own name, so the
-    rollout stays in its group (not infra_error, which would take it out of the group's baseline)."""
+    """`kill -9 -1` from Pi's bash tool (every process the sandbox user may signal, Pi among them; `$PPID` is no
+    longer Pi but the per-command `timeout` wrapper): reward 0.0 under its own name, so the rollout stays in its
+    group (not infra_error, which would take it out of the group's baseline)."""
     client = RecordingClient(
         vllm_server.url,
         SERVED_NAME,
         stop_token_ids=[tokenizer.eos_token_id],
-        guided=[tool_call("bash", {"command": "kill -9 $PPID"})],
+        guided=[tool_call("bash", {"command": "kill -9 -1"})],
     )
     async with client:
         trajectory, server = await rollout(client, tokenizer, backend, strutil, pi_bundle)
