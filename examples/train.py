@@ -40,6 +40,13 @@ class SWEArguments:
     sandbox: str = field(
         default="local", metadata={"help": "Sandbox backend: local, docker, hf, or your own as package.module:Class."}
     )
+    hf_accept_network: bool = field(
+        default=False,
+        metadata={
+            "help": "With sandbox hf: accept that sandboxes asked for no network (grading's) keep HF's network, "
+            "which HF cannot cut; without it the hf backend refuses them, so grading fails."
+        },
+    )
     agent: str = field(
         default="pi", metadata={"help": "Agent harness: pi, mini-swe-agent, or your own as package.module:Class."}
     )
@@ -113,6 +120,8 @@ class SWEArguments:
 
     def __post_init__(self) -> None:
         check_allow(self.allow, self.door)  # a bad entry fails the command line, not the worker's start
+        if self.hf_accept_network and self.sandbox != "hf":
+            raise ValueError(f"hf_accept_network is an option of sandbox hf, not of {self.sandbox!r}")
 
 
 @dataclass
@@ -142,6 +151,7 @@ def worker_config(swe: SWEArguments, args: AsyncGRPOConfig, eval_tasks: Sequence
         door=swe.door,
         allow=tuple(swe.allow),
         agent=swe.agent,
+        sandbox_options={"accept_network": True} if swe.hf_accept_network else {},
         eval_tasks=tuple(eval_tasks),
         eval_every=swe.eval_every,
         eval_k=swe.eval_k,

