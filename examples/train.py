@@ -24,6 +24,7 @@ from trl import ModelConfig, TrlParser, get_peft_config
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
 from swe_grpo import SWERolloutWorker, WorkerConfig, load_tasks, use_cpu_fallbacks
+from swe_grpo.sandbox import hf_network_options
 from swe_grpo.sandbox.door import check_allow
 from swe_grpo.tasks import Task
 
@@ -120,8 +121,7 @@ class SWEArguments:
 
     def __post_init__(self) -> None:
         check_allow(self.allow, self.door)  # a bad entry fails the command line, not the worker's start
-        if self.hf_accept_network and self.sandbox != "hf":
-            raise ValueError(f"hf_accept_network is an option of sandbox hf, not of {self.sandbox!r}")
+        hf_network_options(self.sandbox, self.hf_accept_network)  # asked for another backend: refused here
 
 
 @dataclass
@@ -151,7 +151,7 @@ def worker_config(swe: SWEArguments, args: AsyncGRPOConfig, eval_tasks: Sequence
         door=swe.door,
         allow=tuple(swe.allow),
         agent=swe.agent,
-        sandbox_options={"accept_network": True} if swe.hf_accept_network else {},
+        sandbox_options=hf_network_options(swe.sandbox, swe.hf_accept_network),
         eval_tasks=tuple(eval_tasks),
         eval_every=swe.eval_every,
         eval_k=swe.eval_k,

@@ -49,14 +49,14 @@ async def run_rollouts(args: argparse.Namespace) -> list:
     as rollouts finish, so an interrupted run keeps what it finished."""
     from swe_grpo.agents import make_agent
     from swe_grpo.rollout import run_rollout
-    from swe_grpo.sandbox import make_backend
+    from swe_grpo.sandbox import hf_network_options, make_backend
     from swe_grpo.serving.stack import token_exact_server
     from swe_grpo.serving.vllm_client import SamplingParams
     from swe_grpo.tasks import load_tasks
 
     tasks = load_tasks(args.tasks, args.split, args.instance_ids)
     agent = make_agent(args.agent)
-    backend = make_backend(args.sandbox)
+    backend = make_backend(args.sandbox, **hf_network_options(args.sandbox, args.hf_accept_network))
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     jobs = [task for task in tasks for _ in range(args.num_rollouts)]
     semaphore = asyncio.Semaphore(args.concurrency)
@@ -154,11 +154,11 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 def cmd_grade(args: argparse.Namespace) -> int:
     from swe_grpo.grading import grade_predictions, load_predictions
-    from swe_grpo.sandbox import make_backend
+    from swe_grpo.sandbox import hf_network_options, make_backend
     from swe_grpo.tasks import load_tasks
 
     async def main() -> list:
-        backend = make_backend(args.sandbox)
+        backend = make_backend(args.sandbox, **hf_network_options(args.sandbox, args.hf_accept_network))
         await backend.start()
         try:
             predictions = load_predictions(args.predictions)
@@ -253,6 +253,13 @@ _REWARD_MODE = {
 }
 
 
+_HF_ACCEPT_NETWORK: dict[str, Any] = {
+    "action": "store_true",
+    "help": "with --sandbox hf: accept that sandboxes asked for no network (grading's) keep HF's network, which "
+    "HF cannot cut; without it the hf backend refuses them, so grading fails",
+}
+
+
 def _plugin_flag(registry: Mapping[str, str], kind: str, default: str) -> dict[str, Any]:
     """`add_argument` options for a flag that takes a name of `registry` or a class of one's own as
     "package.module:Class" (`swe_grpo.plugins`); anything else is refused by name at parse time."""
@@ -306,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--num-rollouts", type=int, default=1, help="per task")
     rollout.add_argument("--concurrency", type=int, default=4)
     rollout.add_argument("--sandbox", **_plugin_flag(BACKENDS, "sandbox backend", "local"))
+    rollout.add_argument("--hf-accept-network", **_HF_ACCEPT_NETWORK)
     rollout.add_argument("--agent", **_plugin_flag(AGENTS, "agent", "pi"))
     rollout.add_argument("--output", help="results JSONL (appended)")
     rollout.add_argument("--save-trajectories", help="directory for one JSON per rollout: rows, turns, patch")
@@ -344,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--split", default="train")
     grade.add_argument("--predictions", required=True, help="JSON list or JSONL")
     grade.add_argument("--sandbox", **_plugin_flag(BACKENDS, "sandbox backend", "local"))
+    grade.add_argument("--hf-accept-network", **_HF_ACCEPT_NETWORK)
     grade.add_argument("--output", required=True)
     grade.add_argument("--concurrency", type=int, default=4)
     grade.add_argument("--timeout", type=float, default=1800.0)

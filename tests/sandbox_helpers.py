@@ -1,17 +1,15 @@
-"""Helpers shared by the sandbox tests: a small repository with a base commit and a later fix, host-side
-checks for processes and leftovers, the `local` and `docker` backend fixtures (conftest.py makes them
-every module's: `backend` runs a test on both; a module sets their limits by overriding `sandbox_limits`),
-`FakeHubSandbox` (a FAKE of `huggingface_hub.Sandbox`) with the `hf_backend` fixture over it, and
-`no_sandbox_left_in_run_dir` (a module that imports it checks, after each of its tests, that no `local`
-sandbox is left in `run_dir`). tests/test_backend_contract.py runs the behaviour every backend shares on
-all three."""
+"""Helpers shared by the sandbox tests: a small repository with a base commit and a later fix, and host-side
+process checks (the contract kit's, `swe_grpo.testing.sandbox_checks`, re-exported), checks for leftovers,
+the `local` and `docker` backend fixtures (conftest.py makes them every module's: `backend` runs a test on
+both; a module sets their limits by overriding `sandbox_limits`), `FakeHubSandbox` (a FAKE of
+`huggingface_hub.Sandbox`) with the `hf_backend` fixture over it, and `no_sandbox_left_in_run_dir` (a module
+that imports it checks, after each of its tests, that no `local` sandbox is left in `run_dir`).
+tests/test_backend_contract.py runs the contract every backend shares on all three."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
-import random
 import shutil
 import signal
 import socket
@@ -33,40 +31,16 @@ from swe_grpo.sandbox.docker import OWNER_LABEL, SANDBOX_LABEL, DockerBackend, D
 from swe_grpo.sandbox.hf import HFBackend
 from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend, LocalLimits, LocalSandbox
 from swe_grpo.sandbox.process import CgroupLayout
-from swe_grpo.tasks import Task
-
-CALC = "def add(a, b):\n    return a + b\n"
-# Fixed dates make the commits, and so the prepared images keyed by them, the same on every run.
-GIT_ENV = {
-    "GIT_CONFIG_GLOBAL": os.devnull,
-    "GIT_CONFIG_NOSYSTEM": "1",
-    "GIT_AUTHOR_DATE": "2025-01-01T00:00:00Z",
-    "GIT_COMMITTER_DATE": "2025-01-01T00:00:00Z",
-}
-
-
-def git(repo: Path, *args: str) -> str:
-    cmd = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args]
-    return subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, **GIT_ENV}).stdout.strip()
-
-
-def marker() -> str:
-    """A unique `sleep` duration: the process that sleeps it is findable on the host by its argv."""
-    return f"{random.randint(1000, 9999)}.{random.randint(10**8, 10**9)}"
-
-
-def host_pids(needle: str) -> list[int]:
-    """Host processes (other than this one) whose command line contains `needle`."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if needle.encode() in Path(entry.path, "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:  # exited meanwhile
-                pass
-    return pids
-
+from swe_grpo.testing.sandbox_checks import (  # noqa: F401  (the contract kit's, re-exported for the tests)
+    CALC,
+    GIT_ENV,
+    calc_task,
+    git,
+    host_pids,
+    make_repo,
+    marker,
+    wait_for_pids,
+)
 
 PI_PROCESS = "pi-coding-agent/dist/"  # in the command line of every running Pi (its CLI moved within dist/)
 
@@ -102,45 +76,6 @@ def assert_no_agent_or_sandbox_left(run_dir: Path) -> None:
     """No Pi process on the host, and nothing left of the `local` sandboxes."""
     assert host_pids(PI_PROCESS) == []
     assert_no_local_sandbox_left(run_dir)
-
-
-async def wait_for_pids(needle: str) -> list[int]:
-    for _ in range(1000):
-        if pids := host_pids(needle):
-            return pids
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"no process with {needle!r} appeared")
-
-
-TEST_CALC = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
-
-
-def make_repo(parent: Path, *, with_tests: bool = False) -> Path:
-    """A small project with a base commit and a later "fix" commit the agent must not see; the same
-    commit ids on every run. `with_tests`: the base commit also holds `tests/test_calc.py` (one test,
-    which passes)."""
-    root = parent / "calc"
-    root.mkdir()
-    (root / "calc.py").write_text(CALC)
-    if with_tests:
-        (root / "tests").mkdir()
-        (root / "tests" / "test_calc.py").write_text(TEST_CALC)
-    (root / "logo.bin").write_bytes(bytes(range(256)) * 4)
-    (root / "old.txt").write_text("old\n")
-    git(root, "init", "-q", "-b", "main")
-    git(root, "add", "-A")
-    git(root, "commit", "-qm", "base")
-    (root / "calc.py").write_text(CALC + "\n\ndef sub(a, b):\n    return a - b\n")
-    git(root, "commit", "-qam", "the fix")
-    git(root, "tag", "v1")
-    return root
-
-
-def calc_task(repo: Path) -> Task:
-    """The task of `make_repo`'s repository, at its base commit."""
-    return Task(
-        instance_id="demo__calc-1", repo=str(repo), base_commit=git(repo, "rev-parse", "HEAD~1"), problem_statement=""
-    )
 
 
 # --- backends -----------------------------------------------------------------------------------------

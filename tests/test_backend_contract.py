@@ -1,90 +1,41 @@
-"""What every sandbox backend promises, asserted once and run on each of them: `local` (bubblewrap, the
-real thing; needs root), `docker` (a real engine, see `docker_env`: one already running, else a private
-dockerd started once for the session; under `CI=true` a missing engine FAILS these tests, elsewhere they
-skip with the reason) and `hf` (over `FakeHubSandbox`, a FAKE of `huggingface_hub.Sandbox` that runs
-commands for real under bubblewrap: nothing talks to Hugging Face).
+"""The sandbox backend contract users run on their own backend (`swe_grpo.testing.backend_contract`), run on
+each built-in one: `local` (bubblewrap, the real thing; needs root), `docker` (a real engine, see `docker_env`:
+one already running, else a private dockerd started once for the session; under `CI=true` a missing engine
+FAILS these tests, elsewhere they skip with the reason) and `hf` (over `FakeHubSandbox`, a FAKE of
+`huggingface_hub.Sandbox` that runs commands for real under bubblewrap: nothing talks to Hugging Face; its
+backends accept that sandboxes asked for no network keep HF's, `accept_network=True`, as the contract asks
+for such sandboxes).
 
-A test that holds on some backends only names them (`@on("local", "docker")`) and says why the others
-are left out. What is one backend's own (bwrap and cgroups, container labels and images, the HF API's
-shapes) is in tests/test_sandbox_<backend>.py. Per-backend facts a shared test needs (the sandbox user's
-uid, how a put through a symlink ends, how "nothing left" is checked) are `Target`'s.
-
-"Nothing left behind" is checked against each backend's own traces (`local`: directories, mounts and
-cgroups; `docker`: this process's containers, and images; `hf`: the fake sandboxes, killed and removed)
-and on the host (no process whose command line holds a test's marker)."""
+What this file holds is each backend's `Target`: the facts the contract needs (the sandbox user's uid, how a
+put through a symlink ends, what it cannot do) and how "nothing left" is checked, against each backend's own
+traces (`local`: directories, mounts and cgroups; `docker`: this process's containers, and images; `hf`: the
+fake sandboxes, killed and removed). A test a fact rules out skips, naming the fact. What is one backend's own
+(bwrap and cgroups, container labels and images, the HF API's shapes) is in tests/test_sandbox_<backend>.py."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
-import random
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import docker.errors
 import pytest
-from aiohttp import web
 from sandbox_helpers import (
-    CALC,
     FakeHubSandbox,
     assert_fake_hub_sandbox_gone,
     assert_local_sandbox_gone,
-    calc_task,
-    git,
     hf_backend,  # noqa: F401  (fixture)
-    host_pids,
-    make_repo,
-    marker,
     mounted,
     our_containers,
     sandbox_cgroups,
-    wait_for_pids,
 )
 
-from swe_grpo.sandbox.base import Mount, Sandbox, SandboxBackend, SandboxError
+from swe_grpo.sandbox.base import Sandbox, SandboxBackend
 from swe_grpo.sandbox.docker import DockerBackend, DockerLimits
 from swe_grpo.sandbox.hf import HFBackend
 from swe_grpo.sandbox.local import LocalBackend, LocalLimits
-from swe_grpo.tasks import Task
+from swe_grpo.testing.backend_contract import BackendContract, Target
 
 BACKENDS = ["local", "docker", "hf"]
-
-
-def on(*names: str) -> pytest.MarkDecorator:
-    """Run the test on these backends only (the fixture's own params are all of `BACKENDS`)."""
-    assert set(names) < set(BACKENDS), names
-    return pytest.mark.parametrize("target", names, indirect=True)
-
-
-@dataclass
-class Target:
-    """A backend under test and the facts about it that the shared tests need."""
-
-    name: str
-    backend: SandboxBackend
-    uid: int  # whom commands run as (`hf`: the image's user; the fake runs them as root)
-    put_through_symlink_refused: bool  # `put_file` onto a planted symlink: refused, or written inside
-    has_curl: bool  # the sandbox's /usr has curl (`local` runs the host's)
-    exec_may_raise_on_destroy: bool  # an exec that its sandbox's destroy ends may raise `SandboxError`
-    gone: Callable[[Sandbox], None]  # asserts that nothing is left of this (destroyed) sandbox
-    alive: Callable[[Sandbox], bool]  # whether the backend's traces of this sandbox are there
-    leftovers: Callable[[], Any]  # the backend's traces of its sandboxes now: equal before and after
-    new_backend: Callable[..., AbstractAsyncContextManager[SandboxBackend]]  # a started one, closed on exit
-
-
-@contextlib.asynccontextmanager
-async def _started(backend: SandboxBackend) -> AsyncIterator[SandboxBackend]:
-    await backend.start()
-    try:
-        yield backend
-    finally:
-        await backend.close()
 
 
 def _local(request: pytest.FixtureRequest) -> Target:
@@ -95,11 +46,9 @@ def _local(request: pytest.FixtureRequest) -> Target:
         cache = sorted(p.name for p in backend.cache_dir.iterdir() if not p.name.endswith(".lock"))
         return sorted(run_dir.iterdir()), mounted(run_dir), sandbox_cgroups(), cache
 
-    def new_backend(output_bytes: int | None = None) -> AbstractAsyncContextManager[SandboxBackend]:
+    def new_backend(output_bytes: int | None) -> SandboxBackend:
         limits = LocalLimits() if output_bytes is None else LocalLimits(output_bytes=output_bytes)
-        return _started(
-            LocalBackend(limits=limits, cache_dir=backend.cache_dir, run_dir=run_dir, method=backend.method)
-        )
+        return LocalBackend(limits=limits, cache_dir=backend.cache_dir, run_dir=run_dir, method=backend.method)
 
     return Target(
         name="local",
@@ -112,6 +61,7 @@ def _local(request: pytest.FixtureRequest) -> Target:
         alive=lambda sandbox: mounted(sandbox.host_dir),  # type: ignore[attr-defined]
         leftovers=leftovers,
         new_backend=new_backend,
+        close_destroys_live=False,  # it holds nothing to close: its sandboxes are their owners' to destroy
     )
 
 
@@ -131,9 +81,9 @@ def _docker(request: pytest.FixtureRequest) -> Target:
     def leftovers() -> Any:
         return our_containers(client), {i.id for i in client.images.list()}, set(backend.live)
 
-    def new_backend(output_bytes: int | None = None) -> AbstractAsyncContextManager[SandboxBackend]:
+    def new_backend(output_bytes: int | None) -> SandboxBackend:
         limits = DockerLimits() if output_bytes is None else DockerLimits(output_bytes=output_bytes)
-        return _started(DockerBackend(base_url=docker_url, limits=limits))
+        return DockerBackend(base_url=docker_url, limits=limits)
 
     return Target(
         name="docker",
@@ -165,9 +115,9 @@ def _hf(request: pytest.FixtureRequest) -> Target:
     def leftovers() -> Any:
         return {box.id for box in FakeHubSandbox.created if box.kills == 0 or box.root.exists()}, set(backend.live)
 
-    def new_backend(output_bytes: int | None = None) -> AbstractAsyncContextManager[SandboxBackend]:
+    def new_backend(output_bytes: int | None) -> SandboxBackend:
         options = {} if output_bytes is None else {"output_bytes": output_bytes}
-        return _started(HFBackend(create_sandbox=FakeHubSandbox.create, accept_network=True, **options))
+        return HFBackend(create_sandbox=FakeHubSandbox.create, accept_network=True, **options)
 
     return Target(
         name="hf",
@@ -180,290 +130,17 @@ def _hf(request: pytest.FixtureRequest) -> Target:
         alive=alive,
         leftovers=leftovers,
         new_backend=new_backend,
+        writable_mounts=False,  # read-only mounts are uploaded copies, writable ones refused
+        cuts_network=False,  # HF sandboxes keep HF's network (the backend accepts it: accept_network=True)
+        reaches_host_loopback=False,  # HF's network is not this host's (the fake's is: no route to check)
     )
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def target(request: pytest.FixtureRequest) -> Target:
-    """The backend under test (module-wide: one per backend, started once)."""
-    return {"local": _local, "docker": _docker, "hf": _hf}[request.param](request)
+class TestBuiltinBackends(BackendContract):
+    """The contract users run on their own backend (`swe_grpo.testing.backend_contract`), on each built-in one."""
 
-
-@pytest.fixture(scope="module")
-def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_repo(tmp_path_factory.mktemp("origin"), with_tests=True)
-
-
-@pytest.fixture(scope="module")
-def task(repo: Path) -> Task:
-    return calc_task(repo)
-
-
-@pytest.fixture
-async def sandbox(target: Target, task: Task) -> AsyncIterator[Sandbox]:
-    sandbox = await target.backend.create(task)
-    try:
-        yield sandbox
-    finally:
-        await sandbox.destroy()
-    target.gone(sandbox)
-
-
-async def run_ok(sandbox: Sandbox, command: str | list[str], **kwargs: Any) -> str:
-    result = await sandbox.exec(command, timeout_s=30, **kwargs)
-    assert result.exit_code == 0, result
-    return result.stdout
-
-
-# --- the repository ---------------------------------------------------------------------------------
-
-
-async def test_repo_at_base_commit_clean_testable_without_the_future(sandbox: Sandbox, task: Task, repo: Path) -> None:
-    assert await run_ok(sandbox, "pwd") == "/testbed\n"
-    assert await run_ok(sandbox, "git rev-parse HEAD; git branch --show-current") == f"{task.base_commit}\nmain\n"
-    assert await run_ok(sandbox, "git status --porcelain --untracked-files=all; git remote") == ""
-    assert await run_ok(sandbox, "cat calc.py") == CALC
-    # The fix that came after the base commit is not in the sandbox's repository at all.
-    assert await run_ok(sandbox, "git log --all --format=%H") == f"{task.base_commit}\n"
-    future = git(repo, "rev-parse", "HEAD")
-    assert (await sandbox.exec(f"git cat-file -e {future}", timeout_s=30)).exit_code != 0
-    assert "1 passed" in await run_ok(sandbox, "python3 -m pytest -q -p no:cacheprovider tests")
-
-
-async def test_diff_applies_to_a_fresh_checkout(sandbox: Sandbox, task: Task, repo: Path, tmp_path: Path) -> None:
-    assert await sandbox.diff(task.base_commit) == ""
-    await run_ok(sandbox, "printf 'def add(a, b):\\n    return b + a\\n' > calc.py && rm old.txt && mkdir -p pkg")
-    await sandbox.put_file("/testbed/pkg/new module.py", b"VALUE = 42\n")
-    await sandbox.put_file("/testbed/logo.bin", bytes(reversed(range(256))))
-    patch = await sandbox.diff(task.base_commit)
-    assert "calc.py" in patch and "pkg/new module.py" in patch and "GIT binary patch" in patch
-
-    fresh = tmp_path / "fresh"
-    git(tmp_path, "clone", "-q", str(repo), "fresh")
-    git(fresh, "checkout", "-q", task.base_commit)
-    (tmp_path / "agent.patch").write_text(patch)
-    git(fresh, "apply", str(tmp_path / "agent.patch"))
-    for path in ("calc.py", "pkg/new module.py", "logo.bin"):
-        assert (fresh / path).read_bytes() == await sandbox.get_file(f"/testbed/{path}")
-    assert not (fresh / "old.txt").exists()
-
-
-# --- exec ---------------------------------------------------------------------------------------------
-
-
-async def test_exec_output_exit_codes_argv_and_cwd(sandbox: Sandbox) -> None:
-    result = await sandbox.exec("echo out; echo err >&2; exit 3", timeout_s=30)
-    assert (result.exit_code, result.stdout, result.stderr, result.timed_out) == (3, "out\n", "err\n", False)
-    result = await sandbox.exec(["printf", "%s|", "a b", "$HOME"], timeout_s=30, cwd="/tmp")
-    assert (result.exit_code, result.stdout) == (0, "a b|$HOME|")
-    argv = ["python3", "-c", "import sys; print(sys.argv[1:])", "a b", "$HOME", "'"]
-    assert await run_ok(sandbox, argv) == "['a b', '$HOME', \"'\"]\n"
-    assert await run_ok(sandbox, "pwd", cwd="/tmp") == "/tmp\n"
-    assert await run_ok(sandbox, r"printf 'ok\377'") == "ok\ufffd"  # undecodable bytes are replaced
-    assert (await sandbox.exec("kill -9 $$", timeout_s=30)).exit_code == 128 + 9
-    assert (await sandbox.exec("no-such-command", timeout_s=30)).exit_code == 127
-    result = await sandbox.exec(["no-such-binary"], timeout_s=30)
-    assert result.exit_code not in (0, None)
-
-
-async def test_env_reaches_the_process_but_no_argv(sandbox: Sandbox, target: Target) -> None:
-    secret = f"s3cret-{random.random()}"
-    env = {"SWE_GRPO_TOKEN": secret}
-    assert await run_ok(sandbox, "echo $SWE_GRPO_TOKEN", env=env) == f"{secret}\n"
-    assert secret not in await run_ok(sandbox, "cat /proc/*/cmdline", env=env)
-    # On the host too: no command line has it, and the process that has it in its environment runs as
-    # the sandbox's user.
-    m = marker()
-    running = asyncio.create_task(sandbox.exec(f"sleep {m}", timeout_s=60, env=env))
-    (pid,) = await wait_for_pids(f"sleep\0{m}")
-    assert host_pids(secret) == []
-    assert secret.encode() in Path(f"/proc/{pid}/environ").read_bytes()
-    assert f"Uid:\t{target.uid}\t{target.uid}" in Path(f"/proc/{pid}/status").read_text()
-    running.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await running
-
-
-async def test_output_cap_keeps_the_end(target: Target, task: Task) -> None:
-    async with target.new_backend(output_bytes=1000) as backend:
-        sandbox = await backend.create(task)
-        try:
-            result = await sandbox.exec("head -c 5000000 /dev/zero | tr '\\0' a; echo -n END", timeout_s=60)
-            assert result.stdout == "[... 4999003 bytes dropped ...]\n" + "a" * 997 + "END"
-        finally:
-            await sandbox.destroy()
-    target.gone(sandbox)
-
-
-async def test_timeout_kills_the_whole_tree(sandbox: Sandbox) -> None:
-    m1, m2, m3 = marker(), marker(), marker()
-    command = f"echo started; setsid sleep {m1} & (setsid sleep {m2} &); sleep {m3}"
-    result = await sandbox.exec(command, timeout_s=1)
-    assert (result.exit_code, result.timed_out, result.stdout) == (None, True, "started\n")
-    assert 1 <= result.wall_s < 5
-    for m in (m1, m2, m3):
-        assert host_pids(f"sleep\0{m}") == []  # already gone when exec returns: no waiting here
-    assert m1 not in await run_ok(sandbox, ["ps", "-eo", "args"])  # and the sandbox still works
-
-
-async def test_cancellation_kills_the_whole_tree(sandbox: Sandbox) -> None:
-    m1, m2 = marker(), marker()
-    running = asyncio.create_task(sandbox.exec(f"(setsid sleep {m1} &); sleep {m2}", timeout_s=60))
-    await wait_for_pids(f"sleep\0{m1}")
-    await wait_for_pids(f"sleep\0{m2}")
-    running.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await running
-    assert host_pids(f"sleep\0{m1}") == host_pids(f"sleep\0{m2}") == []
-    assert m1 not in await run_ok(sandbox, ["ps", "-eo", "args"])
-
-
-# --- files --------------------------------------------------------------------------------------------
-
-
-async def test_put_and_get_files(sandbox: Sandbox, target: Target) -> None:
-    blob = bytes(range(256)) * 1000
-    await sandbox.put_file("/testbed/deep/new/blob.bin", blob, mode=0o755)
-    await sandbox.put_file("/tmp/note.txt", b"hello\n")
-    assert await sandbox.get_file("/testbed/deep/new/blob.bin") == blob
-    assert await sandbox.get_file("/tmp/note.txt") == b"hello\n"
-    stat = await run_ok(sandbox, "stat -c '%u %a' /testbed/deep /testbed/deep/new/blob.bin /tmp/note.txt")
-    uid = target.uid
-    assert stat == f"{uid} 755\n{uid} 755\n{uid} 644\n"
-    await sandbox.put_file("/testbed/calc.py", b"x = 1\n")  # overwrite a tracked file
-    assert await run_ok(sandbox, "cat calc.py") == "x = 1\n"
-    with pytest.raises(SandboxError):
-        await sandbox.get_file("/testbed/missing.txt")
-    with pytest.raises(ValueError):
-        await sandbox.put_file("relative.txt", b"")
-    # A symlink the agent planted resolves inside the sandbox (or is refused), never to the host's file.
-    await run_ok(sandbox, "ln -s /etc/hostname /testbed/evil")
-    hostname = Path("/etc/hostname").read_bytes()
-    try:
-        await sandbox.put_file("/testbed/evil", b"pwned")
-        refused = False
-    except SandboxError:
-        refused = True
-    assert refused == target.put_through_symlink_refused
-    assert Path("/etc/hostname").read_bytes() == hostname
-
-
-@on("local", "docker")  # hf uploads read-only mounts and refuses writable ones (tests/test_sandbox_hf.py)
-async def test_mounts_read_only_and_writable(target: Target, task: Task) -> None:
-    host = Path(tempfile.mkdtemp(prefix="swe_grpo_mounts_"))  # in /tmp: the `local` sandbox user reaches it
-    try:
-        host.chmod(0o755)
-        (host / "ro").mkdir()
-        (host / "ro" / "agent.js").write_text("console.log(1)\n")
-        (host / "rw").mkdir()
-        os.chown(host / "rw", target.uid, target.uid)
-        mounts = [Mount(host / "ro", "/opt/agent"), Mount(host / "rw", "/opt/out", writable=True)]
-        sandbox = await target.backend.create(task, mounts)
-        try:
-            assert await run_ok(sandbox, "cat /opt/agent/agent.js") == "console.log(1)\n"
-            result = await sandbox.exec("touch /opt/agent/x", timeout_s=30)
-            assert result.exit_code != 0 and "Read-only file system" in result.stderr
-            await run_ok(sandbox, "echo result > /opt/out/r.txt")
-            assert (host / "rw" / "r.txt").read_text() == "result\n"
-        finally:
-            await sandbox.destroy()
-        target.gone(sandbox)
-        assert sorted(p.name for p in (host / "ro").iterdir()) == ["agent.js"]
-    finally:
-        shutil.rmtree(host)
-
-
-# --- network ------------------------------------------------------------------------------------------
-
-
-@on("local", "docker")  # hf: the sandbox gets its network from HF, the fake the host's (no route to check)
-async def test_reaches_a_server_on_host_loopback_when_asked(target: Target, task: Task) -> None:
-    app = web.Application()
-
-    async def pong(request: web.Request) -> web.Response:
-        return web.Response(text="pong")
-
-    app.router.add_get("/ping", pong)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    sandbox = await target.backend.create(task, network=True)
-    try:
-        port = runner.addresses[0][1]
-        if target.has_curl:
-            assert await run_ok(sandbox, f"curl -sS http://127.0.0.1:{port}/ping") == "pong"
-        py = f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{port}/ping').read().decode())"
-        assert await run_ok(sandbox, ["python3", "-c", py]) == "pong\n"
-    finally:
-        await sandbox.destroy()
-        await runner.cleanup()
-    target.gone(sandbox)
-
-
-@on("local", "docker")  # hf: HF sandboxes have no network switch (see swe_grpo/sandbox/hf.py)
-@pytest.mark.parametrize("network", [{}, {"network": False}], ids=["default", "network=False"])
-async def test_no_network_unless_asked(target: Target, task: Task, network: dict[str, bool]) -> None:
-    """A sandbox created without `network=True` has no route out: only a loopback interface, no IPv4
-    route at all (so no default route) and IPv6 routes on the loopback only. Read from /proc inside it;
-    nothing is sent anywhere."""
-    sandbox = await target.backend.create(task, **network)
-    try:
-        interfaces = await run_ok(sandbox, "tail -n +3 /proc/net/dev | cut -d: -f1")
-        assert interfaces.split() == ["lo"]
-        routes = (await run_ok(sandbox, "cat /proc/net/route")).splitlines()
-        assert routes[1:] == [], routes  # the header only
-        ipv6 = await run_ok(sandbox, "cat /proc/net/ipv6_route 2>/dev/null; true")
-        assert {line.split()[-1] for line in ipv6.splitlines()} <= {"lo"}, ipv6
-    finally:
-        await sandbox.destroy()
-    target.gone(sandbox)
-
-
-# --- life cycle ---------------------------------------------------------------------------------------
-
-
-async def test_destroy_kills_running_execs_is_idempotent_and_leaves_nothing(target: Target, task: Task) -> None:
-    sandbox = await target.backend.create(task)
-    m = marker()
-    running = asyncio.create_task(sandbox.exec(f"setsid sleep {m} & wait", timeout_s=60))
-    await wait_for_pids(f"sleep\0{m}")
-    assert target.alive(sandbox)
-    await asyncio.gather(sandbox.destroy(), sandbox.destroy())
-    await sandbox.destroy()
-    # Its sandbox vanished under it: killed, or (where it may race the removal) an infrastructure error.
-    with contextlib.suppress(*([SandboxError] if target.exec_may_raise_on_destroy else [])):
-        assert (await running).exit_code != 0
-    assert host_pids(f"sleep\0{m}") == []
-    target.gone(sandbox)
-    with pytest.raises(SandboxError):
-        await sandbox.exec("true", timeout_s=30)
-
-
-async def test_an_unknown_base_commit_raises_and_leaves_nothing(target: Target, task: Task) -> None:
-    before = target.leftovers()
-    with pytest.raises(SandboxError, match="no-such-commit"):
-        await target.backend.create(replace(task, base_commit="no-such-commit"))
-    assert target.leftovers() == before
-
-
-async def test_a_cancelled_create_leaves_nothing(target: Target, task: Task) -> None:
-    await (await target.backend.create(task)).destroy()  # what is prepared once exists: create is quick
-    before = target.leftovers()
-    for delay in (0.0, 0.01, 0.05, 0.1, 0.2, 0.3):
-        creating = asyncio.create_task(target.backend.create(task))
-        await asyncio.sleep(delay)
-        creating.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await (await creating).destroy()  # it won the race: it finished before the cancellation
-        assert target.leftovers() == before, delay
-
-
-@on("docker", "hf")  # a `local` backend holds nothing to close: its sandboxes are their owners' to destroy
-async def test_close_destroys_live_sandboxes(target: Target, task: Task) -> None:
-    async with target.new_backend() as backend:
-        sandboxes = await asyncio.gather(backend.create(task), backend.create(task))
-        assert all(target.alive(sandbox) for sandbox in sandboxes)
-    assert backend.live == set()  # type: ignore[attr-defined]
-    for sandbox in sandboxes:
-        target.gone(sandbox)
+    @pytest.fixture(scope="class", params=BACKENDS)
+    @classmethod
+    def target(cls, request: pytest.FixtureRequest) -> Target:
+        """The backend under test (one per backend, started once)."""
+        return {"local": _local, "docker": _docker, "hf": _hf}[request.param](request)

@@ -375,7 +375,7 @@ def test_hf_accept_network_reaches_the_hf_backend_the_worker_builds(train: Modul
     assert config.sandbox_options == {"accept_network": True}
     assert make_backend("hf", **config.sandbox_options).accept_network is True  # what the engine does
     assert train.worker_config(parse(train, CPU_CONFIG, "--sandbox", "hf")[0], args).sandbox_options == {}
-    with pytest.raises(ValueError, match="hf_accept_network is an option of sandbox hf, not of 'local'"):
+    with pytest.raises(ValueError, match="accepting HF's network is an option of sandbox hf, not of 'local'"):
         parse(train, CPU_CONFIG, "--hf_accept_network", "true")
 
 

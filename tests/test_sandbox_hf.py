@@ -141,3 +141,24 @@ async def test_no_network_is_refused_unless_the_backend_accepts_hfs_network(task
         await sandbox.destroy()
     await refusing.close()
     await accepting.close()
+
+
+def test_the_command_lines_opt_in_builds_an_accepting_hf_backend() -> None:
+    """`--hf-accept-network` on `rollout`, `eval` and `grade` gives the options they build their backend with;
+    asked with another backend it is refused, naming it."""
+    from swe_grpo.cli import parse_args
+    from swe_grpo.sandbox import hf_network_options, make_backend
+
+    commands = {
+        "rollout": ["--tasks", "demo", "--vllm-url", "http://x", "--model", "m"],
+        "eval": ["--tasks", "demo", "--vllm-url", "http://x", "--model", "m", "--out", "o"],
+        "grade": ["--tasks", "demo", "--predictions", "p.jsonl", "--output", "o.jsonl"],
+    }
+    for command, required in commands.items():
+        args = parse_args([command, *required, "--sandbox", "hf", "--hf-accept-network"])
+        backend = make_backend(args.sandbox, **hf_network_options(args.sandbox, args.hf_accept_network))
+        assert isinstance(backend, HFBackend) and backend.accept_network, command
+        assert parse_args([command, *required, "--sandbox", "hf"]).hf_accept_network is False
+    assert hf_network_options("hf", False) == {}
+    with pytest.raises(ValueError, match="accepting HF's network is an option of sandbox hf, not of 'docker'"):
+        hf_network_options("docker", True)

@@ -161,10 +161,10 @@ async def _run(args: argparse.Namespace, make_config: MakeConfig, jobs: list, at
     from swe_grpo.agents import make_agent
     from swe_grpo.evaluation.run import run_attempts
     from swe_grpo.evaluation.store import TRAJECTORIES, latest
-    from swe_grpo.sandbox import make_backend
+    from swe_grpo.sandbox import hf_network_options, make_backend
 
     agent = make_agent(args.agent)
-    backend = make_backend(args.sandbox)
+    backend = make_backend(args.sandbox, **hf_network_options(args.sandbox, args.hf_accept_network))
     async with _serving(args) as (server, context_window):
         config = make_config(args, context_window)
         if args.passthrough:  # the door is the InterceptionServer's: the agent uses the backend's network

@@ -32,4 +32,24 @@ def make_backend(name: str, **options: Any) -> SandboxBackend:
     return backend
 
 
-__all__ = ["BACKENDS", "ExecResult", "Mount", "Sandbox", "SandboxBackend", "SandboxError", "make_backend"]
+def hf_network_options(name: str, accept_network: bool) -> dict[str, Any]:
+    """`make_backend(name, ...)`'s options for a command line's "hf sandboxes asked for no network keep HF's"
+    (`--hf-accept-network`): `{"accept_network": True}` for `hf` (`HFBackend`), `{}` when not asked; asked
+    for another backend, a `ValueError` naming it."""
+    if not accept_network:
+        return {}
+    if name != "hf":
+        raise ValueError(f"accepting HF's network is an option of sandbox hf, not of {name!r}")
+    return {"accept_network": True}
+
+
+__all__ = [
+    "BACKENDS",
+    "ExecResult",
+    "Mount",
+    "Sandbox",
+    "SandboxBackend",
+    "SandboxError",
+    "hf_network_options",
+    "make_backend",
+]

@@ -242,8 +242,8 @@ class HFBackend(SandboxBackend):
         if not network and not self.accept_network:
             raise SandboxError(
                 "the hf backend cannot cut a sandbox's network, and this sandbox was asked for none (grading asks "
-                "for none): build the backend with accept_network=True (--hf_accept_network in examples/train.py) "
-                "to accept that it keeps HF's network"
+                "for none): build the backend with accept_network=True (swe-grpo's --hf-accept-network, "
+                "examples/train.py's --hf_accept_network) to accept that it keeps HF's network"
             )
         if writable := [m.sandbox_path for m in mounts if m.writable]:
             raise SandboxError(f"the hf backend cannot mount host directories writable: {writable}")
