@@ -31,6 +31,7 @@ from swe_grpo.sandbox.docker import OWNER_LABEL, SANDBOX_LABEL, DockerBackend, D
 from swe_grpo.sandbox.hf import HFBackend
 from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend, LocalLimits, LocalSandbox
 from swe_grpo.sandbox.process import CgroupLayout
+from swe_grpo.testing.backend_contract import Target
 from swe_grpo.testing.sandbox_checks import (  # noqa: F401  (the contract kit's, re-exported for the tests)
     CALC,
     GIT_ENV,
@@ -70,6 +71,33 @@ def assert_local_sandbox_gone(sandbox: LocalSandbox) -> None:
     assert not sandbox.host_dir.exists()
     assert not mounted(sandbox.host_dir)
     assert host_pids(str(sandbox.host_dir)) == []
+
+
+def local_target(backend: LocalBackend, run_dir: Path) -> Target:
+    """The contract's `Target` for a started `local` backend (or a subclass of it) whose sandboxes live in
+    `run_dir`: its facts, and "nothing left" read from directories, mounts, cgroups and its cache."""
+
+    def leftovers() -> Any:
+        cache = sorted(p.name for p in backend.cache_dir.iterdir() if not p.name.endswith(".lock"))
+        return sorted(run_dir.iterdir()), mounted(run_dir), sandbox_cgroups(), cache
+
+    def new_backend(output_bytes: int | None) -> SandboxBackend:
+        limits = LocalLimits() if output_bytes is None else LocalLimits(output_bytes=output_bytes)
+        return type(backend)(limits=limits, cache_dir=backend.cache_dir, run_dir=run_dir, method=backend.method)
+
+    return Target(
+        name=backend.name,
+        backend=backend,
+        uid=999,  # swe-sandbox
+        put_through_symlink_refused=True,
+        has_curl=True,
+        exec_may_raise_on_destroy=False,  # it is killed: a result
+        gone=assert_local_sandbox_gone,  # type: ignore[arg-type]
+        alive=lambda sandbox: mounted(sandbox.host_dir),  # type: ignore[attr-defined]
+        leftovers=leftovers,
+        new_backend=new_backend,
+        close_destroys_live=False,  # it holds nothing to close: its sandboxes are their owners' to destroy
+    )
 
 
 def assert_no_agent_or_sandbox_left(run_dir: Path) -> None:

@@ -14,7 +14,6 @@ fake sandboxes, killed and removed). A test a fact rules out skips, naming the f
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import docker.errors
@@ -22,47 +21,21 @@ import pytest
 from sandbox_helpers import (
     FakeHubSandbox,
     assert_fake_hub_sandbox_gone,
-    assert_local_sandbox_gone,
     hf_backend,  # noqa: F401  (fixture)
-    mounted,
+    local_target,
     our_containers,
-    sandbox_cgroups,
 )
 
 from swe_grpo.sandbox.base import Sandbox, SandboxBackend
 from swe_grpo.sandbox.docker import DockerBackend, DockerLimits
 from swe_grpo.sandbox.hf import HFBackend
-from swe_grpo.sandbox.local import LocalBackend, LocalLimits
 from swe_grpo.testing.backend_contract import BackendContract, Target
 
 BACKENDS = ["local", "docker", "hf"]
 
 
 def _local(request: pytest.FixtureRequest) -> Target:
-    backend: LocalBackend = request.getfixturevalue("local_backend")
-    run_dir: Path = request.getfixturevalue("run_dir")
-
-    def leftovers() -> Any:
-        cache = sorted(p.name for p in backend.cache_dir.iterdir() if not p.name.endswith(".lock"))
-        return sorted(run_dir.iterdir()), mounted(run_dir), sandbox_cgroups(), cache
-
-    def new_backend(output_bytes: int | None) -> SandboxBackend:
-        limits = LocalLimits() if output_bytes is None else LocalLimits(output_bytes=output_bytes)
-        return LocalBackend(limits=limits, cache_dir=backend.cache_dir, run_dir=run_dir, method=backend.method)
-
-    return Target(
-        name="local",
-        backend=backend,
-        uid=999,  # swe-sandbox
-        put_through_symlink_refused=True,
-        has_curl=True,
-        exec_may_raise_on_destroy=False,  # it is killed: a result
-        gone=assert_local_sandbox_gone,  # type: ignore[arg-type]
-        alive=lambda sandbox: mounted(sandbox.host_dir),  # type: ignore[attr-defined]
-        leftovers=leftovers,
-        new_backend=new_backend,
-        close_destroys_live=False,  # it holds nothing to close: its sandboxes are their owners' to destroy
-    )
+    return local_target(request.getfixturevalue("local_backend"), request.getfixturevalue("run_dir"))
 
 
 def _docker(request: pytest.FixtureRequest) -> Target:
@@ -144,3 +117,11 @@ class TestBuiltinBackends(BackendContract):
     def target(cls, request: pytest.FixtureRequest) -> Target:
         """The backend under test (one per backend, started once)."""
         return {"local": _local, "docker": _docker, "hf": _hf}[request.param](request)
+
+
+def test_the_kit_shows_the_values_of_a_failed_assert() -> None:
+    """Under pytest the kit's asserts are rewritten as a test module's are (swe_grpo/testing/__init__.py), so a
+    user whose backend breaks the contract sees the values, not a bare AssertionError."""
+    from swe_grpo.testing import backend_contract
+
+    assert "@py_builtins" in vars(backend_contract)

@@ -34,6 +34,7 @@ import requests
 import torch
 import yaml
 from conftest import SERVED_NAME
+from sandbox_helpers import local_target
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from swe_grpo.cli import parse_args, vllm_server_from_args
@@ -41,6 +42,7 @@ from swe_grpo.extras.vllm_server import VLLMServer
 from swe_grpo.sandbox.docker import DockerBackend
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.tasks import load_tasks, swe_gym_image, tasks_from_dataset
+from swe_grpo.testing.backend_contract import BackendContract, Target
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_PY = REPO / "examples" / "train.py"
@@ -567,6 +569,22 @@ def test_my_plugins_run_a_real_rollout_by_dotted_path(
     assert any("sandbox ready in" in record.getMessage() for record in caplog.records)
     first_prompt = json.dumps(json.loads((saved / f"{line['rollout_id']}.json").read_text())["messages"][:3])
     assert "Run the repository's tests before you finish." in first_prompt
+
+
+class TestMyPluginsBackendPassesTheContract(BackendContract):
+    """examples/my_plugins.py's TimedBackend passes the contract a user runs on their own backend, as
+    docs/development.md shows (`swe_grpo.testing.backend_contract`), with the `local` facts it inherits."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    async def target(cls, tmp_path_factory: pytest.TempPathFactory, run_dir: Path) -> Target:
+        spec = importlib.util.spec_from_file_location("my_plugins", REPO / "examples" / "my_plugins.py")
+        assert spec is not None and spec.loader is not None
+        my_plugins = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(my_plugins)
+        backend = my_plugins.TimedBackend(cache_dir=tmp_path_factory.mktemp("cache"), run_dir=run_dir)
+        await backend.start()
+        return local_target(backend, run_dir)
 
 
 def test_the_development_guide_quotes_my_plugins_as_it_is() -> None:
