@@ -162,3 +162,20 @@ def test_the_command_lines_opt_in_builds_an_accepting_hf_backend() -> None:
     assert hf_network_options("hf", False) == {}
     with pytest.raises(ValueError, match="accepting HF's network is an option of sandbox hf, not of 'docker'"):
         hf_network_options("docker", True)
+
+
+def test_the_worker_builds_hf_with_its_sandbox_options(task: Task) -> None:
+    """`WorkerConfig.sandbox_options` reach the backend the engine builds by name (in each rollout host)."""
+    from conftest import tiny_tokenizer
+
+    from swe_grpo.worker.config import WorkerConfig
+    from swe_grpo.worker.engine import RolloutEngine
+
+    def engine(config: WorkerConfig) -> RolloutEngine:
+        return RolloutEngine(
+            [task], tiny_tokenizer("qwen3"), vllm_url="http://x", model="m", outlet=None, sandbox="hf", config=config
+        )  # type: ignore[arg-type]  (no outlet: nothing runs)
+
+    accepting = engine(WorkerConfig(sandbox_options={"accept_network": True})).backend
+    assert isinstance(accepting, HFBackend) and accepting.accept_network
+    assert engine(WorkerConfig()).backend.accept_network is False  # type: ignore[attr-defined]
