@@ -194,7 +194,10 @@ async def test_keeping_the_pass_to_pass_tests_from_running_earns_nothing(
         ops.write_text(ops.read_text().replace(*ADD_FIX[1]))
         (repo / "calc" / "__init__.py").write_text(init)
 
-    result = await graded(local_backend, two_files_task, make_patch(two_files_task, edit), "fraction")
+    # The capability gate refuses `import unittest` first: allowed here, so that the reward's arithmetic behind
+    # it is what is tested.
+    task = replace(two_files_task, tamper_allow=("test-machinery",))
+    result = await graded(local_backend, task, make_patch(task, edit), "fraction")
     assert (result.outcome, result.reward) == ("unresolved", 0.0), (result.error, result.log_tail)
     assert (result.f2p_passed, result.p2p_passed) == (f2p_passed, 0), (result.tests, result.log_tail)
     assert {result.tests[t] for t in two_files_task.pass_to_pass} <= {"missing", "skipped"}, result.tests
