@@ -139,9 +139,10 @@ class ChaosConfig:
     calm_after: float = 0.9  # the share of the run after which nothing is injected
     stale_after_s: float = 300.0  # TRL's default heartbeat_stale_after_s
     sample_every_s: float = 30.0
-    # The worker's stall bound: an agent with no model request served for this long ends `timeout`. On a box at
-    # load ~25 (2 cores) Pi alone took longer than 20 s to send its first request, and every rollout ended so.
-    stall_timeout_s: float = 20.0
+    # The worker's stall bound: an agent with no model request made or served for this long ends `timeout`. On a
+    # box at load 25-34 (2 cores) Pi alone took longer than 20 s to send its first request: with a 20 s bound 195
+    # of 200 rollouts ended so, before any turn (and so any turn fault) was served. 120 s outlasts that.
+    stall_timeout_s: float = 120.0
     seed: int = 0
     samples_path: Path | None = None  # where the RSS/FD samples are written as they are taken
 
@@ -363,14 +364,19 @@ def rollout_host_pids() -> set[int]:
 
 
 def turn_script(config: ChaosConfig, rng: random.Random, injected: Injections) -> Callable[[], str | None]:
-    """The policy's next turn: a turn fault at `turn_fault_rate` (drawn from a `ShuffledCycle` of the enabled
-    ones), else an ordinary turn."""
+    """The policy's next turn: the run's first turns are one of each enabled turn fault (in shuffled order),
+    later ones a turn fault at `turn_fault_rate` (drawn from a `ShuffledCycle` of them), else an ordinary turn.
+    The first round is owed, not drawn: on a loaded box few turns are served (at load 25-34 a 200-rollout run
+    served almost none), and a kind left to chance could go uninjected and its claim unproven."""
     faults = [f for f in TURN_FAULTS if f in config.faults]
     cycle = ShuffledCycle(faults, rng)
+    owed = len(faults)
     ordinary, weights = list(ORDINARY_WEIGHTS), list(ORDINARY_WEIGHTS.values())
 
     def pick() -> str | None:
-        if faults and not injected.calmed and rng.random() < config.turn_fault_rate:
+        nonlocal owed
+        if faults and not injected.calmed and (owed > 0 or rng.random() < config.turn_fault_rate):
+            owed = max(0, owed - 1)
             kind = cycle.draw()
             injected.add(kind)
         else:
@@ -752,6 +758,7 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
     doors: set[Path] = set()  # every door this process served: none may be left
     hosts: set[int] = set()  # every rollout host the run had: none of their sandboxes may be left
     restarts = 0
+    restart_since: float | None = None  # when a host kill stopped the worker, until a new one has started
     started = time.monotonic()
 
     def poll() -> None:
@@ -801,6 +808,14 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
                         log.info("sync to v%d failed: %s", version + 1, e)
                     except RolloutWorkerError as e:  # TRL's trainer would stop here
                         health[f"update_model_version: {_cause(e)}"] += 1
+                if restart_since is not None:  # a host was killed: a new worker, once vLLM lists the policy
+                    if (fresh := restart_worker(new_worker, version, health)) is not None:
+                        worker, restart_since, restarts = fresh, None, restarts + 1
+                        hosts.update(rollout_host_pids())  # before host_kill can pick one
+                    elif time.monotonic() - restart_since > config.stale_after_s:
+                        break  # vLLM did not come back (TRL's trainer would have stopped at the first raise)
+                    time.sleep(1.0)
+                    continue
                 if worker.rollout_buffer.empty():
                     try:
                         worker.check_health(config.stale_after_s)
@@ -810,10 +825,7 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
                             worker.stop()
                             poll()  # a host's metrics up to its death arrive: its last in-flight count died with it
                             accounting.host_killed()
-                            worker, restarts = new_worker(), restarts + 1
-                            worker.update_model_version(version)
-                            worker.start()
-                            hosts.update(rollout_host_pids())  # before host_kill can pick one
+                            restart_since = time.monotonic()
                             continue
                         if "crashed" in str(e) or "has stopped" in str(e):  # nothing more to see
                             break
@@ -870,6 +882,23 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
         load=(load_before, os.getloadavg()),
         trainer_fds=trainer_fds,
     )
+
+
+def restart_worker(
+    new_worker: Callable[[], SWERolloutWorker], version: int, health: Counter
+) -> SWERolloutWorker | None:
+    """After a host kill, what the trainer's operator does: a new worker on policy `version`, started. None
+    when its `update_model_version` raises (vLLM down or restarting: a `vllm_restart` at the same time, or
+    one that failed for memory), the raise counted in `health`; the run tries again (a raise here had ended
+    the whole run with no report)."""
+    worker = new_worker()
+    try:
+        worker.update_model_version(version)
+    except RolloutWorkerError as e:
+        health[f"update_model_version: {_cause(e)}"] += 1
+        return None
+    worker.start()
+    return worker
 
 
 def _cause(e: RolloutWorkerError) -> str:
@@ -940,7 +969,7 @@ def main() -> int:
     parser.add_argument("--fault-every", type=float, default=40.0, help="mean seconds between process faults")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--sample-every", type=float, default=30.0)
-    parser.add_argument("--stall-timeout", type=float, default=20.0, help="the worker's stall_timeout_s")
+    parser.add_argument("--stall-timeout", type=float, default=120.0, help="the worker's stall_timeout_s")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, help="the report as JSON")
     args = parser.parse_args()

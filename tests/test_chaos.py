@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections import Counter
 from multiprocessing.synchronize import Event
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from sandbox_helpers import calc_task, make_repo
 
 from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.sandbox.local import LocalBackend
+from swe_grpo.types import RolloutWorkerError
 from swe_grpo.worker import SWERolloutWorker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -34,8 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from chaos import (
     FAULTS,
     PROCESS_FAULTS,
+    TURN_FAULTS,
+    TURNS,
     Accounting,
     ChaosConfig,
+    Injections,
     ProcessFaults,
     RunReport,
     Sample,
@@ -44,7 +49,9 @@ from chaos import (
     host_usage,
     leftovers,
     markdown,
+    restart_worker,
     run_chaos,
+    turn_script,
 )
 
 pytestmark = pytest.mark.integration
@@ -73,6 +80,7 @@ def test_a_short_chaos_run_loses_nothing_leaks_nothing_and_training_goes_on(poli
         sandbox_fault_rate=0.1,
         stale_after_s=120.0,
         sample_every_s=5.0,
+        stall_timeout_s=60.0,  # a SIGSTOPped Pi ends within a minute; Pi's start under load fits in it
         seed=1,
     )
     try:
@@ -194,6 +202,45 @@ def test_a_shuffled_cycle_draws_every_kind_once_a_round_and_a_put_back_kind_next
     kind = cycle.draw()
     cycle.put_back(kind)  # it could not be injected (no Pi running): it keeps its turn
     assert cycle.draw() == kind
+
+
+def test_the_first_turns_are_one_of_each_turn_fault_whatever_the_rate(tmp_path: Path) -> None:
+    """At load 25-34 a 200-rollout run served almost no turns, and at `turn_fault_rate` 0.12 none was a turn
+    fault: the verdict failed on four kinds never injected. The first turns now owe one of each (here even at
+    rate 0), then the rate alone decides."""
+    injected = Injections(tmp_path / "injected.jsonl")
+    config = ChaosConfig(faults=FAULTS, turn_fault_rate=0.0)
+    pick = turn_script(config, random.Random(0), injected)
+    first = [pick() for _ in TURN_FAULTS]
+    assert sorted(first) == sorted(TURNS[kind] for kind in TURN_FAULTS)
+    assert sorted(kind for kind, _ in injected.events()) == sorted(TURN_FAULTS)
+    later = [pick() for _ in range(50)]
+    assert not set(later) & {TURNS[kind] for kind in TURN_FAULTS} and len(injected.events()) == len(TURN_FAULTS)
+
+
+class SyncRefused:
+    """A FAKE worker whose `update_model_version` raises as the real one does when vLLM cannot list its
+    models (a vLLM restart under way, or one that failed for memory)."""
+
+    started = 0
+
+    def update_model_version(self, version: int) -> None:
+        raise RolloutWorkerError("cannot list the models vLLM serves at http://127.0.0.1:1: refused")
+
+    def start(self) -> None:
+        SyncRefused.started += 1
+
+
+def test_a_restart_after_a_host_kill_survives_update_model_version_raising() -> None:
+    """A chaos re-run crashed with no report: after a host kill, the new worker's `update_model_version`
+    raised (vLLM could not restart for memory), out of the harness. Now it is counted as a raise of
+    `update_model_version`, the worker is not started, and the run tries again."""
+    health: Counter = Counter()
+    assert restart_worker(SyncRefused, 3, health) is None
+    assert SyncRefused.started == 0
+    assert list(health.items()) == [
+        ("update_model_version: cannot list the models vLLM serves at http://127.0.0.1:1: refused", 1)
+    ]
 
 
 class HostPushes:
