@@ -11,10 +11,11 @@ demo:
 	bash scripts/setup.sh --demo
 	.venv/bin/swe-grpo demo --seed $(SEED)
 
-# The suite sees what a fresh box's CI gives it, whatever terminal this is typed in (scripts/as_ci.sh).
+# The suite sees what a fresh box's CI gives it, whatever terminal this is typed in (scripts/as_ci.sh); every log
+# ends with its 30 slowest tests and fixtures (--durations), so a run that grows shows where.
 test: setup
 	.venv/bin/ruff check swe_grpo tests benchmarks examples space_app
-	bash scripts/as_ci.sh .venv/bin/python -m pytest -v -rs
+	bash scripts/as_ci.sh .venv/bin/python -m pytest -v -rs --durations=30
 
 lint: setup
 	.venv/bin/ruff check swe_grpo tests benchmarks examples space_app
