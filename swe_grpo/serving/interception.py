@@ -25,8 +25,9 @@ answered 409 `superseded` with `x-should-retry: false`, or an SSE error event, a
 before its own body is read: only one reply to concurrent requests is ever delivered, the newest, and it is
 the one trained. A body is read only once the rollout's previous request is over, within the bounds of
 `swe_grpo.serving.limits` (its size, its time; connections per door and per port; header and idle
-timeouts). Every request refused after its token was checked (a body too big, too slow or not JSON, bad
-parameters) is recorded on the rollout too, as is any failure of its turn (a named `RequestError`; an
+timeouts), and every request on every route is held to a rate per connection, per rollout, and for requests
+without a valid token per server. Every request refused after its token was checked (a body too big, too slow
+or not JSON, bad parameters) is recorded on the rollout too, as is any failure of its turn (a named `RequestError`; an
 unexpected one is "internal", answered 500 in OpenAI's shape, never a bare traceback), with the chain unchanged.
 
 Streaming (`stream: true`, what Pi sends): the response headers are sent as soon as the prompt is ready, and
@@ -51,6 +52,7 @@ import re
 import secrets
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -61,7 +63,7 @@ from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
 from swe_grpo.serving.handle import RolloutHandle, SessionOps, Socket
-from swe_grpo.serving.limits import ConnectionBudget, Listener, ServingLimits, return_big_buffers
+from swe_grpo.serving.limits import ConnectionBudget, Listener, Rate, ServingLimits, return_big_buffers
 from swe_grpo.serving.openai_wire import Answer, APIError, errors_as_json, json_response, read_body, stream_mode
 from swe_grpo.serving.session import RolloutRecord, RolloutSession
 from swe_grpo.serving.turn import TurnTransaction, bulk_executor, requested_sampling
@@ -77,6 +79,9 @@ log = logging.getLogger(__name__)
 
 _ROLLOUT_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _CLOSED_REMEMBERED = 100_000  # closed rollouts answer 410 (not 404) while remembered
+# Answers to a request that carries no valid token for any route (or names none): held to the server's
+# `ServingLimits.unauthorized_per_s`.
+_UNAUTHORIZED = frozenset({401, 403, 404, 405})
 
 
 class InterceptionServer:
@@ -124,6 +129,9 @@ class InterceptionServer:
         self._tcp: Listener | None = None
         self._tcp_owners: dict[asyncio.BaseTransport, RolloutSession] = {}  # a TCP connection -> its rollout
         self._budget = ConnectionBudget(0)  # set at start
+        # Each connection's request rate, gone with its transport; and the rate of requests without a valid token.
+        self._connection_rates: weakref.WeakKeyDictionary[asyncio.BaseTransport, Rate] = weakref.WeakKeyDictionary()
+        self._unauthorized = Rate(limits.unauthorized_per_s, limits.unauthorized_burst)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -133,7 +141,7 @@ class InterceptionServer:
 
     def app(self) -> web.Application:
         app = web.Application(
-            middlewares=[errors_as_json, self._door_guard], client_max_size=self.limits.max_request_bytes
+            middlewares=[errors_as_json, self._paced, self._door_guard], client_max_size=self.limits.max_request_bytes
         )
         app.router.add_get("/health", self._health)
         app.router.add_post("/rollout/{rollout_id}/v1/chat/completions", self._chat_completions)
@@ -216,7 +224,8 @@ class InterceptionServer:
             token=secrets.token_urlsafe(32),
             model=model or self.model_name,
         )
-        session = RolloutSession(endpoint, TokenChain(self.template), sampling or self.sampling, model)
+        rate = Rate(self.limits.rollout_requests_per_s, self.limits.rollout_request_burst)
+        session = RolloutSession(endpoint, TokenChain(self.template), sampling or self.sampling, model, rate)
         self._rollouts[rollout_id] = session
         return session
 
@@ -257,6 +266,25 @@ class InterceptionServer:
             rollout, listener = entry
             listener.close()
             rollout.refused_connections += listener.refused
+
+    @web.middleware
+    async def _paced(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        """Every request, on any route, held to its connection's rate first; one answered for want of a valid token
+        to the server's rate of those too, before its answer goes (`swe_grpo.serving.limits`). A rollout's own
+        routes hold its requests to the rollout's rate as well (`RolloutSession.rate`)."""
+        if (transport := request.transport) is not None:
+            rate = self._connection_rates.get(transport)
+            if rate is None:
+                limits = self.limits
+                rate = Rate(limits.connection_requests_per_s, limits.connection_request_burst)
+                self._connection_rates[transport] = rate
+            await rate.pace()
+        try:
+            return await handler(request)
+        except (APIError, web.HTTPException) as e:
+            if e.status in _UNAUTHORIZED:
+                await self._unauthorized.pace()
+            raise
 
     @web.middleware
     async def _door_guard(self, request: web.Request, handler: Callable) -> web.StreamResponse:
@@ -317,6 +345,7 @@ class InterceptionServer:
 
     async def _models(self, request: web.Request) -> web.Response:
         rollout = self._authorize(request)
+        await rollout.rate.pace()
         model = {
             "id": rollout.endpoint.model,
             "object": "model",
@@ -327,7 +356,7 @@ class InterceptionServer:
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         rollout = self._authorize(request)
-        await rollout.pace(self.limits.rollout_requests_per_s, self.limits.rollout_request_burst)
+        await rollout.rate.pace()
         me = asyncio.current_task()
         assert me is not None
         rollout.supersede(me)  # before the body is read: a rollout has one request in flight, the newest

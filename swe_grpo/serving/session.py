@@ -3,10 +3,10 @@
 A `RolloutSession` holds a rollout's endpoint (its id, URL and secret), its TokenChain, its sampling, its counters
 and the errors recorded against it. It serialises the rollout's requests: `lock` is held while one is served, and
 `supersede` ends every older request of the rollout when a newer one arrives, so that at most one reply is ever
-delivered, the newest's; `pace` holds its requests to a rate. `record_error` keeps a named `RequestError` per
-failure, at most `ERRORS_PER_KIND` of each kind (an attacker's rollout can send bad requests without end; later ones
-are only counted). `close` refuses further requests and abandons those in flight; `record()` is the
-`RolloutRecord` its handle holds once closed (`swe_grpo.serving.handle`).
+delivered, the newest's; `rate` holds its requests, on every route, to a rate (`swe_grpo.serving.limits`).
+`record_error` keeps a named `RequestError` per failure, at most `ERRORS_PER_KIND` of each kind (an attacker's
+rollout can send bad requests without end; later ones are only counted). `close` refuses further requests and
+abandons those in flight; `record()` is the `RolloutRecord` its handle holds once closed (`swe_grpo.serving.handle`).
 Single event loop, no threads: nothing here locks beyond the rollout's `lock`.
 """
 
@@ -17,6 +17,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from swe_grpo.serving.limits import Rate
 from swe_grpo.serving.vllm_client import SamplingParams
 from swe_grpo.tokens.chain import TokenChain, TrainingRow, TurnRecord
 from swe_grpo.tokens.messages import Message
@@ -55,6 +56,7 @@ class RolloutSession:
     chain: TokenChain
     sampling: SamplingParams
     model: str | None
+    rate: Rate  # its requests' rate, on every route (`ServingLimits.rollout_requests_per_s`)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     errors: list[RequestError] = field(default_factory=list)
     requests: int = 0
@@ -68,9 +70,7 @@ class RolloutSession:
     body_bytes: int = 0  # the size of its latest request
     errors_not_recorded: int = 0
     refused_connections: int = 0
-    paced_requests: int = 0
     tcp_connections: int = 0  # TCP connections that carried its requests first, still open
-    next_slot: float = 0.0  # when the rollout's next request is due at its rate (`pace`)
 
     def close(self) -> None:
         """Refuse further requests and abandon those in flight: cancelling a handler cancels its generation,
@@ -78,17 +78,6 @@ class RolloutSession:
         self.closed = True
         for task in self.pending:
             task.cancel()
-
-    async def pace(self, per_second: float, burst: int) -> None:
-        """Hold the calling request until the rollout is within `per_second` requests a second, in bursts of
-        `burst` (a generic cell-rate algorithm: each request reserves the next slot on arrival, so held requests
-        go on in the order they came)."""
-        now = time.monotonic()
-        self.next_slot = max(self.next_slot, now) + 1 / per_second
-        delay = self.next_slot - now - burst / per_second
-        if delay > 0:
-            self.paced_requests += 1
-            await asyncio.sleep(delay)
 
     def supersede(self, newer: asyncio.Task) -> None:
         """`newer` is now the rollout's request: the one being served and any waiting are ended (their handlers
@@ -122,5 +111,5 @@ class RolloutSession:
             retries=sum(t.retries for t in chain.turns),
             errors_not_recorded=self.errors_not_recorded,
             refused_connections=self.refused_connections,
-            paced_requests=self.paced_requests,
+            paced_requests=self.rate.held,
         )
