@@ -59,12 +59,16 @@ def replies_for(template: str, training: TrainingTemplate | None = None) -> list
         replies[1]["tool_calls"] = replies[1]["tool_calls"][:1]
     if training is None:
         return replies
-    for k, reply in enumerate(replies):
-        without = {key: value for key, value in reply.items() if key != "reasoning_content"}
-        thinking = {**reply, "reasoning_content": reply.get("reasoning_content", "Thinking.")}
-        silent = {**reply, "content": ""} if reply.get("tool_calls") else reply
-        replies[k] = next((c for c in (reply, without, thinking, silent) if _writable(training, c)), reply)
-    return replies
+    return [as_written(training, reply) for reply in replies]
+
+
+def as_written(training: TrainingTemplate, reply: dict[str, Any]) -> dict[str, Any]:
+    """`reply` as a model under `training` can write it in one generation: as it is, without its reasoning, with
+    some, or without text beside its calls (see `replies_for`); `reply` itself when none of these is writable."""
+    without = {key: value for key, value in reply.items() if key != "reasoning_content"}
+    thinking = {**reply, "reasoning_content": reply.get("reasoning_content", "Thinking.")}
+    silent = {**reply, "content": ""} if reply.get("tool_calls") else reply
+    return next((c for c in (reply, without, thinking, silent) if _writable(training, c)), reply)
 
 
 class Driver:
