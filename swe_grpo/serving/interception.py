@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import hmac
 import logging
@@ -62,13 +63,15 @@ from typing import Any
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
+from swe_grpo.serving import dialects
+from swe_grpo.serving.dialects import Dialect
 from swe_grpo.serving.handle import RolloutHandle, SessionOps, Socket
 from swe_grpo.serving.limits import ConnectionBudget, Listener, Rate, ServingLimits, return_big_buffers
-from swe_grpo.serving.openai_wire import Answer, APIError, errors_as_json, json_response, read_body, stream_mode
+from swe_grpo.serving.openai_wire import Answer, APIError, errors_as, json_response, read_body, stream_mode
 from swe_grpo.serving.session import RolloutRecord, RolloutSession
 from swe_grpo.serving.turn import TurnTransaction, bulk_executor, requested_sampling
 from swe_grpo.serving.vllm_client import Generator, SamplingParams
-from swe_grpo.tokens.chain import TokenChain
+from swe_grpo.tokens.chain import MessageFormatError, TokenChain
 from swe_grpo.tokens.responses import ResponseParser
 from swe_grpo.tokens.template import TrainingTemplate
 from swe_grpo.types import Policy, RequestError, RolloutEndpoint
@@ -141,11 +144,21 @@ class InterceptionServer:
 
     def app(self) -> web.Application:
         app = web.Application(
-            middlewares=[errors_as_json, self._paced, self._door_guard], client_max_size=self.limits.max_request_bytes
+            middlewares=[errors_as(dialects.error_shape), self._paced, self._door_guard],
+            client_max_size=self.limits.max_request_bytes,
         )
         app.router.add_get("/health", self._health)
-        app.router.add_post("/rollout/{rollout_id}/v1/chat/completions", self._chat_completions)
-        app.router.add_get("/rollout/{rollout_id}/v1/models", self._models)
+        rollout = "/rollout/{rollout_id}"
+        for path, dialect in [
+            ("/v1/chat/completions", dialects.CHAT),
+            ("/v1/responses", dialects.RESPONSES),
+            ("/responses", dialects.RESPONSES),
+            ("/v1/messages", dialects.MESSAGES),
+        ]:
+            app.router.add_post(rollout + path, functools.partial(self._turn, dialect=dialect))
+        app.router.add_post(rollout + "/v1/messages/count_tokens", self._count_tokens)
+        app.router.add_get(rollout + "/v1/models", self._models)
+        app.router.add_get(rollout + "/v1/models/{model}", self._models)
         return app
 
     async def start(self) -> InterceptionServer:
@@ -310,16 +323,20 @@ class InterceptionServer:
     async def _health(self, request: web.Request) -> web.Response:
         return json_response({"status": "ok"})
 
-    def _authorize(self, request: web.Request) -> RolloutSession:
+    def _authorize(self, request: web.Request, dialect: Dialect = dialects.CHAT) -> RolloutSession:
+        """The request's open rollout, its token checked in the dialect's header: `Authorization: Bearer`, or for
+        Anthropic's clients `x-api-key` as well."""
         rollout_id = request.match_info["rollout_id"]
         rollout = self._rollouts.get(rollout_id)
         expected = rollout.endpoint.token if rollout else self._closed.get(rollout_id)
         if expected is None:
             raise APIError(404, "unknown rollout", "not_found_error")
-        header = request.headers.get("Authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
-            raise APIError(401, "missing or invalid bearer token", "authentication_error")
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            given = request.headers.get("x-api-key", "") if dialect.api_key_header else ""
+        if not given or not hmac.compare_digest(given.strip().encode(), expected.encode()):
+            header = "x-api-key or bearer token" if dialect.api_key_header else "bearer token"
+            raise APIError(401, f"missing or invalid {header}", "authentication_error")
         if rollout is None:
             raise APIError(410, "rollout is closed", "invalid_request_error")
         self._count_tcp_connection(request, rollout)
@@ -344,18 +361,54 @@ class InterceptionServer:
             rollout.tcp_connections -= 1
 
     async def _models(self, request: web.Request) -> web.Response:
-        rollout = self._authorize(request)
+        """The rollout's one model, in OpenAI's list shape or (a client that sends `anthropic-version`)
+        Anthropic's; `/models/{model}` that model alone (404 for any other)."""
+        dialect = dialects.of_request(request)
+        rollout = self._authorize(request, dialect)
         await rollout.rate.pace()
-        model = {
-            "id": rollout.endpoint.model,
-            "object": "model",
-            "owned_by": "swe_grpo",
-            "max_model_len": self.generator.max_model_len,
-        }
-        return json_response({"object": "list", "data": [model]})
+        name = rollout.endpoint.model
+        if request.match_info.get("model", name) != name:
+            raise APIError(404, f"model {request.match_info['model']!r} not found", "not_found_error")
+        if dialect is dialects.MESSAGES:
+            model = {"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+            listed = {"data": [model], "has_more": False, "first_id": name, "last_id": name}
+        else:
+            model = {
+                "id": name,
+                "object": "model",
+                "owned_by": "swe_grpo",
+                "max_model_len": self.generator.max_model_len,
+            }
+            listed = {"object": "list", "data": [model]}
+        return json_response(model if "model" in request.match_info else listed)
 
-    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
-        rollout = self._authorize(request)
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's `count_tokens`: the prompt tokens the messages would be sent as, counted by the rollout's
+        chain with the training template. Not a turn: it supersedes nothing and changes nothing, but is paced,
+        counted, waits its turn and reads its body within the same bounds; a refusal is recorded like a turn's."""
+        rollout = self._authorize(request, dialects.MESSAGES)
+        await rollout.rate.pace()
+        rollout.requests += 1
+        async with rollout.lock:
+            if rollout.closed:
+                raise APIError(410, "rollout is closed")
+            turn_index = len(rollout.chain.turns)
+            try:
+                body, _ = await read_body(request, self.limits.max_request_bytes, self.limits.body_timeout_s)
+                chat = dialects.MESSAGES.to_chat(body)
+                prepare = functools.partial(rollout.chain.prepare, chat["messages"], chat.get("tools"))
+                turn = await asyncio.get_running_loop().run_in_executor(self._bulk, prepare)
+            except MessageFormatError as e:
+                rollout.record_error("bad_request", str(e), turn_index)
+                raise APIError(400, str(e)) from None
+            except APIError as e:
+                rollout.record_error("bad_request", e.message, turn_index)
+                raise
+        return json_response({"input_tokens": len(turn.prompt_ids)})
+
+    async def _turn(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
+        """One turn of the rollout, in `dialect`: translated to the chat request the chain serves, answered in it."""
+        rollout = self._authorize(request, dialect)
         await rollout.rate.pace()
         me = asyncio.current_task()
         assert me is not None
@@ -371,6 +424,7 @@ class InterceptionServer:
                 turn_index = len(rollout.chain.turns)
                 try:
                     body, size = await read_body(request, self.limits.max_request_bytes, self.limits.body_timeout_s)
+                    body = dialect.to_chat(body)
                     stream, include_usage = stream_mode(body)
                     params = requested_sampling(body, rollout.sampling)
                 except APIError as e:  # still the rollout's request: recorded like any refused turn
@@ -379,7 +433,8 @@ class InterceptionServer:
                 except ConnectionError:  # the agent went away while sending its request
                     rollout.record_error("client_disconnected", "the agent went away mid-request", turn_index)
                     return web.Response(status=499, reason="Client Closed Request")
-                answer = Answer(request, stream, include_usage, rollout.endpoint.model)
+                model = rollout.endpoint.model
+                answer = Answer(request, stream, include_usage, model, dialect.wire(model, include_usage))
                 turn = TurnTransaction(
                     rollout, answer, self.generator, self.parser, self.policy, self.keepalive_s, self._bulk
                 )
@@ -400,7 +455,7 @@ class InterceptionServer:
             me.uncancel()  # ended by a newer request, not by the server: this one is answered, and recorded
             error = APIError(409, "superseded by a newer request of this rollout", code="superseded", retry=False)
             rollout.record_error("superseded", error.message, len(rollout.chain.turns))
-            return await answer.fail(error) if answer is not None else error.response()
+            return await answer.fail(error) if answer is not None else dialect.error_response(error)
         finally:
             rollout.pending.discard(me)
             rollout.superseded.discard(me)

@@ -1,8 +1,9 @@
 """The OpenAI chat-completions wire format, as the InterceptionServer speaks it: a request's body read within
 bounds (`read_body`) and its streaming options (`stream_mode`), errors in OpenAI's shape (`APIError`,
-`errors_as_json`), a reply as JSON or as SSE chunks (`Reply`), and `Answer`, the agent's side of one request
-(headers first and keep-alive comments while streaming, every write to a connection the agent closed reported
-instead of raised)."""
+`errors_as_json`; `errors_as` for another dialect's shape), a reply as JSON or as SSE chunks (`Reply`, written by
+`ChatWire`), and `Answer`, the agent's side of one request (headers first and keep-alive comments while streaming,
+every write to a connection the agent closed reported instead of raised). `Answer` writes what a `Wire` renders:
+`ChatWire` here, the other dialects' beside it (`swe_grpo.serving.dialects`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -56,22 +57,30 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
 
 
-@web.middleware
-async def errors_as_json(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """Every error a route raises, answered in OpenAI's shape (a bug: a logged 500, never a traceback)."""
-    try:
-        return await handler(request)
-    except APIError as e:
-        return e.response()
-    except web.HTTPException as e:
-        if e.status < 400:
+def errors_as(shape: Callable[[web.Request, APIError], web.Response]) -> Callable:
+    """A middleware that answers every error a route raises as `shape(request, error)` (a bug: a logged 500, never
+    a traceback)."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as e:
+            return shape(request, e)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return shape(request, APIError(e.status, e.reason))
+        except asyncio.CancelledError:
             raise
-        return APIError(e.status, e.reason).response()
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        log.exception("internal error serving %s", request.path)
-        return APIError(500, "internal server error", "server_error").response()
+        except Exception:
+            log.exception("internal error serving %s", request.path)
+            return shape(request, APIError(500, "internal server error", "server_error"))
+
+    return middleware
+
+
+errors_as_json = errors_as(lambda request, error: error.response())  # OpenAI's shape
 
 
 async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> tuple[dict[str, Any], int]:
@@ -162,13 +171,70 @@ def sse(event: Any) -> bytes:
     return b"data: " + orjson.dumps(event) + b"\n\n"
 
 
+def sse_event(name: str, data: Any) -> bytes:
+    """A named SSE event (`event:` line), as the Responses and Messages streams send them."""
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+class Wire(Protocol):
+    """How one request's answer is written in its dialect: the SSE sent with the headers (`head`, given the
+    prompt's length) and while generating (`keep_alive`), the reply as SSE (`stream`) or as a JSON body (`body`),
+    and an error after the headers (`stream_error`) or before them (`error_response`)."""
+
+    def head(self, prompt_tokens: int) -> bytes: ...
+
+    def keep_alive(self) -> bytes: ...
+
+    def stream(self, parsed: ParsedResponse, prompt_tokens: int, completion_tokens: int) -> bytes: ...
+
+    def body(self, parsed: ParsedResponse, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]: ...
+
+    def stream_error(self, error: APIError) -> bytes: ...
+
+    def error_response(self, error: APIError) -> web.Response: ...
+
+
+KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: every SSE reader skips it
+
+
+class ChatWire:
+    """The chat-completions dialect's `Wire`: `Reply` as chunks ending `data: [DONE]`, errors in OpenAI's shape."""
+
+    def __init__(self, model: str, include_usage: bool):
+        self.model, self.include_usage = model, include_usage
+
+    def head(self, prompt_tokens: int) -> bytes:
+        return b""
+
+    def keep_alive(self) -> bytes:
+        return KEEP_ALIVE
+
+    def _reply(self, parsed: ParsedResponse, prompt_tokens: int, completion_tokens: int) -> Reply:
+        created = int(time.time())
+        return Reply(f"chatcmpl-{uuid.uuid4().hex}", created, self.model, parsed, prompt_tokens, completion_tokens)
+
+    def stream(self, parsed: ParsedResponse, prompt_tokens: int, completion_tokens: int) -> bytes:
+        chunks = self._reply(parsed, prompt_tokens, completion_tokens).chunks(self.include_usage)
+        return b"".join(map(sse, chunks)) + b"data: [DONE]\n\n"
+
+    def body(self, parsed: ParsedResponse, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        return self._reply(parsed, prompt_tokens, completion_tokens).completion()
+
+    def stream_error(self, error: APIError) -> bytes:
+        return sse(error.body())
+
+    def error_response(self, error: APIError) -> web.Response:
+        return error.response()
+
+
 class Answer:
     """The agent's side of one chat completion. Streaming: headers at `start`, keep-alive comments while
     generating, then the reply's chunks, or an SSE error event. Not streaming: the JSON reply, or an error
     with its HTTP status, sent whole. Every write to a connection the agent closed is reported, not raised."""
 
-    def __init__(self, request: web.Request, stream: bool, include_usage: bool, model: str):
+    def __init__(self, request: web.Request, stream: bool, include_usage: bool, model: str, wire: Wire | None = None):
         self.request, self.stream, self.include_usage, self.model = request, stream, include_usage, model
+        self.wire = wire or ChatWire(model, include_usage)
         self.response: web.StreamResponse | None = None
         self.parsed: ParsedResponse | None = None  # the reply that was sent
 
@@ -190,35 +256,33 @@ class Answer:
             return False
         return True
 
-    async def start(self) -> None:
-        """Send the response headers now (streaming only)."""
+    async def start(self, prompt_tokens: int = 0) -> None:
+        """Send the response headers now, and what the dialect opens its stream with (streaming only)."""
         if self.stream:
             self.response = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
-            await self._write()
+            await self._write(self.wire.head(prompt_tokens))
 
     async def keep_alive(self) -> bool:
-        """An SSE comment (streaming), or just a look at the connection; False when the agent is gone."""
-        return await self._write(b": keep-alive\n\n") if self.stream else not self._gone()
+        """An SSE keep-alive (streaming), or just a look at the connection; False when the agent is gone."""
+        return await self._write(self.wire.keep_alive()) if self.stream else not self._gone()
 
     async def send(self, parsed: ParsedResponse, prompt_tokens: int, completion_tokens: int) -> bool:
         """Send the reply; True when it was written whole to the agent's connection."""
-        reply = Reply(
-            f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model, parsed, prompt_tokens, completion_tokens
-        )
         self.parsed = parsed
         if self.stream:
-            return await self._write(b"".join(map(sse, reply.chunks(self.include_usage))) + b"data: [DONE]\n\n", True)
-        self.response = web.Response(body=orjson.dumps(reply.completion()), content_type="application/json")
+            return await self._write(self.wire.stream(parsed, prompt_tokens, completion_tokens), True)
+        body = self.wire.body(parsed, prompt_tokens, completion_tokens)
+        self.response = web.Response(body=orjson.dumps(body), content_type="application/json")
         return await self._write(eof=True)
 
     async def fail(self, error: APIError) -> web.StreamResponse:
         """Answer with `error`: an error response, or an SSE error event when the headers are out."""
         if self.response is None:
-            return error.response()
+            return self.wire.error_response(error)
         if self.parsed is None:  # else the reply went out whole: nothing more can be said
-            await self._write(sse(error.body()), eof=True)
+            await self._write(self.wire.stream_error(error), eof=True)
         return self.response
 
     def abandoned(self) -> web.StreamResponse:

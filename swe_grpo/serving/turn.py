@@ -101,7 +101,7 @@ class TurnTransaction:
         chain = rollout.chain
         turn_index = len(chain.turns)
         turn = await self._prepare(body, size)
-        await answer.start()
+        await answer.start(len(turn.prompt_ids))
         policy = self.policy()
         params = replace(params, stop_token_ids=chain.template.stop_token_ids)  # every token that ends a turn
         generation = await self._generate(turn, params, rollout.model or policy.model)
