@@ -76,11 +76,12 @@ def sweep(spec: str, work: Path, per_project: int | None) -> dict:
     refused, findings, took = 0, [], []
     released_uses: dict[Path, dict[str, int]] = {}
     for path, source, mutation in chosen:
+        package_main = path.name == "__main__.py"  # as the gate judges a file (`capability.gate`)
         if path not in released_uses:
-            released_uses[path] = uses(source.decode("utf-8"))
+            released_uses[path] = uses(source.decode("utf-8"), package_main)
         released = released_uses[path]
         started = time.perf_counter()
-        mutant = uses(mutation.apply(source).decode("utf-8"))
+        mutant = uses(mutation.apply(source).decode("utf-8"), package_main)
         took.append(time.perf_counter() - started)
         added = sorted(set(released) - set(mutant))
         if added:

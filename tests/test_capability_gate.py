@@ -313,3 +313,61 @@ def test_every_forgery_is_refused_by_the_gate_alone(name: str, iniparse_base: by
         compile(forged, "iniparse.py", "exec")  # each is code that runs, not a syntax error
     result = gate([FileChange("iniparse.py", iniparse_base, forged.encode())])
     assert any(f.startswith(f"{forgery.capability} in iniparse.py: ") for f in result.findings), result.findings
+
+
+# semver's `__main__.py` (the one gold patch of capability_gate_fp.json the gate refused): the script's own
+# bootstrap, under a guard that holds only when the file is run by its path, never when the runner imports it.
+MAIN_BOOTSTRAP = """\
+import os.path
+import sys
+
+from semver import cli
+
+
+def main(cliargs=None):
+    if __package__ == "":
+        path = os.path.dirname(os.path.dirname(__file__))
+        sys.path[0:0] = [path]
+    return cli.main(cliargs)
+"""
+BOOTSTRAP = '    if __package__ == "":\n        path = os.path.dirname(os.path.dirname(__file__))\n'
+MAIN_BASE = MAIN_BOOTSTRAP.replace(BOOTSTRAP + "        sys.path[0:0] = [path]\n", "")
+
+
+@pytest.mark.parametrize(
+    "guard",
+    ['if __package__ == "":', "if not __package__:", "if __package__ is None:", 'if __package__ in ("", None):'],
+)
+@pytest.mark.parametrize("write", ["sys.path[0:0] = [path]", "sys.path.insert(0, path)"])
+def test_a_package_mains_bootstrap_may_put_its_tree_on_sys_path(guard: str, write: str) -> None:
+    after = MAIN_BOOTSTRAP.replace('if __package__ == "":', guard).replace("sys.path[0:0] = [path]", write)
+    change = FileChange("src/semver/__main__.py", MAIN_BASE.encode(), after.encode())
+    assert gate([change]).findings == []
+
+
+@pytest.mark.parametrize(
+    ("path", "before", "after"),
+    [
+        # A top-level module imported by the runner has `__package__ == ""` too: the guard holds there.
+        ("semver.py", MAIN_BASE, MAIN_BOOTSTRAP),
+        # Unguarded, or guarded by what holds under `python -m` and runpy.run_module: the runner may run it.
+        ("src/semver/__main__.py", MAIN_BASE, MAIN_BOOTSTRAP.replace('if __package__ == "":', "if True:")),
+        ("src/semver/__main__.py", MAIN_BASE, MAIN_BOOTSTRAP.replace('__package__ == ""', '__name__ == "__main__"')),
+        # Other import-system surgery under the same guard.
+        ("src/semver/__main__.py", MAIN_BASE, MAIN_BOOTSTRAP.replace("sys.path[0:0]", "sys.modules['semver']")),
+        (
+            "src/semver/__main__.py",
+            MAIN_BASE,
+            MAIN_BOOTSTRAP.replace("sys.path[0:0] = [path]", "sys.meta_path[:] = []"),
+        ),
+        # The guard's else branch runs when imported.
+        (
+            "src/semver/__main__.py",
+            MAIN_BASE,
+            MAIN_BOOTSTRAP.replace("sys.path[0:0] = [path]", "pass\n    else:\n        sys.path[0:0] = [path]"),
+        ),
+    ],
+)
+def test_sys_path_surgery_anywhere_else_is_refused(path: str, before: str, after: str) -> None:
+    findings = gate([FileChange(path, before.encode(), after.encode())]).findings
+    assert any(f.startswith("import-system in ") for f in findings), findings

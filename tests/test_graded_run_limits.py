@@ -6,8 +6,10 @@ First the filter itself, installed the way the grader installs it (the grader's 
 real Python process on this host's kernel), against each way around it an attacker has; then whole grades
 on the real `local` and `docker` backends: the issue's three escapes (a child forked at import that
 reports and leaves by `os._exit`, a second runner spawned at exit, pytest's saved stdout pointed at a spool
-file) each grade `grading_tampered`, while the gold (with a thread of its own) resolves with the limits in
-force; a base suite that runs a subprocess itself still grades, with the limits lifted and recorded.
+file) and a runner that forges its own status of the limits before it forks each grade `grading_tampered`
+(the grader reads the kill from the exit status the sandbox's exec reports, not from the runner), while
+the gold (with a thread of its own) resolves with the limits in force; a base suite that runs a subprocess
+itself still grades, with the limits lifted and recorded.
 
 The attack patches carry `tamper_allow` for the process and descriptor capabilities, so that the
 capability gate lets them through to the run: this file tests the limits, not the gate."""
@@ -139,6 +141,18 @@ for _fd in range(3, 64):  # pytest's saved copy of the runner's stdout: a pipe a
     except OSError:
         pass
 """
+# A runner that forges its own report of the limits (the status the grader's piece wrote before any repository
+# code: "unlimited"), then forks: the grader reads the kill from the exit status, not from that report.
+FORGED_STATUS = """
+import glob as _glob
+import os as _os
+
+for _status in _glob.glob("/tmp/swe_grpo-grade.*/limited-*"):
+    with open(_status, "w") as _f:
+        _f.write("unlimited ImportError: forged by the patch\\n")
+if _os.fork() == 0:
+    _os._exit(0)
+"""
 # The gold fix, with a thread of its own at import: threads stay allowed.
 THREADED = """
 import threading as _threading
@@ -165,6 +179,7 @@ async def test_escapes_grade_tampered_and_the_gold_resolves(backend: SandboxBack
         "fork": make_patch(task, appended(FORK_AND_REPORT)),
         "runner at exit": make_patch(task, appended(RUNNER_AT_EXIT)),
         "spooled stdout": make_patch(task, appended(SPOOLED_STDOUT)),
+        "forged status": make_patch(task, appended(FORGED_STATUS)),
     }
     graded = await asyncio.gather(*(grade(task, patch, backend, timeout_s=120) for patch in patches.values()))
     results = dict(zip(patches, graded, strict=True))

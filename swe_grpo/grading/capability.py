@@ -185,8 +185,9 @@ def _added(change: FileChange) -> Iterator[tuple[str, str]]:
     if after_text is None:
         yield "encoding", problem
         return
+    package_main = path.rpartition("/")[2] == "__main__.py"
     try:
-        after_uses = uses(after_text)
+        after_uses = uses(after_text, package_main)
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         yield "unparsed", f"{type(exc).__name__}: {exc}"[:200]
         return
@@ -194,7 +195,7 @@ def _added(change: FileChange) -> Iterator[tuple[str, str]]:
     if before is not None:
         before_text, _ = _decode(before, None)
         try:
-            before_caps = set(uses(before_text)) if before_text is not None else set()
+            before_caps = set(uses(before_text, package_main)) if before_text is not None else set()
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             before_caps = set()
     lines = after_text.splitlines()

@@ -135,17 +135,18 @@ _TEST_MODULE = re.compile(r"^(?:test_\w*|\w*_test|tests?|conftest)$")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def uses(source: str) -> dict[str, int]:
-    """Each capability `source` uses -> the line of its first use. Raises SyntaxError (and the parser's other
-    errors) for source the grader's Python cannot parse."""
+def uses(source: str, package_main: bool = False) -> dict[str, int]:
+    """Each capability `source` uses -> the line of its first use. `package_main`: the source is a `__main__.py`
+    (see `_Uses.bootstrap`). Raises SyntaxError (and the parser's other errors) for source the grader's Python
+    cannot parse."""
     tree = ast.parse(source)
-    return _Uses(tree).found
+    return _Uses(tree, package_main).found
 
 
 class _Uses:
     """One pass over every node of a module's AST, in lambdas, decorators and class bodies alike."""
 
-    def __init__(self, tree: ast.Module) -> None:
+    def __init__(self, tree: ast.Module, package_main: bool = False) -> None:
         self.found: dict[str, int] = {}
         self.modules: dict[str, str] = {}  # a name -> the module (or what it exports) bound to it, anywhere
         nodes: list[ast.AST] = [tree]
@@ -154,6 +155,16 @@ class _Uses:
             for child in ast.iter_child_nodes(node):
                 self.parent[id(child)] = node
                 nodes.append(child)
+        # A `__main__.py`'s bootstrap: the body of an `if` that holds only when the module is in no package.
+        # The runner imports a `__main__.py` only as `pkg.__main__` (directly, or by `python -m` and
+        # runpy.run_module), where `__package__` is "pkg"; the body runs when the file is run by its path.
+        # There, putting the project's tree on `sys.path` is the script's own idiom (semver's), no surgery on
+        # the runner. A top-level module's `__package__` is "" when the runner imports it: `package_main` only.
+        self.bootstrap: set[int] = set()
+        if package_main:
+            for node in nodes:
+                if isinstance(node, ast.If) and _outside_a_package(node.test):
+                    self.bootstrap |= {id(n) for statement in node.body for n in ast.walk(statement)}
         self.docstrings: set[int] = set()
         for node in nodes:
             if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
@@ -183,6 +194,8 @@ class _Uses:
             self._node(node)
 
     def add(self, cap: str, node: ast.AST) -> None:
+        if cap in ("import-system", "monkeypatch") and id(node) in self.bootstrap and self._sys_path(node):
+            return
         if cap and cap not in self.found:
             self.found[cap] = getattr(node, "lineno", 0)
 
@@ -285,6 +298,14 @@ class _Uses:
             folded = fold(node)
             if folded is not None:
                 self._string(folded, node)
+
+    def _sys_path(self, node: ast.AST) -> bool:
+        """`sys.path`, an item or slice of it, or a method called on it: what `add` lets a bootstrap write."""
+        if isinstance(node, ast.Call):
+            node = node.func.value if isinstance(node.func, ast.Attribute) else node.func
+        if isinstance(node, ast.Subscript):
+            node = node.value
+        return isinstance(node, ast.Attribute) and node.attr == "path" and self._module_of(node.value) == "sys"
 
     def _called(self, node: ast.expr) -> bool:
         """Whether `node` is the function of a call (not a value handed on)."""
@@ -398,6 +419,22 @@ def _ends(node: ast.expr) -> tuple[str, str]:
         if isinstance(template, ast.Constant) and isinstance(template.value, str):
             return template.value.partition("{")[0], template.value.rpartition("}")[2]
     return "", ""
+
+
+def _outside_a_package(test: ast.expr) -> bool:
+    """`__package__ == ""`, `__package__ is None`, `__package__ in ("", None)` or `not __package__`."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return isinstance(test.operand, ast.Name) and test.operand.id == "__package__"
+    if not (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__package__"):
+        return False
+    if len(test.ops) != 1:
+        return False
+    op, right = test.ops[0], test.comparators[0]
+    if isinstance(op, ast.Eq | ast.Is):
+        return isinstance(right, ast.Constant) and right.value in ("", None)
+    if isinstance(op, ast.In) and isinstance(right, ast.Tuple | ast.List | ast.Set):
+        return all(isinstance(e, ast.Constant) and e.value in ("", None) for e in right.elts)
+    return False
 
 
 def _confined(node: ast.expr) -> bool:

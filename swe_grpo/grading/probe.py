@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 from swe_grpo.grading.canaries import Canaries
 from swe_grpo.grading.limits import KILLED_BY_LIMIT, LIMIT_ENV, limit_secret, limit_source, limited
 from swe_grpo.grading.protect import RunnerImports
-from swe_grpo.grading.reports import RunReports
+from swe_grpo.grading.reports import RunReports, junit_key
+from swe_grpo.grading.selection import SELECT_ENV, select_source, selection_files, selection_secret
 from swe_grpo.grading.steps import DEFAULT_TEST_CMD, BrokenTask, failure, grade_setup, in_sandbox, step
 from swe_grpo.grading.tamper import BOOT_ENV, AuditReport, boot_secret, boot_source, shim_script
 from swe_grpo.sandbox.base import ExecResult, FileTooLarge, Sandbox, SandboxBackend, SandboxError
@@ -30,8 +31,11 @@ PINNED_ENV = {"PYTHONNOUSERSITE": "1", "PYTEST_ADDOPTS": "", "PYTEST_PLUGINS": "
 class WitnessedRun:
     """One run of the test command with the grader's witnesses: `reports` (None when it timed out),
     `audit` (the boot's report), `canaries` (None when not added), `junit_xml` (None when not written),
-    `limited` (the runner's limits were asked for and in force, as the runner's status said before any
-    repository code ran: `swe_grpo.grading.limits`)."""
+    `limited` (the grader asked for the runner's limits: `swe_grpo.grading.limits`), `limits_installed`
+    (the runner's own status said they were in force, before any repository code ran; a file within the
+    patch's reach afterwards, so it only names the layer armed, never decides a grade); `selection_taken`
+    (a runner took the hidden selection, `swe_grpo.grading.selection`; to be trusted in a run without the
+    patch only)."""
 
     tests: ExecResult
     reports: RunReports | None
@@ -39,10 +43,14 @@ class WitnessedRun:
     canaries: Canaries | None
     junit_xml: str | None
     limited: bool = False
+    limits_installed: bool = False
+    selection_taken: bool = False
 
     @property
     def killed_by_limit(self) -> bool:
-        """The runner's limits ended the run (its runner made a call they refuse)."""
+        """The runner's limits ended the run (its runner made a call they refuse): read from the runner's exit
+        status as the sandbox's exec reports it (the kernel's SIGSYS, seen by the shell that started the
+        runner), outside every process the patch's code runs in; never from a file the runner writes."""
         return self.limited and not self.tests.timed_out and self.tests.exit_code == KILLED_BY_LIMIT
 
 
@@ -61,10 +69,12 @@ async def witnessed_run(
     limit: bool = False,
 ) -> WitnessedRun:
     """Run the task's test command on `test_ids` with the boot armed; with `canaries`, canaries planted in
-    the files of `test_ids[0]` and of `mutate` (the tests to give mutants: `swe_grpo.grading.canaries`) and
-    shuffled in among the ids; with `limit`, the runner's limits (`swe_grpo.grading.limits`). The report
-    path is a shell variable of the command line, not exported: the code under test does not inherit it. The
-    ids travel in a file: thousands of them would not fit in one command-line argument."""
+    the files of `test_ids[0]` and of `mutate` (the tests to give mutants: `swe_grpo.grading.canaries`),
+    shuffled in among the ids, and the ids handed to pytest off its command line (only their files are
+    on it: `swe_grpo.grading.selection`); without, the ids on the command line; with `limit`, the runner's
+    limits (`swe_grpo.grading.limits`). The report path is a shell variable of the command line, not
+    exported: the code under test does not inherit it. The arguments travel in a file: thousands of them
+    would not fit in one command-line argument."""
     q = shlex.quote
     token = secrets.token_hex(8)
     boot, bin_dir = f"{scratch}/boot-{token}", f"{scratch}/bin-{token}"
@@ -72,9 +82,12 @@ async def witnessed_run(
     added = await _plant(sandbox, test_ids, mutate) if canaries else None
     ids = list(added.order) if added else list(test_ids)
     limit_secret_path, status_path = f"{scratch}/limit-{token}", f"{scratch}/limited-{token}"
+    select_path = f"{scratch}/select-{token}"
+    argv = selection_files(ids) if added else ids
     files: dict[str, str | bytes] = {
-        f"{scratch}/ids-{token}": "".join(f"{test_id}\n" for test_id in ids),
-        f"{boot}/sitecustomize.py": limit_source() + boot_source(),
+        f"{scratch}/argv-{token}": "".join(f"{arg}\n" for arg in argv),
+        f"{boot}/sitecustomize.py": limit_source() + select_source() + boot_source(),
+        **({select_path: selection_secret(ids)} if added else {}),
         audit_path: "",
         secret: boot_secret(nonce, audit_path, sandbox.workdir, allow, patch_files),
         **({f"{sandbox.workdir}/{path}": text for path, text in added.files.items()} if added else {}),
@@ -92,22 +105,25 @@ async def witnessed_run(
     command = (
         f"bash {q(arm)}; armed=$?; rm -f {q(arm)}; [ $armed = 0 ]"
         f' && {shim_script(q(boot), q(bin_dir))} && export PATH={q(bin_dir)}:"$PATH"'
-        f" && mapfile -t ids < {q(scratch)}/ids-{token} && SWE_GRPO_JUNIT_XML={q(junit_path)}"
-        f' && {task.test_cmd or DEFAULT_TEST_CMD} "${{ids[@]}}"'
+        f" && mapfile -t args < {q(scratch)}/argv-{token} && SWE_GRPO_JUNIT_XML={q(junit_path)}"
+        f' && {task.test_cmd or DEFAULT_TEST_CMD} "${{args[@]}}"'
     )
     full_env = {**env, **PINNED_ENV, BOOT_ENV: secret, **({LIMIT_ENV: limit_secret_path} if limit else {})}
+    full_env.update({SELECT_ENV: select_path} if added else {})
     tests = await sandbox.exec(command, timeout_s=timeout_s, env=full_env, cwd=sandbox.workdir)
     # Both files are within the patch's reach: a report it deleted reads as empty (no start or exit record:
     # tampering, unless the run timed out, when no verdict is drawn from it), one it bloated as missing, and
     # neither is ever read past its cap or parsed on the event loop.
     audit_text = await _read_capped(sandbox, audit_path, _AUDIT_MAX_BYTES)
     audit = await asyncio.to_thread(AuditReport.parse, audit_text or "", nonce)
-    in_force = limit and limited(await _read_capped(sandbox, status_path, _STATUS_MAX_BYTES))
+    installed = limit and limited(await _read_capped(sandbox, status_path, _STATUS_MAX_BYTES))
+    # Whether a runner took the selection (its file is gone): the probe's to judge, in a run without the patch.
+    taken = added is not None and await _read_capped(sandbox, select_path, _STATUS_MAX_BYTES) is None
     if tests.timed_out:
-        return WitnessedRun(tests, None, audit, added, None, in_force)
+        return WitnessedRun(tests, None, audit, added, None, limit, installed, taken)
     junit_xml = await _read_capped(sandbox, junit_path, _JUNIT_MAX_BYTES)
     reports = await asyncio.to_thread(RunReports.parse, ids, junit_xml, tests.stdout)
-    return WitnessedRun(tests, reports, audit, added, junit_xml, in_force)
+    return WitnessedRun(tests, reports, audit, added, junit_xml, limit, installed, taken)
 
 
 async def _plant(sandbox: Sandbox, test_ids: Sequence[str], mutate: Sequence[str]) -> Canaries:
@@ -270,8 +286,14 @@ def _witnesses(run: WitnessedRun, imports: RunnerImports) -> Probe:
     if reports is None or canaries is None:
         return Probe(imports)
     summary = reports.summary is not None and len(reports.final_lines) == 1
+    # The canaries stand only where their ids stayed off the command line: the runner took the selection
+    # and ran exactly it (a runner the boot does not reach runs the files whole).
+    selected = {junit_key(test_id) for test_id in canaries.order}
     canaries_work = (
-        run.tests.exit_code == 1
+        run.selection_taken
+        and reports.junit is not None
+        and set(reports.junit) <= selected
+        and run.tests.exit_code == 1
         and [reports.junit_status(test_id) for test_id in (*canaries.passing, *canaries.failing)]
         == ["passed", "failed"]
         and (not summary or not reports.disagreements(canaries.ids))

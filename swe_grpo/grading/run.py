@@ -404,7 +404,7 @@ async def grade(
             timings={**timings, "total_s": time.monotonic() - started},
             log_tail=output[-_LOG_TAIL_CHARS:],
             reward_mode=mode,
-            witnesses=_armed(task, run.probe, run.witnessed is not None and run.witnessed.limited),
+            witnesses=_armed(task, run.probe, run.witnessed is not None and run.witnessed.limits_installed),
         )
 
     async def attempt(patch: str, timings: dict[str, float]) -> _Run:
