@@ -45,6 +45,7 @@ from chaos import (
     RunReport,
     Sample,
     ShuffledCycle,
+    calm_end,
     fd_kinds,
     host_usage,
     leftovers,
@@ -216,6 +217,18 @@ def test_the_first_turns_are_one_of_each_turn_fault_whatever_the_rate(tmp_path: 
     assert sorted(kind for kind, _ in injected.events()) == sorted(TURN_FAULTS)
     later = [pick() for _ in range(50)]
     assert not set(later) & {TURNS[kind] for kind in TURN_FAULTS} and len(injected.events()) == len(TURN_FAULTS)
+
+
+def test_the_run_waits_for_every_fault_kind_before_its_calm_and_ends_after_it() -> None:
+    """A 12-rollout smoke ended at its own length with vllm_5xx never injected (the calm, and so the run's end,
+    waited only when every kind had been injected in time). Now the run goes on until every kind has been, or
+    until it has run its own length again; then for its last tenth."""
+    assert calm_end(0.5, 0.9, uncovered=False) is None
+    assert calm_end(0.9, 0.9, uncovered=False) == 1.0
+    assert calm_end(1.0, 0.9, uncovered=True) is None  # was: the run's end
+    assert calm_end(1.5, 0.9, uncovered=True) is None
+    assert calm_end(1.2, 0.9, uncovered=False) == pytest.approx(1.3)  # the last kind came late: a tenth after it
+    assert calm_end(1.9, 0.9, uncovered=True) == pytest.approx(2.0)  # waited long enough: calm, unproven kinds
 
 
 class SyncRefused:
