@@ -897,16 +897,20 @@ def restart_worker(
     new_worker: Callable[[], SWERolloutWorker], version: int, health: Counter
 ) -> SWERolloutWorker | None:
     """After a host kill, what the trainer's operator does: a new worker on policy `version`, started. None
-    when its `update_model_version` raises (vLLM down or restarting: a `vllm_restart` at the same time, or
-    one that failed for memory), the raise counted in `health`; the run tries again (a raise here had ended
-    the whole run with no report)."""
+    when its `update_model_version` or its `start` raises, the raise counted in `health` (under the call's name)
+    and the worker stopped; the run tries again (a raise here had ended the whole run with no report). Seen:
+    vLLM down (a `vllm_restart` at the time, or one that failed for memory), and a host that failed to start
+    because its engine's first `/v1/models` met a 5xx burst (the engine gives up after 3 retries, ~3.5 s)."""
     worker = new_worker()
+    call = "update_model_version"
     try:
         worker.update_model_version(version)
+        call = "start"
+        worker.start()
     except RolloutWorkerError as e:
-        health[f"update_model_version: {_cause(e)}"] += 1
+        health[f"{call}: {_cause(e)}"] += 1
+        worker.stop()
         return None
-    worker.start()
     return worker
 
 
