@@ -51,6 +51,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import multiprocessing
 import os
 import random
@@ -785,15 +786,12 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
             hosts.update(rollout_host_pids())  # before host_kill can pick one
             faults.start()
             next_sync, next_sample = config.sync_every, started
-            end = 1.0  # in progress(): later when the calm had to wait for every kind to be injected
+            end = math.inf  # in progress(): set when the calm starts (`calm_end`)
             while (share := progress()) < end:
-                # The calm waits until every enabled kind has been injected (a short run could end before the
-                # cycle reached the last kind), or until the run has waited its own length again for that.
-                waited = share >= config.calm_after + 1.0
-                if share >= config.calm_after and not injected.calmed and (waited or not uncovered()):
+                if not injected.calmed and (calm_at := calm_end(share, config.calm_after, bool(uncovered()))):
                     injected.calm()
                     faults.stopping.set()
-                    end = max(1.0, share + 1.0 - config.calm_after)
+                    end = calm_at
                 poll()
                 doors.update(door_dirs())
                 hosts.update(rollout_host_pids())
@@ -884,20 +882,35 @@ def run_chaos(config: ChaosConfig, vllm: VLLMServer, model_dir: Path, work_dir: 
     )
 
 
+def calm_end(share: float, calm_after: float, uncovered: bool) -> float | None:
+    """Where the run ends (in `progress()`'s shares) if the calm starts now, or None: not yet. The calm starts at
+    `calm_after` once every enabled kind has been injected (`uncovered` False), or once the run has waited its
+    own length again for one (a short run can end before the cycle reaches the last kind); the run then goes on
+    for its last share, to at least its own length. (The run used to end at its own length whatever was still
+    uninjected: a 12-rollout smoke at load 15 ended with vllm_5xx never injected and no sample after the faults.)"""
+    if share < calm_after or (uncovered and share < calm_after + 1.0):
+        return None
+    return max(1.0, share + 1.0 - calm_after)
+
+
 def restart_worker(
     new_worker: Callable[[], SWERolloutWorker], version: int, health: Counter
 ) -> SWERolloutWorker | None:
     """After a host kill, what the trainer's operator does: a new worker on policy `version`, started. None
-    when its `update_model_version` raises (vLLM down or restarting: a `vllm_restart` at the same time, or
-    one that failed for memory), the raise counted in `health`; the run tries again (a raise here had ended
-    the whole run with no report)."""
+    when its `update_model_version` or its `start` raises, the raise counted in `health` (under the call's name)
+    and the worker stopped; the run tries again (a raise here had ended the whole run with no report). Seen:
+    vLLM down (a `vllm_restart` at the time, or one that failed for memory), and a host that failed to start
+    because its engine's first `/v1/models` met a 5xx burst (the engine gives up after 3 retries, ~3.5 s)."""
     worker = new_worker()
+    call = "update_model_version"
     try:
         worker.update_model_version(version)
+        call = "start"
+        worker.start()
     except RolloutWorkerError as e:
-        health[f"update_model_version: {_cause(e)}"] += 1
+        health[f"{call}: {_cause(e)}"] += 1
+        worker.stop()
         return None
-    worker.start()
     return worker
 
 
