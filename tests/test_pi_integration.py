@@ -3,10 +3,11 @@ repository, talking to the InterceptionServer, which is backed by a real vllm-cp
 model.
 
 A random tiny model almost never writes a tool call, so one test GUIDES some turns: vLLM's structured
-outputs constrain generation to a given tool call. Those outputs are still real vLLM generations (real
-token ids and the log-probs vLLM reports for them); only their text is chosen by the test. Free turns
-are unconstrained. For every turn we check what matters for training: the prompt ids vLLM received
-are exactly the chain's, and the row's trained tokens and log-probs are exactly what vLLM returned.
+outputs constrain generation to a given tool call (its text, or its exact token ids: `forced_ids_grammar`).
+Those outputs are still real vLLM generations (real token ids and the log-probs vLLM reports for them); only
+what they say is chosen by the test. Free turns are unconstrained. For every turn we check what matters for
+training: the prompt ids vLLM received are exactly the chain's, and the row's trained tokens and log-probs are
+exactly what vLLM returned.
 """
 
 from __future__ import annotations
@@ -41,21 +42,33 @@ class Exchange:
     token_ids: list[int]
     log_probs: list[float]
     guided: bool
+    stop_token_ids: list[int]  # what the request told vLLM to stop at
+
+
+def forced_ids_grammar(ids: list[int]) -> str:
+    """A grammar that admits exactly the token sequence `ids` (llguidance's Lark, tokens by id: the server must run
+    the `guidance` structured-outputs backend). Unlike a regex over text, it pins the tokens themselves: a special
+    token cannot come out as the characters that spell it."""
+    return "start: " + " ".join(f"<[{i}]>" for i in ids)
 
 
 class RecordingClient(VLLMClient):
-    """The real vLLM client, recording each exchange; turns listed in `guided` are constrained to the
-    given text with vLLM structured outputs (a regex)."""
+    """The real vLLM client, recording each exchange; turns listed in `guided` are constrained with vLLM structured
+    outputs, to the given text (a str: a regex) or to the given token ids (a list: `forced_ids_grammar`)."""
 
-    def __init__(self, *args: Any, guided: list[str] | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, guided: list[str] | list[list[int]] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.guided = guided or []
         self.exchanges: list[Exchange] = []
+        self._stop_token_ids: list[int] = []
 
     def request_body(self, prompt_ids, params, model, max_tokens):  # type: ignore[override]
         body = super().request_body(prompt_ids, params, model, max_tokens)
+        self._stop_token_ids = body["stop_token_ids"]
         if len(self.exchanges) < len(self.guided):
-            body["structured_outputs"] = {"regex": re.escape(self.guided[len(self.exchanges)])}
+            guide = self.guided[len(self.exchanges)]
+            rule = {"regex": re.escape(guide)} if isinstance(guide, str) else {"grammar": forced_ids_grammar(guide)}
+            body["structured_outputs"] = rule
         return body
 
     def _generation(self, reply, prompt_ids):  # type: ignore[override]
@@ -67,6 +80,7 @@ class RecordingClient(VLLMClient):
                 token_ids=list(choice["token_ids"]),
                 log_probs=list(choice["logprobs"]["token_logprobs"]),
                 guided=len(self.exchanges) < len(self.guided),
+                stop_token_ids=self._stop_token_ids,
             )
         )
         return super()._generation(reply, prompt_ids)
