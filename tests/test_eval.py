@@ -21,12 +21,14 @@ from swe_grpo.cli import parse_args
 from swe_grpo.demo.tasks import demo_tasks, demo_tasks_path
 from swe_grpo.evaluation.command import run_settings, write_outputs
 from swe_grpo.evaluation.metrics import bootstrap_interval, build_report, is_infra, pass_at_k, wilson_interval
-from swe_grpo.evaluation.passthrough import PassthroughServer, reply_from_sse
+from swe_grpo.evaluation.passthrough import PassthroughServer
+from swe_grpo.evaluation.replies import read_reply
 from swe_grpo.evaluation.run import attempt_record
 from swe_grpo.evaluation.store import AttemptLog, SettingsMismatch, check_settings, done, latest, predictions
 from swe_grpo.grading import grade
 from swe_grpo.rollout import Trajectory
 from swe_grpo.sandbox.local import LocalBackend
+from swe_grpo.serving import dialects
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient
 
@@ -337,7 +339,7 @@ def test_a_streamed_reply_adds_up_to_its_message() -> None:
         {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19}},
     ]  # fmt: skip
     stream = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + ": keep-alive\n\ndata: [DONE]\n\n"
-    reply = reply_from_sse(stream.encode())
+    reply = read_reply(dialects.CHAT, stream.encode(), streamed=True)
     assert reply["message"] == {
         "role": "assistant",
         "content": "Let me look.",

@@ -2,11 +2,14 @@
 
 `PassthroughServer` stands where the InterceptionServer stands in `run_rollout` (`RolloutServer`: its
 `rollout()` gives the same handle, `swe_grpo.serving.handle`): each rollout gets its own URL and secret, and
-the agent's chat-completion requests are forwarded to `{URL}/chat/completions` with the evaluation's model name
-and sampling (temperature, top_p, and max_tokens as a cap), streamed back to the agent byte for byte, and
-logged: one JSON line per call (the request body, the reply's assistant message, finish reason, usage and
-status) in `log_dir/{rollout_id}.jsonl`. A rollout's record has a `TurnRecord` per answered call (token counts from the
-reply's `usage` when the endpoint reports it) and no training rows. The upstream's failures are named as the
+the agent's requests, in any of the three dialects (`swe_grpo.serving.dialects`: chat completions, Responses,
+Messages; its token in the dialect's header), are forwarded to the same route of `URL` (`{URL}/chat/completions`,
+`{URL}/responses`, `{URL}/messages`: an upstream that speaks the agent's dialect) with the evaluation's model name
+and sampling (temperature, top_p, and the token cap under the dialect's name), streamed back to the agent byte for
+byte, and logged: one JSON line per call (the request body, the reply's message in its dialect's shape, finish
+reason, usage and status; `swe_grpo.evaluation.replies`) in `log_dir/{rollout_id}.jsonl`. A rollout's record has
+a `TurnRecord` per answered call (token counts from the reply's `usage` when the endpoint reports it), its
+conversation as chat messages, and no training rows. The upstream's failures are named as the
 InterceptionServer names vLLM's: unreachable or 5xx `server_unavailable`, a context-length refusal
 `context_overflow`, another 4xx `bad_response`, so attempts end with the same outcomes.
 
@@ -16,6 +19,7 @@ reaches this server over the sandbox backend's network, as with `--no-door`.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -31,9 +35,12 @@ from typing import Any, cast
 import aiohttp
 from aiohttp import web
 
+from swe_grpo.evaluation.replies import NOTHING, conversation, read_reply
+from swe_grpo.serving import dialects
+from swe_grpo.serving.dialects import Dialect
 from swe_grpo.serving.handle import Socket
 from swe_grpo.serving.limits import ServingLimits
-from swe_grpo.serving.openai_wire import APIError, errors_as_json, json_response, read_body
+from swe_grpo.serving.openai_wire import APIError, errors_as, json_response, read_body
 from swe_grpo.serving.session import RolloutRecord
 from swe_grpo.serving.vllm_client import SamplingParams
 from swe_grpo.tokens.chain import TurnRecord
@@ -44,6 +51,9 @@ log = logging.getLogger(__name__)
 # The context length an agent is told when the endpoint's `/models` does not say (vLLM's does).
 DEFAULT_CONTEXT_WINDOW = 32768
 _CONTEXT_MARKERS = ("maximum context length", "context length", "context_length_exceeded", "too long")
+_ROUTES = {"chat/completions": dialects.CHAT, "responses": dialects.RESPONSES, "messages": dialects.MESSAGES}
+# The agent's headers that say how to read its request (Anthropic's API version and betas); no others go upstream.
+_FORWARDED_HEADERS = ("anthropic-version", "anthropic-beta")
 
 
 @dataclass
@@ -59,49 +69,6 @@ class _Rollout:
 
     def error(self, kind: str, message: str) -> None:
         self.errors.append(RequestError(kind, message[:1000], len(self.turns), time.time()))
-
-
-def reply_from_sse(data: bytes) -> dict[str, Any]:
-    """The assistant message, finish reason and usage that a chat-completion SSE stream adds up to."""
-    content, tool_calls, finish, usage = "", {}, None, None
-    for line in data.decode("utf-8", errors="replace").splitlines():
-        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-            continue
-        try:
-            chunk = json.loads(line[5:])
-        except json.JSONDecodeError:
-            continue
-        usage = chunk.get("usage") or usage
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            content += delta.get("content") or ""
-            for call in delta.get("tool_calls") or []:
-                slot = tool_calls.setdefault(call.get("index", 0), {"id": None, "name": "", "arguments": ""})
-                slot["id"] = call.get("id") or slot["id"]
-                function = call.get("function") or {}
-                slot["name"] += function.get("name") or ""
-                slot["arguments"] += function.get("arguments") or ""
-            finish = choice.get("finish_reason") or finish
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if tool_calls:
-        message["tool_calls"] = [
-            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-            for _, c in sorted(tool_calls.items())
-        ]
-    return {"message": message, "finish_reason": finish, "usage": usage}
-
-
-def reply_from_json(data: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(data)
-        choice = body["choices"][0]
-        return {
-            "message": choice.get("message"),
-            "finish_reason": choice.get("finish_reason"),
-            "usage": body.get("usage"),
-        }
-    except (ValueError, KeyError, IndexError, TypeError):
-        return {"message": None, "finish_reason": None, "usage": None}
 
 
 class PassthroughServer:
@@ -125,6 +92,7 @@ class PassthroughServer:
         self.log_dir = log_dir
         self.host, self.port, self._public_base_url = host, port, public_base_url
         self.limits = limits
+        self._api_key = api_key
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
         self._rollouts: dict[str, _Rollout] = {}
@@ -137,8 +105,13 @@ class PassthroughServer:
 
     async def start(self) -> PassthroughServer:
         self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
-        app = web.Application(middlewares=[errors_as_json], client_max_size=self.limits.max_request_bytes)
-        app.router.add_post("/rollout/{rollout_id}/v1/chat/completions", self._chat_completions)
+        app = web.Application(
+            middlewares=[errors_as(dialects.error_shape)], client_max_size=self.limits.max_request_bytes
+        )
+        for route, dialect in _ROUTES.items():
+            app.router.add_post(
+                f"/rollout/{{rollout_id}}/v1/{route}", functools.partial(self._forward, dialect=dialect)
+            )
         app.router.add_get("/rollout/{rollout_id}/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -211,45 +184,49 @@ class PassthroughServer:
 
     # ----------------------------------------------------------------- routes
 
-    def _authorize(self, request: web.Request) -> _Rollout:
+    def _authorize(self, request: web.Request, dialect: Dialect = dialects.CHAT) -> _Rollout:
         rollout = self._rollouts.get(request.match_info["rollout_id"])
         if rollout is None:
             raise APIError(404, "unknown or closed rollout", "not_found_error")
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip(), rollout.endpoint.token):
-            raise APIError(401, "missing or invalid bearer token", "authentication_error")
+        dialects.check_token(request, dialect, rollout.endpoint.token)
         return rollout
 
     async def _models(self, request: web.Request) -> web.Response:
         self._authorize(request)
         return json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
-    def _forwarded(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The body sent upstream: the evaluation's model and sampling; the agent may ask for fewer tokens."""
+    def _forwarded(self, body: dict[str, Any], dialect: Dialect = dialects.CHAT) -> dict[str, Any]:
+        """The body sent upstream: the evaluation's model and sampling; the agent may ask for fewer tokens (under
+        the dialect's name for the cap: Responses' `max_output_tokens`, the others' `max_tokens`)."""
         body = {**body, "model": self.model, "temperature": self.sampling.temperature, "top_p": self.sampling.top_p}
-        asked = body.pop("max_completion_tokens", None) or body.get("max_tokens")
+        cap_name = "max_output_tokens" if dialect is dialects.RESPONSES else "max_tokens"
+        asked = body.pop("max_completion_tokens", None) or body.get(cap_name)
         cap = self.sampling.max_tokens
         limit = min(asked, cap) if isinstance(asked, int) and cap else (asked if isinstance(asked, int) else cap)
         if limit:
-            body["max_tokens"] = limit
+            body[cap_name] = limit
         return body
 
-    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
-        rollout = self._authorize(request)
+    async def _forward(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
+        rollout = self._authorize(request, dialect)
         rollout.requests += 1
         try:
             body, _ = await read_body(request, self.limits.max_request_bytes, self.limits.body_timeout_s)
         except APIError as e:
             rollout.error("bad_request", e.message)
             raise
-        forwarded = self._forwarded(body)
+        forwarded = self._forwarded(body, dialect)
         assert self._session is not None, "not started"
         rollout.in_flight += 1
         start = time.monotonic()
-        reply: dict[str, Any] = {"message": None, "finish_reason": None, "usage": None}
+        reply: dict[str, Any] = NOTHING
         status, response = 0, cast(web.StreamResponse | None, None)
+        url = f"{self.upstream}/{request.path.rpartition('/v1/')[2]}"
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
+        if self._api_key and dialect.api_key_header:
+            headers["x-api-key"] = self._api_key
         try:
-            async with self._session.post(f"{self.upstream}/chat/completions", json=forwarded) as upstream:
+            async with self._session.post(url, json=forwarded, headers=headers) as upstream:
                 status = upstream.status
                 if status >= 400:
                     text = await upstream.text()
@@ -261,7 +238,7 @@ class PassthroughServer:
                     return web.Response(status=status, text=text, content_type="application/json")
                 if not forwarded.get("stream"):
                     data = await upstream.read()
-                    reply = reply_from_json(data)
+                    reply = read_reply(dialect, data, streamed=False)
                     response = web.Response(body=data, content_type="application/json")
                 else:
                     response = web.StreamResponse(
@@ -277,7 +254,7 @@ class PassthroughServer:
                             rollout.error("client_disconnected", "the agent went away before its reply was delivered")
                             return response
                     await response.write_eof()
-                    reply = reply_from_sse(bytes(received))
+                    reply = read_reply(dialect, bytes(received), streamed=True)
         except (aiohttp.ClientError, TimeoutError) as e:
             rollout.error("server_unavailable", f"upstream: {type(e).__name__}: {e}")
             if isinstance(response, web.StreamResponse) and response.prepared:
@@ -301,8 +278,7 @@ class PassthroughServer:
                 finish_reason=reply["finish_reason"] or "stop",
             )
         )
-        asked = body.get("messages") if isinstance(body.get("messages"), list) else []
-        rollout.messages = [*asked, *([reply["message"]] if reply["message"] else [])]
+        rollout.messages = conversation(dialect, body, reply)
         return response
 
     def _log(self, rollout: _Rollout, body: dict[str, Any], reply: dict[str, Any], status: int) -> None:

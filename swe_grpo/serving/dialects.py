@@ -4,8 +4,9 @@ Inside, every request is a chat-completions request (OpenAI chat messages and fu
 holds and the training template renders) and every reply a `ParsedResponse`; a `Dialect` is what differs at the edge:
 how its request becomes that chat request (`to_chat`, raising `APIError` 400 for what the template cannot render),
 how one answer is written (`wire`: a `Wire`, `swe_grpo.serving.openai_wire`), its error shape, and whether its
-clients authenticate with `x-api-key` as well as `Authorization: Bearer`. Turn handling (the chain, supersession,
-retries, bounds, counting) is the same code for all three (`swe_grpo.serving.interception`, `swe_grpo.serving.turn`).
+clients authenticate with `x-api-key` as well as `Authorization: Bearer` (`check_token`). Turn handling (the chain,
+supersession, retries, bounds, counting) is the same code for all three (`swe_grpo.serving.interception`,
+`swe_grpo.serving.turn`).
 
 - `CHAT`: OpenAI chat completions (Pi, mini-swe-agent, OpenCode), `openai_wire`;
 - `RESPONSES`: OpenAI Responses (Codex), `wire_responses`;
@@ -17,6 +18,7 @@ client reads: Anthropic's for a Messages route or a request that carries `anthro
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +45,17 @@ RESPONSES = Dialect("responses", wire_responses.to_chat, wire_responses.Response
 MESSAGES = Dialect(
     "messages", wire_messages.to_chat, wire_messages.MessagesWire, wire_messages.error_response, api_key_header=True
 )
+
+
+def check_token(request: web.Request, dialect: Dialect, expected: str) -> None:
+    """Raise 401 unless the request carries `expected` in the dialect's header: `Authorization: Bearer`, or for
+    Anthropic's clients `x-api-key` as well (compared in constant time)."""
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        given = request.headers.get("x-api-key", "") if dialect.api_key_header else ""
+    if not given or not hmac.compare_digest(given.strip().encode(), expected.encode()):
+        header = "x-api-key or bearer token" if dialect.api_key_header else "bearer token"
+        raise APIError(401, f"missing or invalid {header}", "authentication_error")
 
 
 def of_request(request: web.Request) -> Dialect:

@@ -46,7 +46,6 @@ import asyncio
 import contextlib
 import functools
 import gc
-import hmac
 import logging
 import os
 import re
@@ -331,12 +330,7 @@ class InterceptionServer:
         expected = rollout.endpoint.token if rollout else self._closed.get(rollout_id)
         if expected is None:
             raise APIError(404, "unknown rollout", "not_found_error")
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            given = request.headers.get("x-api-key", "") if dialect.api_key_header else ""
-        if not given or not hmac.compare_digest(given.strip().encode(), expected.encode()):
-            header = "x-api-key or bearer token" if dialect.api_key_header else "bearer token"
-            raise APIError(401, f"missing or invalid {header}", "authentication_error")
+        dialects.check_token(request, dialect, expected)
         if rollout is None:
             raise APIError(410, "rollout is closed", "invalid_request_error")
         self._count_tcp_connection(request, rollout)
