@@ -1,4 +1,4 @@
-"""The InterceptionServer: an OpenAI-compatible endpoint per rollout, backed by the TokenChain and vLLM.
+"""The InterceptionServer: an endpoint per rollout in three wire dialects, backed by the TokenChain and vLLM.
 
 The agent (Pi) is configured with `base_url` = `{public_base_url}/rollout/{rollout_id}/v1` and a secret
 token: `async with server.rollout(rollout_id) as session:` opens the rollout, `session.endpoint` holds both,
@@ -9,12 +9,19 @@ and answered as OpenAI JSON or SSE (`swe_grpo.serving.openai_wire`). Routes:
 
     GET  /health                                   unauthenticated; says only that the server is up
     POST /rollout/{rollout_id}/v1/chat/completions  stream true (SSE) or false (JSON)
-    GET  /rollout/{rollout_id}/v1/models
+    POST /rollout/{rollout_id}/v1/responses         OpenAI Responses (also /rollout/{rollout_id}/responses)
+    POST /rollout/{rollout_id}/v1/messages          Anthropic Messages
+    POST /rollout/{rollout_id}/v1/messages/count_tokens
+    GET  /rollout/{rollout_id}/v1/models            (and /v1/models/{model}), Anthropic's shape to its clients
+
+Each dialect is translated at the edge onto the one chat-shaped request the chain serves, and its answer written
+back in the dialect (`swe_grpo.serving.dialects`); everything below holds for all three, errors answered in the
+dialect's own shape and its token taken from its own header.
 
 A rollout may also be served on a unix socket it is handed (`server.rollout(rollout_id, socket=path)`: the
 socket of a sandbox's door, for a sandbox without a network; the door itself, its directory and forwarder, is
 the caller's: `swe_grpo.sandbox.door`); a request that comes through such a socket reaches only that rollout's
-two routes (anything else: 403), with its token checked as over TCP. The server knows no sandbox: it serves a
+routes (anything else: 403), with its token checked as over TCP. The server knows no sandbox: it serves a
 path.
 
 Every rollout route checks the rollout's own token (constant-time): no or wrong token -> 401, unknown
