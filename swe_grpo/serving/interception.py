@@ -393,6 +393,7 @@ class InterceptionServer:
         async with rollout.lock:
             if rollout.closed:
                 raise APIError(410, "rollout is closed")
+            rollout.last_activity = self.last_request_at = time.monotonic()
             turn_index = len(rollout.chain.turns)
             try:
                 body, _ = await read_body(request, self.limits.max_request_bytes, self.limits.body_timeout_s)
