@@ -453,6 +453,31 @@ async def test_a_body_over_the_cap_is_refused_in_the_dialects_shape() -> None:
     assert [e.kind for e in handle.record.errors] == ["bad_request"]
 
 
+async def test_a_door_serves_the_dialects_of_its_own_rollout_only(tmp_path: Path) -> None:
+    """Through a door's unix socket: its rollout's Messages and Responses routes (the latter also without `/v1`),
+    its models in Anthropic's shape; another rollout's route refused 403 in the shape its client reads."""
+    generator = ScriptedGenerator.texts(training("qwen3"), ["Done.<|im_end|>"])
+    door = tmp_path / "door"
+    async with stub_server("qwen3", generator) as srv, srv.rollout(socket=door) as mine, srv.rollout() as theirs:
+        base = f"http://door/rollout/{mine.endpoint.rollout_id}"
+        anthropic_headers = {"x-api-key": mine.endpoint.token, "anthropic-version": "2023-06-01"}
+        bearer = {"Authorization": f"Bearer {mine.endpoint.token}"}
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(door))) as http:
+            async with http.post(
+                f"{base}/v1/messages", json=ClaudeConversation().request(), headers=anthropic_headers
+            ) as r:
+                assert r.status == 200 and (await r.json())["content"][0]["text"] == "Done."
+            async with http.post(f"{base}/responses", json=CodexConversation().request(False), headers=bearer) as r:
+                assert r.status == 200 and (await r.json())["output"][0]["content"][0]["text"] == "Done."
+            async with http.get(f"{base}/v1/models/{mine.endpoint.model}", headers=anthropic_headers) as r:
+                assert (await r.json())["type"] == "model"
+            other = f"http://door/rollout/{theirs.endpoint.rollout_id}/v1/messages"
+            async with http.post(other, json={}, headers=anthropic_headers) as r:
+                assert r.status == 403 and (await r.json())["error"]["type"] == "permission_error"
+    # The same task said again (another system prompt): the chain's retry, replacing the first turn.
+    assert (mine.record.requests, mine.record.retries, theirs.record.requests) == (2, 1, 0)
+
+
 # ------------------------------------------------------------------ eval --passthrough
 
 
