@@ -228,9 +228,10 @@ class ChatWire:
 
 
 class Answer:
-    """The agent's side of one chat completion. Streaming: headers at `start`, keep-alive comments while
-    generating, then the reply's chunks, or an SSE error event. Not streaming: the JSON reply, or an error
-    with its HTTP status, sent whole. Every write to a connection the agent closed is reported, not raised."""
+    """The agent's side of one request, written by its dialect's `wire` (chat completions by default). Streaming:
+    headers (and the wire's `head`) at `start`, keep-alives while generating, then the reply's events, or an SSE
+    error event. Not streaming: the JSON reply, or an error with its HTTP status, sent whole. Every write to a
+    connection the agent closed is reported, not raised."""
 
     def __init__(self, request: web.Request, stream: bool, include_usage: bool, model: str, wire: Wire | None = None):
         self.request, self.stream, self.include_usage, self.model = request, stream, include_usage, model
