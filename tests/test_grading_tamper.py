@@ -270,20 +270,23 @@ def test_the_audit_report_needs_the_nonce_a_start_and_an_exit() -> None:
 
 async def test_the_probe_sees_which_witnesses_a_runner_supports(local_backend: LocalBackend) -> None:
     """A witness is used only where it works without the patch: a runner started by absolute path gets no
-    boot (the canaries and the reports still count), a command that is no test runner gets none."""
+    boot, and so no canaries (the grader's sitecustomize hands the selection to pytest off its command line;
+    without it the ids would be on the command line, where the patch's code reads them); the reports still
+    count. A command that is no test runner gets none."""
     witnesses = await probe_runner(local_backend, INIPARSE, {}, 60)
     assert (witnesses.canaries, witnesses.summary, witnesses.audit, witnesses.audit_allow) == (True, True, True, ())
     absolute = replace(INIPARSE, test_cmd=DEFAULT_TEST_CMD.replace("python3", "/usr/bin/python3"))
     witnesses = await probe_runner(local_backend, absolute, {}, 60)
-    assert (witnesses.canaries, witnesses.summary, witnesses.audit) == (True, True, False)
+    assert (witnesses.canaries, witnesses.summary, witnesses.audit) == (False, True, False)
     witnesses = await probe_runner(local_backend, replace(INIPARSE, test_cmd="true"), {}, 60)
     assert (witnesses.canaries, witnesses.summary, witnesses.audit) == (False, False, False)
 
 
 async def test_a_grade_names_the_witnesses_that_were_active(local_backend: LocalBackend) -> None:
     """`GradeResult.witnesses` says which layers vouched for a grade, as the probe decided them: all six for
-    a task run by `python3 -m pytest`; no boot and no runner limits for a runner started by absolute path
-    (the PATH shim never runs, nor the grader's sitecustomize); no scan where the task allows all its rules.
+    a task run by `python3 -m pytest`; no boot, no runner limits and no canaries for a runner started by
+    absolute path (the PATH shim never runs, nor the grader's sitecustomize, which also hands the canaries'
+    ids to pytest); no scan where the task allows all its rules.
     The field travels wherever a grade is written."""
     every = ("scan", "pinned_env", "boot", "canaries", "consistency", "limits")
     assert every == WITNESSES
@@ -291,10 +294,11 @@ async def test_a_grade_names_the_witnesses_that_were_active(local_backend: Local
     assert (full.outcome, full.witnesses) == ("resolved", every), (full.error, full.log_tail)
     absolute = replace(INIPARSE, test_cmd=DEFAULT_TEST_CMD.replace("python3", "/usr/bin/python3"))
     no_boot = await grade(absolute, INIPARSE.patch, local_backend, timeout_s=60)
-    assert (no_boot.outcome, no_boot.witnesses) == ("resolved", tuple(w for w in every if w not in ("boot", "limits")))
+    unbooted = tuple(w for w in every if w not in ("boot", "limits", "canaries"))
+    assert (no_boot.outcome, no_boot.witnesses) == ("resolved", unbooted)
     unscanned = await grade(replace(INIPARSE, tamper_allow=tuple(SCAN_RULES)), "", local_backend, timeout_s=60)
     assert (unscanned.outcome, unscanned.witnesses) == ("unresolved", every[1:])
-    assert json.loads(json.dumps(asdict(no_boot)))["witnesses"] == ["scan", "pinned_env", "canaries", "consistency"]
+    assert json.loads(json.dumps(asdict(no_boot)))["witnesses"] == list(unbooted)
 
 
 ROW = {

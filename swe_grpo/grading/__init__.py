@@ -32,27 +32,28 @@ repository at `base_commit`, no network) and always destroys it:
    capabilities by name (`Task.tamper_allow`, for projects that are themselves test tools). A file the
    grader's Python cannot parse lets the run earn nothing (`grading_tampered` where it would).
 3. The task's `test_patch` is applied (it must apply: if not, the task is broken: `infra_error`).
-4. All FAIL_TO_PASS and PASS_TO_PASS tests run in ONE test-runner call: `task.test_cmd` or
-   `python3 -m pytest -rA -p no:cacheprovider --junitxml="$SWE_GRPO_JUNIT_XML"`, with the test ids
-   appended. `SWE_GRPO_JUNIT_XML` is a shell variable of that command line, NOT exported: the code
-   under test does not inherit it. Pytest plugins installed in the sandbox load
-   (`PYTEST_DISABLE_PLUGIN_AUTOLOAD=1` only when plugin autoload is off: `task.plugin_autoload`, else
-   the worker's setting, on by default). The environment is pinned: `PYTHONNOUSERSITE=1` (no user
-   site, wherever the patch's code wrote one), `PYTEST_ADDOPTS` and `PYTEST_PLUGINS` empty.
-5. Witnesses (`swe_grpo.grading.tamper`), each used where the probe saw it work without the patch:
-   canaries (`swe_grpo.grading.canaries`: tests named and placed like the project's own, in its test
-   files, shuffled in among the task's ids: one must pass, one must fail, and a copy of each FAIL_TO_PASS
-   test with an expected value changed must fail when the original passes), the runner's limits
-   (`swe_grpo.grading.limits`: a seccomp filter the runner installs before any repository code; a
-   runner that forks, execs, reaches into another process or re-points pytest's saved descriptors is
-   ended with SIGSYS, read from its exit status: `grading_tampered`; off for a task whose base suite
-   needs them, as `Task.runner_limits` or a run without the patch shows), and the boot: a
-   sitecustomize.py that every `python`/`python3` of the command runs before any repository code,
-   installing a PEP 578 audit hook (trace/profile functions, exec of the runner, a pytest started from
-   inside, a code object replaced, another audit hook, the C API through ctypes) and, at the runner's
-   exit, a scan for the patch's functions inside pytest, pluggy, unittest and the other runner modules
-   or among pytest's hook implementations. Its report carries a per-grade nonce; a report with an event,
-   a foreign line, or without the runner's start or exit record is `grading_tampered`.
+4. All FAIL_TO_PASS and PASS_TO_PASS tests run in ONE test-runner call: `task.test_cmd` or `python3 -m pytest
+   -rA -p no:cacheprovider --junitxml="$SWE_GRPO_JUNIT_XML"`, with the test ids appended, or, where the
+   canaries are armed, only the test files (the ids reach pytest off its command line and environment:
+   `swe_grpo.grading.selection`). `SWE_GRPO_JUNIT_XML` is a shell variable of that command line, NOT exported:
+   the code under test does not inherit it. Pytest plugins installed in the sandbox load
+   (`PYTEST_DISABLE_PLUGIN_AUTOLOAD=1` only when plugin autoload is off: `task.plugin_autoload`, else the
+   worker's setting, on by default). The environment is pinned: `PYTHONNOUSERSITE=1` (no user site, wherever
+   the patch's code wrote one), `PYTEST_ADDOPTS` and `PYTEST_PLUGINS` empty.
+5. Witnesses (`swe_grpo.grading.tamper`), each used where the probe saw it work without the patch: canaries
+   (`swe_grpo.grading.canaries`: tests named and placed like the project's own, in its test files, shuffled in
+   among the task's ids, none of them on the runner's command line: one must pass, one must fail, and a copy
+   of each FAIL_TO_PASS test with an expected value changed must fail when the original passes), the runner's
+   limits (`swe_grpo.grading.limits`: a seccomp filter the runner installs before any repository code; a
+   runner that forks, execs, reaches into another process or re-points pytest's saved descriptors is ended
+   with SIGSYS, read from its exit status as the sandbox reports it, never from the runner:
+   `grading_tampered`; off for a task whose base suite needs them, as `Task.runner_limits` or a run without
+   the patch shows), and the boot: a sitecustomize.py that every `python`/`python3` of the command runs before
+   any repository code, installing a PEP 578 audit hook (trace/profile functions, exec of the runner, a pytest
+   started from inside, a code object replaced, another audit hook, the C API through ctypes) and, at the
+   runner's exit, a scan for the patch's functions inside pytest, pluggy, unittest and the other runner
+   modules or among pytest's hook implementations. Its report carries a per-grade nonce; a report with an
+   event, a foreign line, or without the runner's start or exit record is `grading_tampered`.
 6. Per-test statuses come from the JUnit XML and the `-rA` summary on stdout together (see
    `report_statuses`; the worst wins). A FAIL_TO_PASS test passes only as PASSED (an XFAIL or XPASS of
    one is not a fix, unless `Task.expected_statuses` records that status from its gold run:

@@ -1,8 +1,9 @@
 """Canaries: tests the grader adds to a graded run whose outcome it knows in advance, shaped so that the
 patch's code, which runs inside the runner, cannot tell them from the task's own tests.
 
-What the patch's code can see of them: the runner's command line (`sys.argv`: the canaries' ids are there,
-as the task's are), the files on disk, pytest's collected items, the JUnit names. So:
+What the patch's code can see of them: the files on disk, pytest's collected items, the running test's id
+(`PYTEST_CURRENT_TEST`), the JUnit names; not the selection (no id is on the runner's command line or in
+its environment: `swe_grpo.grading.selection`). So:
 - their names are made of the words of the project's own test names (`test_parse_value_quoted`), never a
   random hex string, and no name in their module or class is reused;
 - they live in the task's own test files, beside its tests: module-level functions at the end of a module
@@ -10,9 +11,9 @@ as the task's are), the files on disk, pytest's collected items, the JUnit names
   mark that would change their outcome (a decorated class, a module's `pytestmark`): then module-level
   functions, or another file; only where no test file of the task can take them (none parses, none is a
   test module, all are marked) a new file beside the first test's, named from the project's test files;
-- their ids are shuffled in among the task's ids on the command line (the task's own ids keep their order,
-  so the task's tests run in the order they would without canaries; a mutant comes after its original);
-  nothing about them is in the environment;
+- their ids are shuffled in among the task's ids (the task's own ids keep their order, so the task's tests
+  run in the order they would without canaries; a mutant comes after its original), handed to the runner
+  off its command line;
 - `passing` must pass and `failing` must fail: bodies that do not touch the project. A patch that turns
   every failure into a pass turns `failing` too; one that drops results or the runner's end drops both;
 - `mutants` call into the patched module: each is a copy of a FAIL_TO_PASS test with one expected value

@@ -44,7 +44,8 @@ from swe_grpo.grading.capability_uses import uses
 CAPABILITIES: dict[str, str] = {
     "gc": "every live object, through the garbage collector (gc)",
     "ctypes": "raw memory and the interpreter's C API (ctypes, cffi, _testcapi)",
-    "frames": "stack frames and their locals (sys._getframe, inspect's frame functions, f_*, tb_frame)",
+    "frames": "stack frames, their locals and the callers' names (sys._getframe, inspect's frame functions, f_*,"
+    " tb_frame, traceback.extract_stack, tracemalloc)",
     "trace": "trace, profile, monitoring and debugger hooks (settrace, setprofile, sys.monitoring, bdb, pdb)",
     "audit-hook": "audit hooks (sys.addaudithook)",
     "code-objects": "code objects and function internals (__code__, __globals__, __closure__, co_*, __self__)",
@@ -66,7 +67,8 @@ CAPABILITIES: dict[str, str] = {
     "exec": "code from data (exec, eval, compile, runpy, code, marshal, pickle, timeit, CodeType)",
     "import": "imports by name at run time (__import__, importlib, pkgutil, pydoc.locate, logging.config)",
     "dynamic-attr": "attribute names built at run time (getattr/setattr/delattr, attrgetter, methodcaller)",
-    "test-machinery": "the test runner and the tests (pytest, _pytest, pluggy, unittest, doctest, test modules)",
+    "test-machinery": "the test runner and the tests (pytest, _pytest, pluggy, unittest, doctest, test modules,"
+    " PYTEST_CURRENT_TEST, the tests' files by path)",
     "encoding": "a Python file that is not UTF-8, or a coding cookie other than its base's",
     "binary": "bytecode, extension modules, .pth files, or a path the gate cannot name",
     "unparsed": "a Python file the grader's Python cannot parse",

@@ -16,7 +16,10 @@ A use, so that aliasing does not hide one (`import os as o; o.fork()`, `from os 
 - strings: every string constant outside docstrings, and every string expression the gate can fold
   (concatenation, f-strings of constants, `join`, slicing, case changes, `chr`, `bytes(...).decode()`,
   rot13, base64), whose whole text names a module, attribute or builtin above, or which contains a
-  distinctive one among its words (`__globals__`, `f_locals`, `settrace`, "/proc/", "junit").
+  distinctive one among its words (`__globals__`, `f_locals`, `settrace`, "/proc/", "junit", pytest's
+  `PYTEST_CURRENT_TEST`, a path of the tests: "tests/", "test_x.py", "conftest.py");
+- the callers' names without a frame (traceback's `extract_stack`/`walk_stack`, `tracemalloc`): which test
+  is calling is as much a capability as the frame itself.
 Not a use: a docstring, a comment, a name that merely contains one of these.
 """
 
@@ -31,6 +34,7 @@ _T, _X, _I, _D = "test-machinery", "exec", "import", "dynamic-attr"
 # A module (or a dotted prefix of one) -> the capability importing it gives.
 _MODULES: dict[str, str] = {
     **dict.fromkeys(("gc",), "gc"),
+    **dict.fromkeys(("tracemalloc",), "frames"),  # an allocation's traceback names its callers
     **dict.fromkeys(("ctypes", "_ctypes", "cffi", "_cffi_backend", "_testcapi", "_testinternalcapi"), "ctypes"),
     **dict.fromkeys(("bdb", "pdb", "trace", "cProfile", "profile", "_lsprof"), "trace"),
     **dict.fromkeys(("builtins", "__builtin__"), "builtins"),
@@ -53,6 +57,8 @@ _ATTRS: dict[str, str] = {
     **dict.fromkeys(("f_trace_lines", "f_trace_opcodes", "tb_frame", "gi_frame", "cr_frame", "ag_frame"), "frames"),
     **dict.fromkeys(("_getframe", "_getframemodulename", "currentframe", "_current_frames"), "frames"),
     **dict.fromkeys(("_current_exceptions", "getouterframes", "getinnerframes", "FrameType"), "frames"),
+    # The callers' names and files without a frame object: who is calling (which test), all the same.
+    **dict.fromkeys(("extract_stack", "walk_stack", "format_stack", "print_stack", "StackSummary"), "frames"),
     **dict.fromkeys(("settrace", "setprofile", "gettrace", "getprofile", "monitoring", "call_tracing"), "trace"),
     **dict.fromkeys(("settrace_all_threads", "setprofile_all_threads", "breakpointhook"), "trace"),
     **dict.fromkeys(("excepthook", "unraisablehook", "displayhook"), "trace"),
@@ -128,6 +134,9 @@ _MUTATORS |= {"__setitem__", "__delitem__", "discard", "appendleft", "extendleft
 _SUBSTRINGS = [
     (re.compile(r"(?:^|/)proc(?:/|$)"), "argv"),
     (re.compile(r"junit|swe_grpo|short test summary", re.I), "reports"),
+    # pytest's variables (`PYTEST_CURRENT_TEST` names the running test) and the paths of the tests' files.
+    (re.compile(r"PYTEST_|CURRENT_TEST"), _T),
+    (re.compile(r"(?:^|/)tests(?:/|$)|(?:^|/)(?:test_\w+|\w+_test|conftest)\.py\b"), _T),
 ]
 _KNOWN_NAMES = frozenset(_ATTRS) | {name for names in _MODULE_ATTRS.values() for name in names}
 _KNOWN_NAMES |= frozenset(_BUILTIN_NAMES) | frozenset(_MODULES) | frozenset(_SYS_WRITES)

@@ -118,7 +118,8 @@ async def witnessed_run(
     audit = await asyncio.to_thread(AuditReport.parse, audit_text or "", nonce)
     installed = limit and limited(await _read_capped(sandbox, status_path, _STATUS_MAX_BYTES))
     # Whether a runner took the selection (its file is gone): the probe's to judge, in a run without the patch.
-    taken = added is not None and await _read_capped(sandbox, select_path, _STATUS_MAX_BYTES) is None
+    # (Read whole when present: over a cap it would read as missing, as taken.)
+    taken = added is not None and await _read_capped(sandbox, select_path, _JUNIT_MAX_BYTES) is None
     if tests.timed_out:
         return WitnessedRun(tests, None, audit, added, None, limit, installed, taken)
     junit_xml = await _read_capped(sandbox, junit_path, _JUNIT_MAX_BYTES)

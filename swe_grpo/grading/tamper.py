@@ -4,8 +4,9 @@ Witnesses the grader adds to a graded run (see `swe_grpo.grading` for how they c
 needs no run:
 
 - The canaries (`swe_grpo.grading.canaries`): tests shaped like the project's own, in its test files,
-  shuffled in among the task's ids: one must pass, one must fail, and copies of the FAIL_TO_PASS tests
-  with an expected value changed must fail. pytest-style runners only (the probe checks that the task's
+  shuffled in among the task's ids, handed to the runner off its command line (`swe_grpo.grading.selection`):
+  one must pass, one must fail, and copies of the FAIL_TO_PASS tests with an expected value changed must
+  fail. pytest-style runners only (the probe checks that the task's
   runner reports them).
 - The boot (`boot_source`): a `sitecustomize.py` in a grader-owned directory, put on the path of every
   `python`/`python3` the test command starts (a PATH shim appends the directory to PYTHONPATH, so a
