@@ -69,7 +69,7 @@ time.sleep(300)
 """
 
 # A rollout's work behind the door: requests through the forwarder, and one of each thing the attack takes:
-# an inotify instance, a pipe (its buffer size), an epoll watch, an AIO context (its errno).
+# an inotify instance, a pipe (its buffer size, and grown to 1 MiB), an epoll watch, an AIO context (its errno).
 WORKLOAD = r"""
 import ctypes, fcntl, json, os, select, socket
 libc = ctypes.CDLL(None, use_errno=True)
@@ -85,6 +85,10 @@ fd = libc.inotify_init1(0)
 seen["inotify"] = 0 if fd >= 0 else ctypes.get_errno()
 r, w = os.pipe()
 seen["pipe_bytes"] = fcntl.fcntl(w, 1032)  # F_GETPIPE_SZ
+try:
+    seen["pipe_grown"] = fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ
+except OSError as e:
+    seen["pipe_grown"] = e.errno
 ep = select.epoll()
 ep.register(r, select.EPOLLIN)
 seen["epoll"] = True
@@ -153,6 +157,7 @@ async def test_an_attacker_takes_no_counter_of_its_neighbour(
         "door": True,
         "inotify": 0,
         "pipe_bytes": 65536,
+        "pipe_grown": 1 << 20,
         "epoll": True,
         "aio": errno.EPERM,
     }

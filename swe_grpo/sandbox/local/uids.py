@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 SANDBOX_UIDS = range(1_800_000_000, 1_800_000_000 + 4096)
 #: Where the leases' lock files live (root's, on the host's tmpfs: emptied at boot, when no sandbox lives).
 LEASE_DIR = Path("/run/swe-grpo/uids")
+_NO_UID = 4294967295  # (uid_t)-1: no uid
 
 
 @dataclass
@@ -116,9 +117,11 @@ def kill_all_of(uid: int) -> None:
 
 
 def idmap_userns(inside: int, outside: int) -> int:
-    """A descriptor of a new user namespace whose only uid is `inside`, mapped to `outside` on the host
-    (gids map to themselves): an idmapped mount through it shows `inside`'s files as `outside`'s. The
-    caller closes it (mounts made through it keep the namespace)."""
+    """A descriptor of a new user namespace that maps uid `inside` to `outside` and every other uid but
+    `outside` to itself (gids all to themselves): an idmapped mount through it shows `inside`'s files as
+    `outside`'s and the rest as they are. (A file whose owner an idmapped mount cannot map is read-only
+    through it: root's door socket could not be connected to.) The caller closes it (mounts made through
+    it keep the namespace). `inside` < `outside`."""
     proc = subprocess.Popen(
         ["unshare", "--user", "--", "sh", "-c", "echo ready; exec cat"],
         stdin=subprocess.PIPE,
@@ -129,7 +132,9 @@ def idmap_userns(inside: int, outside: int) -> int:
     try:
         if proc.stdout.readline() != b"ready\n":  # printed once in the new namespace
             raise SandboxError(f"cannot make a user namespace: {proc.stderr.read().decode(errors='replace')}")
-        Path(f"/proc/{proc.pid}/uid_map").write_text(f"{inside} {outside} 1\n")
+        ranges = [(0, inside), (inside, 1), (inside + 1, outside - inside - 1), (outside + 1, _NO_UID - outside - 1)]
+        lines = [f"{first} {outside if first == inside else first} {count}\n" for first, count in ranges if count]
+        Path(f"/proc/{proc.pid}/uid_map").write_text("".join(lines))
         Path(f"/proc/{proc.pid}/gid_map").write_text("0 0 4294967295\n")
         return os.open(f"/proc/{proc.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
