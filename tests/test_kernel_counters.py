@@ -6,7 +6,7 @@ exclusive and taken back from a process that died holding one.
 An attacker sandbox A takes all it can of each while its neighbour B runs, through its door (the real
 forwarder, whose epoll loop is what died when A took every epoll watch of their shared uid), a workload that
 uses each: B's results equal B's results alone. Every attack is bounded (at most 1,000 inotify instances,
-200 pipes, 64 AIO contexts) and ends with its exec.
+200 pipes, 64 AIO contexts, 9.6 M epoll watches) and ends with its exec.
 """
 
 from __future__ import annotations
@@ -68,6 +68,42 @@ os.rename("/tmp/held.part", "/tmp/held")
 time.sleep(300)
 """
 
+# Processes that each watch 400 eventfds from each of 600 epoll instances (240,000 watches, within 1,024
+# files) until the kernel refuses a watch; the one refused writes [watches taken by all, errno] to /tmp/held.
+# At most 40 processes (9.6 M watches, ~2 GiB of kernel memory; the limit here is 5.5 M) and 280 s.
+EPOLL_ATTACK = r"""
+import json, os, select, time
+def fill(counter_w):
+    targets = [os.eventfd(0) for _ in range(400)]
+    taken = 0
+    for _ in range(600):
+        ep = select.epoll()
+        for fd in targets:
+            try:
+                ep.register(fd, select.EPOLLIN)
+            except OSError as e:
+                os.write(counter_w, b"%d %d\n" % (taken, e.errno))
+                return
+            taken += 1
+    os.write(counter_w, b"%d 0\n" % taken)
+r, w = os.pipe()
+total = 0
+for _ in range(40):
+    if os.fork() == 0:
+        os.close(r)
+        fill(w)
+        time.sleep(280)
+        os._exit(0)
+    taken, error = map(int, os.read(r, 100).split())
+    total += taken
+    if error:
+        break
+with open("/tmp/held.part", "w") as f:
+    json.dump([total, error], f)
+os.rename("/tmp/held.part", "/tmp/held")
+time.sleep(280)
+"""
+
 # A rollout's work behind the door: requests through the forwarder, and one of each thing the attack takes:
 # an inotify instance, a pipe (its buffer size, and grown to 1 MiB), an epoll watch, an AIO context (its errno).
 WORKLOAD = r"""
@@ -124,25 +160,22 @@ def host_io_setup() -> int:
     return 0
 
 
-async def test_an_attacker_takes_no_counter_of_its_neighbour(
-    local_backend: LocalBackend, task: Task, run_dir: Path
-) -> None:
-    """A takes every inotify instance, all the pipe buffer its user may have and every AIO context it can
-    while B works through its door: B's results are as alone, A stopped at its own limits (inotify: 128 per
-    user; pipes: `fs.pipe-user-pages-soft`), A got no AIO context, and the host still gets one."""
+async def beside(backend: LocalBackend, task: Task, attack_script: str) -> tuple[dict, dict, object, int]:
+    """Run `attack_script` in sandbox A, and WORKLOAD behind the door of sandbox B before it and while it
+    holds what it took: (B's results alone, B's results during, what A wrote it holds, the host's
+    io_setup(1) during). Both sandboxes run as uids of their own."""
     door = Door.make("counters")
     server = await asyncio.start_unix_server(serve_test_protocol, path=door.socket)
     door.socket.chmod(0o666)
     try:
-        attacker = await local_backend.create(task)
-        neighbour = await local_backend.create(task, mounts=[door.mount()])
+        attacker = await backend.create(task)
+        neighbour = await backend.create(task, mounts=[door.mount()])
         try:
             assert attacker.uid != neighbour.uid
-            alone = await neighbour.exec(door.wrap(["python3", "-c", WORKLOAD]), timeout_s=120)
-            assert alone.exit_code == 0, alone
-            attack = asyncio.create_task(attacker.exec(["python3", "-c", ATTACK], timeout_s=300))
+            runs = [await neighbour.exec(door.wrap(["python3", "-c", WORKLOAD]), timeout_s=120)]
+            attack = asyncio.create_task(attacker.exec(["python3", "-c", attack_script], timeout_s=300))
             held = await wait_for_file(attacker, "/tmp/held", attack)
-            during = await neighbour.exec(door.wrap(["python3", "-c", WORKLOAD]), timeout_s=120)
+            runs.append(await neighbour.exec(door.wrap(["python3", "-c", WORKLOAD]), timeout_s=120))
             host_aio = host_io_setup()
             attack.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -152,18 +185,38 @@ async def test_an_attacker_takes_no_counter_of_its_neighbour(
     finally:
         server.close()
         door.remove()
-    assert (during.exit_code, during.stdout) == (alone.exit_code, alone.stdout), (alone, during)
-    assert json.loads(alone.stdout) == {
-        "door": True,
-        "inotify": 0,
-        "pipe_bytes": 65536,
-        "pipe_grown": 1 << 20,
-        "epoll": True,
-        "aio": errno.EPERM,
-    }
+    for run in runs:
+        assert run.exit_code == 0, run
+    alone, during = (json.loads(run.stdout) for run in runs)
+    return alone, during, held, host_aio
+
+
+ALONE = {"door": True, "inotify": 0, "pipe_bytes": 65536, "pipe_grown": 1 << 20, "epoll": True, "aio": errno.EPERM}
+
+
+async def test_an_attacker_takes_no_counter_of_its_neighbour(
+    local_backend: LocalBackend, task: Task, run_dir: Path
+) -> None:
+    """A takes every inotify instance, all the pipe buffer its user may have and every AIO context it can
+    while B works through its door: B's results are as alone, A stopped at its own limits (inotify: 128 per
+    user; pipes: `fs.pipe-user-pages-soft`), A got no AIO context, and the host still gets one."""
+    alone, during, held, host_aio = await beside(local_backend, task, ATTACK)
+    assert alone == during == ALONE
     assert host_aio == 0
     pages = int(Path("/proc/sys/fs/pipe-user-pages-soft").read_text())
     assert held == {"inotify": [128, errno.EMFILE], "pipes": [pages // 256, errno.EPERM], "aio": [0, errno.EPERM]}
+    assert_no_local_sandbox_left(run_dir)
+
+
+async def test_an_attacker_takes_every_epoll_watch_of_its_own_only(
+    local_backend: LocalBackend, task: Task, run_dir: Path
+) -> None:
+    """A takes every epoll watch its user may have (`fs.epoll.max_user_watches`, 5,491,511 here: what killed
+    B's door forwarder when they shared a uid) while B works through its door: B's results are as alone."""
+    alone, during, held, _ = await beside(local_backend, task, EPOLL_ATTACK)
+    assert alone == during == ALONE
+    limit = int(Path("/proc/sys/fs/epoll/max_user_watches").read_text())
+    assert isinstance(held, list) and held[1] == errno.ENOSPC and 0.99 * limit < held[0] <= limit, (held, limit)
     assert_no_local_sandbox_left(run_dir)
 
 
