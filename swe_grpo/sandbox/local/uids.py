@@ -121,7 +121,7 @@ def idmap_userns(inside: int, outside: int) -> int:
     `outside` to itself (gids all to themselves): an idmapped mount through it shows `inside`'s files as
     `outside`'s and the rest as they are. (A file whose owner an idmapped mount cannot map is read-only
     through it: root's door socket could not be connected to.) The caller closes it (mounts made through
-    it keep the namespace). `inside` < `outside`."""
+    it keep the namespace)."""
     proc = subprocess.Popen(
         ["unshare", "--user", "--", "sh", "-c", "echo ready; exec cat"],
         stdin=subprocess.PIPE,
@@ -132,8 +132,9 @@ def idmap_userns(inside: int, outside: int) -> int:
     try:
         if proc.stdout.readline() != b"ready\n":  # printed once in the new namespace
             raise SandboxError(f"cannot make a user namespace: {proc.stderr.read().decode(errors='replace')}")
-        ranges = [(0, inside), (inside, 1), (inside + 1, outside - inside - 1), (outside + 1, _NO_UID - outside - 1)]
-        lines = [f"{first} {outside if first == inside else first} {count}\n" for first, count in ranges if count]
+        low, high = sorted((inside, outside))
+        same = [(0, low), (low + 1, high - low - 1), (high + 1, _NO_UID - high - 1)]  # all but the two
+        lines = [f"{inside} {outside} 1\n", *(f"{first} {first} {count}\n" for first, count in same if count)]
         Path(f"/proc/{proc.pid}/uid_map").write_text("".join(lines))
         Path(f"/proc/{proc.pid}/gid_map").write_text("0 0 4294967295\n")
         return os.open(f"/proc/{proc.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
