@@ -6,7 +6,7 @@ exclusive and taken back from a process that died holding one.
 An attacker sandbox A takes all it can of each while its neighbour B runs, through its door (the real
 forwarder, whose epoll loop is what died when A took every epoll watch of their shared uid), a workload that
 uses each: B's results equal B's results alone. Every attack is bounded (at most 1,000 inotify instances,
-200 pipes, 64 AIO contexts, 9.6 M epoll watches) and ends with its exec.
+200 pipes, 64 AIO contexts, epoll watches up to 480,000 past the per-user limit) and ends with its exec.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ time.sleep(300)
 """
 
 # Processes that each watch 400 eventfds from each of 600 epoll instances (240,000 watches, within 1,024
-# files) until the kernel refuses a watch; the one refused writes [watches taken by all, errno] to /tmp/held.
-# At most 40 processes (9.6 M watches, ~2 GiB of kernel memory; the limit here is 5.5 M) and 280 s.
+# files) until the kernel refuses a watch or they hold more than PROCESSES x 240,000; writes [watches taken,
+# errno of the refusal or 0] to /tmp/held, and holds them (~200 bytes of kernel memory each, in A's memory).
 EPOLL_ATTACK = r"""
 import json, os, select, time
 def fill(counter_w):
@@ -88,7 +88,8 @@ def fill(counter_w):
     os.write(counter_w, b"%d 0\n" % taken)
 r, w = os.pipe()
 total = 0
-for _ in range(40):
+error = 0
+for _ in range(PROCESSES):
     if os.fork() == 0:
         os.close(r)
         fill(w)
@@ -211,12 +212,15 @@ async def test_an_attacker_takes_no_counter_of_its_neighbour(
 async def test_an_attacker_takes_every_epoll_watch_of_its_own_only(
     local_backend: LocalBackend, task: Task, run_dir: Path
 ) -> None:
-    """A takes every epoll watch its user may have (`fs.epoll.max_user_watches`, 5,491,511 here: what killed
-    B's door forwarder when they shared a uid) while B works through its door: B's results are as alone."""
-    alone, during, held, _ = await beside(local_backend, task, EPOLL_ATTACK)
-    assert alone == during == ALONE
+    """A registers epoll watches until refused, or past the per-user limit (`fs.epoll.max_user_watches`,
+    5,491,511 here: what B's door forwarder died of, `epoll_ctl: No space left on device`, when they shared a
+    uid), while B works through its door: B's results are as alone. (On this box's 6.18 kernel A was not
+    refused at the limit: it took 9.6 M in one run; either way it is A's own uid that holds them.)"""
     limit = int(Path("/proc/sys/fs/epoll/max_user_watches").read_text())
-    assert isinstance(held, list) and held[1] == errno.ENOSPC and 0.99 * limit < held[0] <= limit, (held, limit)
+    processes = limit // 240_000 + 2  # past the limit: ~1.2 GiB of kernel memory at this box's limit
+    alone, during, held, _ = await beside(local_backend, task, EPOLL_ATTACK.replace("PROCESSES", str(processes)))
+    assert alone == during == ALONE
+    assert isinstance(held, list) and (held[1] == errno.ENOSPC or held[0] > limit), (held, limit)
     assert_no_local_sandbox_left(run_dir)
 
 
