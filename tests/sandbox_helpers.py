@@ -89,6 +89,7 @@ def local_target(backend: LocalBackend, run_dir: Path) -> Target:
         name=backend.name,
         backend=backend,
         uid=999,  # swe-sandbox
+        host_uids=backend.uids.uids,
         put_through_symlink_refused=True,
         has_curl=True,
         exec_may_raise_on_destroy=False,  # it is killed: a result

@@ -3,8 +3,10 @@ from an unprivileged process to a kernel exploit fail with EPERM. `local` sandbo
 (`filter_fd`); `docker` sandboxes from a wrapper that starts every exec (`swe_grpo.sandbox.docker.seccomp`),
 on top of the engine's default profile (which refuses io_uring only from Docker 25 on).
 
-Refused: io_uring (`io_uring_setup`, `_enter`, `_register`), the kernel keyrings (`add_key`, `request_key`,
-`keyctl`), `bpf`, `perf_event_open` and `userfaultfd`; on x86-64 also every call of the x32 ABI (another
+Refused: io_uring (`io_uring_setup`, `_enter`, `_register`), Linux AIO contexts (`io_setup`: their slots
+are one host-wide pool, `fs.aio-max-nr`, that one sandbox could take whole; without a context the other AIO
+calls do nothing), the kernel keyrings (`add_key`, `request_key`, `keyctl`), `bpf`, `perf_event_open` and
+`userfaultfd`; on x86-64 also every call of the x32 ABI (another
 syscall table the filter would otherwise have to list twice). Runtimes that try io_uring fall back to
 threads on EPERM (libuv, in Node, does). Everything else is allowed: the sandbox's other walls (its own
 unprivileged user, its user namespace in which no other can be made, no capabilities) hold the rest.
@@ -53,6 +55,7 @@ _ARCHES: dict[str, tuple[int, dict[str, int]]] = {
     "x86_64": (
         0xC000003E,
         {
+            "io_setup": 206,
             "add_key": 248,
             "request_key": 249,
             "keyctl": 250,
@@ -75,6 +78,7 @@ _ARCHES: dict[str, tuple[int, dict[str, int]]] = {
     "aarch64": (
         0xC00000B7,
         {
+            "io_setup": 0,
             "add_key": 217,
             "request_key": 218,
             "keyctl": 219,
@@ -97,7 +101,7 @@ _EVERY_ARCH = {"io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register"
 _EVERY_ARCH |= {"pidfd_getfd": 438}
 
 _REFUSED = ("io_uring_setup", "io_uring_enter", "io_uring_register", "add_key", "request_key", "keyctl")
-_REFUSED += ("bpf", "perf_event_open", "userfaultfd")
+_REFUSED += ("bpf", "perf_event_open", "userfaultfd", "io_setup")
 # The graded runner's limits (`runner_program`): a call that starts a process, replaces the program, or
 # reaches into another process of the sandbox ends the runner at once (SIGSYS, which its exit status
 # shows the grader); `clone3` fails with ENOSYS, as on a kernel that lacks it, because its flags are in

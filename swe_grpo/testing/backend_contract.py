@@ -54,7 +54,7 @@ class Target:
 
     name: str
     backend: SandboxBackend
-    uid: int  # whom commands run as (and who owns the files `put_file` writes)
+    uid: int  # whom commands run as (and who owns the files `put_file` writes), as seen inside
     put_through_symlink_refused: bool  # `put_file` onto a planted symlink: refused (`SandboxError`), or written inside
     exec_may_raise_on_destroy: bool  # an exec that its sandbox's destroy ends may raise `SandboxError`
     gone: Callable[[Sandbox], None]  # asserts that nothing is left of this (destroyed) sandbox
@@ -67,6 +67,8 @@ class Target:
     cuts_network: bool = True  # a sandbox created without `network=True` has no route out
     reaches_host_loopback: bool = True  # with `network=True`, a server on the host's 127.0.0.1 is reachable
     close_destroys_live: bool = True  # `close()` destroys its sandboxes still alive (its set `live` is then empty)
+    # The host uids its commands run as, when not `uid`: a uid of its own per sandbox (`local`)
+    host_uids: range | None = None
 
 
 async def run_ok(sandbox: Sandbox, command: str | list[str], **kwargs: Any) -> str:
@@ -179,7 +181,10 @@ class BackendContract:
         (pid,) = await wait_for_pids(f"sleep\0{m}")
         assert host_pids(secret) == []
         assert secret.encode() in Path(f"/proc/{pid}/environ").read_bytes()
-        assert f"Uid:\t{target.uid}\t{target.uid}" in Path(f"/proc/{pid}/status").read_text()
+        uids = next(
+            line.split()[1:] for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("Uid:")
+        )
+        assert len(set(uids)) == 1 and int(uids[0]) in (target.host_uids or [target.uid]), uids
         running.cancel()
         with pytest.raises(asyncio.CancelledError):
             await running

@@ -3,8 +3,10 @@
 A sandbox is a private host directory (`run_dir/swe-grpo-<pid>-*`, mode 0711; a tmpfs of the disk limit)
 holding a copy-on-write view of the task's cached checkout (`testbed/`, see `cow.py` and `checkout.py`) and
 the sandbox's `/tmp` (`tmp/`, with `HOME` at `/tmp/home`), its cgroup (`limits.py`), and the bwrap argv every
-exec of it starts with (`bwrap.py`). `create()` either returns a sandbox that has run a first command with
-every mount in place, or raises `SandboxError` having left nothing behind.
+exec of it starts with (`bwrap.py`). Its processes run as a host uid leased for it alone (`uids.py`); the
+checkout and the requested mounts, owned on the host by the sandbox user, reach it through idmapped binds in
+the directory (`lower/`, `mounts/<i>`) that show them as the leased uid's. `create()` either returns a sandbox
+that has run a first command with every mount in place, or raises `SandboxError` having left nothing behind.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from swe_grpo.sandbox.base import Mount, SandboxBackend, SandboxError, owner_gon
 from swe_grpo.sandbox.local.bwrap import bwrap_argv
 from swe_grpo.sandbox.local.checkout import CheckoutCache
 from swe_grpo.sandbox.local.cow import CowMethod, detect_cow_method, mount_cow
-from swe_grpo.sandbox.local.host import PREFIX, mount, mounts_under, remove_tree
+from swe_grpo.sandbox.local.host import PREFIX, bind_idmapped, mount, mounts_under, remove_tree
 from swe_grpo.sandbox.local.limits import CGROUP_PARENT, Cgroup, LocalLimits, parent_cgroups
 from swe_grpo.sandbox.local.sandbox import LocalSandbox
+from swe_grpo.sandbox.local.uids import SANDBOX_UIDS, UidLease, UidPool, idmap_userns
 from swe_grpo.sandbox.process import CgroupLayout
 
 if TYPE_CHECKING:
@@ -40,11 +43,13 @@ _GITCONFIG = "[safe]\n\tdirectory = *\n[user]\n\tname = swe-sandbox\n\temail = s
 
 
 class LocalBackend(SandboxBackend):
-    """bubblewrap sandboxes over cached checkouts. Needs root (for mounts and to switch to `user`),
-    `bwrap`, `setpriv` and `prlimit` (util-linux), `git`, `fuse-overlayfs` where kernel overlayfs is
-    not allowed, and the memory and pids cgroup controllers (v1 or v2) unless `limits` sets neither
-    `memory_bytes` nor `pids`. `run_dir` must be traversable by `user` (bwrap, running as that user, binds from it);
-    `method` forces a copy-on-write method instead of detecting one."""
+    """bubblewrap sandboxes over cached checkouts. Needs root (for mounts and to switch users), Linux 5.12
+    (idmapped mounts) and a cache and mounts on filesystems that allow them, `bwrap`, `setpriv`, `prlimit`
+    and `unshare` (util-linux), `git`, `fuse-overlayfs` where kernel overlayfs is not allowed, and the memory
+    and pids cgroup controllers (v1 or v2) unless `limits` sets neither `memory_bytes` nor `pids`. Inside,
+    commands run as `user`; on the host, each sandbox's as its own uid from `uids` (`uids.py`). `run_dir`
+    must be traversable by any user (bwrap, running as the leased uid, binds from it); `method` forces a
+    copy-on-write method instead of detecting one."""
 
     name = "local"
 
@@ -56,6 +61,7 @@ class LocalBackend(SandboxBackend):
         cache_dir: Path | None = None,
         run_dir: Path | None = None,
         method: CowMethod | None = None,
+        uids: range = SANDBOX_UIDS,
     ) -> None:
         try:
             entry = pwd.getpwnam(user)
@@ -66,6 +72,7 @@ class LocalBackend(SandboxBackend):
         self.checkouts = CheckoutCache(cache_dir or cache_root() / "checkouts", self.uid, self.gid)
         self.run_dir = run_dir or Path(tempfile.gettempdir())
         self.method = method
+        self.uids = UidPool(uids)
         self._cgroups: CgroupLayout | None = None
         #: What the last `start()` found of dead runs and could not remove (paths): logged, never fatal.
         self.unreaped: list[str] = []
@@ -79,7 +86,8 @@ class LocalBackend(SandboxBackend):
     async def start(self) -> None:
         """Check that the limits can be enforced, remove what sandboxes of dead processes left behind, and
         detect the copy-on-write method."""
-        self._check_reachable(self.run_dir)
+        self._check_reachable(self.run_dir, owner=False)
+        self.uids.check()
         layout = self._cgroup_layout()
         self.unreaped = await asyncio.to_thread(reap_leftovers, self.run_dir, layout)
         if self.unreaped:
@@ -97,6 +105,7 @@ class LocalBackend(SandboxBackend):
         """See `SandboxBackend.create`. `network=True` shares the host's network: the sandbox reaches the
         host's 127.0.0.1 (an InterceptionServer there) and everything else the host reaches."""
         sandbox = None
+        lease: UidLease | None = None
         try:
             for m in mounts:
                 if not m.host_path.exists() or not m.sandbox_path.startswith("/"):
@@ -105,13 +114,16 @@ class LocalBackend(SandboxBackend):
             lower = await self.checkouts.get(task)
             method = await self._cow_method()
             layout = self._cgroup_layout()
+            lease = await asyncio.to_thread(self.uids.lease)
             host_dir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=self.run_dir))
             cgroup = Cgroup(layout, host_dir.name) if layout is not None else None
-            argv = bwrap_argv(self.uid, self.gid, self.limits, host_dir, mounts, network, cgroup)
-            sandbox = LocalSandbox(host_dir, argv, self.limits, cgroup)
+            binds = [Mount(host_dir / "mounts" / str(i), m.sandbox_path, m.writable) for i, m in enumerate(mounts)]
+            argv = bwrap_argv(lease.uid, self.uid, self.gid, self.limits, host_dir, binds, network, cgroup)
+            sandbox = LocalSandbox(host_dir, argv, self.limits, cgroup, lease)
+            lease = None  # the sandbox's now: its destroy() releases it
             if cgroup is not None:
                 cgroup.make(self.limits)
-            sandbox.fuse = await self._prepare(host_dir, lower, method)
+            sandbox.fuse = await self._prepare(host_dir, lower, method, mounts, sandbox.uid)
             # Proves bwrap starts with every bind in place, so a bad mount fails here, not in the agent.
             first = await sandbox.exec(["true"], timeout_s=30)
             if first.exit_code != 0:
@@ -122,27 +134,35 @@ class LocalBackend(SandboxBackend):
                     await sandbox.destroy()
                 except SandboxError as cleanup:
                     log.warning("cleaning up after a failed create: %s", cleanup)
+            if lease is not None:
+                lease.release()
             if isinstance(e, Exception) and not isinstance(e, SandboxError):
                 raise SandboxError(f"cannot create a sandbox for {task.instance_id}: {e!r}") from e
             raise
         return sandbox
 
-    def _check_reachable(self, path: Path) -> None:
-        """bwrap runs as the sandbox user, so it can bind only what that user can reach: name the
-        directory that stops it, instead of bwrap's bare "Permission denied" from inside every rollout."""
+    def _check_reachable(self, path: Path, *, owner: bool = True) -> None:
+        """bwrap runs as the sandbox's uid, so it can bind only what that uid can reach: name the
+        directory that stops it, instead of bwrap's bare "Permission denied" from inside every rollout.
+        `owner`: the sandbox user's directories are the sandbox's (`path` reaches it through an idmapped
+        bind); otherwise the leased uid owns none of them."""
         resolved = path.resolve()
         for directory in [*reversed(resolved.parents), *([resolved] if resolved.is_dir() else [])]:
             st = directory.stat()
-            bit = 0o100 if st.st_uid == self.uid else 0o010 if st.st_gid == self.gid else 0o001
+            bit = 0o100 if owner and st.st_uid == self.uid else 0o010 if st.st_gid == self.gid else 0o001
             if not st.st_mode & bit:
                 raise SandboxError(
                     f"the sandbox user (uid {self.uid}) cannot reach {path}: {directory} is mode "
                     f"{st.st_mode & 0o777:o}; `chmod o+x {directory}` or move it under a traversable directory"
                 )
 
-    async def _prepare(self, host_dir: Path, lower: Path, method: CowMethod) -> asyncio.subprocess.Process | None:
-        """Make the sandbox's directories and its view of `lower` at `host_dir/testbed`; the fuse
-        daemon when there is one. With a disk limit, all of it is on a tmpfs of that size."""
+    async def _prepare(
+        self, host_dir: Path, lower: Path, method: CowMethod, mounts: Sequence[Mount], uid: int
+    ) -> asyncio.subprocess.Process | None:
+        """Make the sandbox's directories, owned by its `uid`; idmapped binds of the checkout
+        (`lower/`) and of `mounts` (`mounts/<i>`) that show the sandbox user's files as `uid`'s; and its view
+        of the checkout at `host_dir/testbed`; the fuse daemon when there is one. With a disk limit, all of it
+        is on a tmpfs of that size."""
         if (size := self.limits.disk_bytes) is not None:
             options = f"size={size},nr_inodes={max(size // 4096, 1024)},mode=0711"
             mount("tmpfs", "swe-grpo-sandbox", host_dir, options)
@@ -151,10 +171,23 @@ class LocalBackend(SandboxBackend):
         (tmp / "home").mkdir(parents=True)
         (tmp / "home" / ".gitconfig").write_text(_GITCONFIG)
         for path in (tmp, tmp / "home", tmp / "home" / ".gitconfig"):
-            os.chown(path, self.uid, self.gid)
+            os.chown(path, uid, self.gid)
         tmp.chmod(0o700)
         (host_dir / "testbed").mkdir()
-        return await mount_cow(method, lower, host_dir)
+        (host_dir / "lower").mkdir()
+        (host_dir / "mounts").mkdir(mode=0o711)
+        await asyncio.to_thread(self._bind_idmapped, host_dir, lower, mounts, uid)
+        return await mount_cow(method, host_dir / "lower", host_dir)
+
+    def _bind_idmapped(self, host_dir: Path, lower: Path, mounts: Sequence[Mount], uid: int) -> None:
+        userns = idmap_userns(self.uid, uid)
+        try:
+            bind_idmapped(lower, host_dir / "lower", userns, read_only=True)
+            for i, m in enumerate(mounts):
+                (point := host_dir / "mounts" / str(i)).mkdir()
+                bind_idmapped(m.host_path, point, userns, read_only=not m.writable)
+        finally:
+            os.close(userns)
 
     async def _cow_method(self) -> CowMethod:
         async with self._method_lock:

@@ -1,11 +1,12 @@
 """One bubblewrap run of a `local` sandbox: the argv every run of a sandbox starts with (`bwrap_argv`), and
 `BwrapRun`, whose `end()` leaves nothing of the run's process tree.
 
-Each run is started as the sandbox user (as root, bwrap's `--uid` would map to real root), in its cgroup
-(`limits.Cgroup`) under the per-process rlimits, in fresh pid/ipc/uts namespaces and a user namespace in
-which no other user namespace can be made (`--disable-userns`, bubblewrap >= 0.8; older ones warn), so
-`unshare -U` fails inside; the seccomp filter (`seccomp.py`) is added per run. Without the network, a
-network namespace of its own with nothing but its own loopback (`--unshare-net`); with it, the host's.
+Each run is started as the sandbox's leased host uid (`uids.py`), which bwrap's `--uid` names the sandbox user
+inside (only a name: the kernel counts per host uid), in its cgroup (`limits.Cgroup`) under the per-process
+rlimits, in fresh pid/ipc/uts namespaces and a user namespace in which no other user namespace can be made
+(`--disable-userns`, bubblewrap >= 0.8; older ones warn), so `unshare -U` fails inside; the seccomp filter
+(`seccomp.py`) is added per run. Without the network, a network namespace of its own with nothing but its own
+loopback (`--unshare-net`); with it, the host's.
 Inside: the host's `/usr`, `/bin`, `/lib*`, `/etc` read-only, a private `/proc` and `/dev`, the overlay at
 `/testbed`, the sandbox's `/tmp`, and the requested mounts; nothing else of the host (no `/root`, `/home`,
 `/work`); writes anywhere else fail.
@@ -37,6 +38,7 @@ REAPER = ["sh", "-c", '"$@"; exit $?', "sh"]
 
 
 def bwrap_argv(
+    host_uid: int,
     uid: int,
     gid: int,
     limits: LocalLimits,
@@ -45,15 +47,17 @@ def bwrap_argv(
     network: bool,
     cgroup: Cgroup | None,
 ) -> list[str]:
-    """The argv of the sandbox at `host_dir` up to bwrap's options; a run adds its own and the command."""
+    """The argv of the sandbox at `host_dir` up to bwrap's options; a run adds its own and the command. Its
+    processes run as `host_uid` on the host and as `uid` (group `gid`, on the host too) inside."""
     argv = []
     if cgroup is not None:  # joins the cgroup, then becomes prlimit, setpriv and bwrap (same pid)
         join = " && ".join(f"echo $$ > {shlex.quote(str(d / 'cgroup.procs'))}" for d in cgroup.dirs)
         argv += ["sh", "-c", f'{join} && exec "$@"', "sh"]
     rlimits = {"cpu": limits.cpu_s, "fsize": limits.file_size_bytes, "nofile": limits.open_files}
     argv += ["prlimit", *(f"--{k}={v}:{v}" for k, v in rlimits.items() if v is not None), "--"]
-    argv += ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
-    argv += ["bwrap", *_no_nested_userns(), "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--as-pid-1"]
+    argv += ["setpriv", f"--reuid={host_uid}", f"--regid={gid}", "--clear-groups", "--"]
+    argv += ["bwrap", "--unshare-user", *_no_nested_userns(), "--uid", str(uid), "--gid", str(gid)]
+    argv += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--as-pid-1"]
     if not network:
         argv.append("--unshare-net")
     argv += ["--new-session", "--die-with-parent"]
@@ -73,12 +77,12 @@ def bwrap_argv(
 
 @functools.cache
 def _no_nested_userns() -> list[str]:
-    """bwrap's flags for a user namespace of its own (bwrap makes one anyway when not setuid) in which no other
-    can be made: nested namespaces are kernel attack surface a coding agent never needs. bwrap < 0.8 cannot:
-    then a warning, and sandboxes without it."""
+    """bwrap's flag for a user namespace (its own: `--unshare-user`) in which no other can be made: nested
+    namespaces are kernel attack surface a coding agent never needs. bwrap < 0.8 cannot: then a warning,
+    and sandboxes without it."""
     usage = subprocess.run(["bwrap", "--help"], capture_output=True, text=True).stdout
     if "--disable-userns" in usage:
-        return ["--unshare-user", "--disable-userns"]
+        return ["--disable-userns"]
     log.warning("this bwrap has no --disable-userns (bubblewrap >= 0.8): sandboxes can make user namespaces")
     return []
 

@@ -24,7 +24,11 @@ limits cannot make another fail:
   stay charged to its memory, so a sandbox whose files reach its memory limit can start nothing more (each
   new process is OOM-killed): it has exhausted its memory, and only `destroy()` frees it.
 - per process (rlimits, set by `prlimit` in `bwrap.bwrap_argv`): CPU seconds, file size and open files (a
-  process at `open_files` gets EMFILE).
+  process at `open_files` gets EMFILE). The host's file table (`fs.file-max`, which the kernel enforces on
+  unprivileged processes only) is shared: a sandbox holds at most `pids` x `open_files` of it (1,048,576
+  with the defaults), a bound of these two limits, not one of its own.
+- what the kernel counts per host user (epoll watches, inotify, pipe buffers): per sandbox, which runs as
+  a uid of its own (`uids.py`); its limits are the host's per-user ones.
 """
 
 from __future__ import annotations

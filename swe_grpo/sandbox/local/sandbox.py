@@ -23,6 +23,7 @@ from swe_grpo.sandbox.base import WORKDIR, ExecResult, Exhaustion, FileTooLarge,
 from swe_grpo.sandbox.local.bwrap import REAPER, BwrapRun
 from swe_grpo.sandbox.local.host import mounts_under, remove_tree, umount, wait_or_kill
 from swe_grpo.sandbox.local.limits import Cgroup, LocalLimits
+from swe_grpo.sandbox.local.uids import UidLease
 from swe_grpo.sandbox.process import OutputTail
 from swe_grpo.sandbox.seccomp import filter_fd
 
@@ -32,11 +33,16 @@ _HOME = "/tmp/home"
 
 class LocalSandbox(Sandbox):
     """A sandbox made by `LocalBackend`. `host_dir` is where it lives on the host (for diagnostics), and
-    `cgroup_dirs` its cgroup; both are gone after `destroy()`. `fuse` is the fuse-overlayfs daemon serving
-    its /testbed (None with the other copy-on-write methods), which `destroy()` waits for."""
+    `cgroup_dirs` its cgroup; both are gone after `destroy()`. `uid` is the host uid its processes run as,
+    its alone until `destroy()` releases it. `fuse` is the fuse-overlayfs daemon serving its /testbed (None
+    with the other copy-on-write methods), which `destroy()` waits for."""
 
-    def __init__(self, host_dir: Path, bwrap_argv: list[str], limits: LocalLimits, cgroup: Cgroup | None) -> None:
+    def __init__(
+        self, host_dir: Path, bwrap_argv: list[str], limits: LocalLimits, cgroup: Cgroup | None, lease: UidLease
+    ) -> None:
         self.host_dir = host_dir
+        self.uid = lease.uid
+        self._lease = lease
         self.cgroup_dirs = cgroup.dirs if cgroup is not None else []
         self._argv = bwrap_argv
         self._limits = limits
@@ -106,22 +112,27 @@ class LocalSandbox(Sandbox):
         await asyncio.shield(self._teardown)
 
     async def _tear_down(self) -> None:
-        # Go on when a run could not be ended: the mount and directories must go regardless.
+        # Go on when a run could not be ended: the mount and directories must go regardless. The uid is
+        # released whatever fails: when a run could not be ended, its next lease kills what is left first.
         ended = await asyncio.gather(*(run.end() for run in list(self._runs)), return_exceptions=True)
-        self._observe()  # the last look: the counters and the tmpfs go below
-        testbed = self.host_dir / "testbed"
-        if mounts_under(testbed):
-            await umount(testbed)
-        if self.fuse is not None:  # it exits once its mount is gone
-            await wait_or_kill(self.fuse)
-        if mounts_under(testbed):  # never delete through a mount (into the cached checkout)
-            raise SandboxError(f"{testbed} is still mounted; not removing {self.host_dir}")
-        if os.path.ismount(self.host_dir):  # the tmpfs
-            await umount(self.host_dir)
-        if self._cgroup is not None:
-            await asyncio.to_thread(self._cgroup.remove)
-        if (failure := await asyncio.to_thread(remove_tree, self.host_dir)) is not None:
-            raise SandboxError(f"could not remove {self.host_dir}: {failure}")
+        try:
+            self._observe()  # the last look: the counters and the tmpfs go below
+            testbed = self.host_dir / "testbed"
+            if mounts_under(testbed):
+                await umount(testbed)
+            if self.fuse is not None:  # it exits once its mount is gone
+                await wait_or_kill(self.fuse)
+            # The idmapped binds (`lower/`, `mounts/<i>`), then the tmpfs; innermost first.
+            for point in sorted(mounts_under(self.host_dir), reverse=True):
+                await umount(Path(point))
+            if mounts_under(self.host_dir):  # never delete through a mount (into the checkout, a mount)
+                raise SandboxError(f"{self.host_dir} still has mounts; not removing it")
+            if self._cgroup is not None:
+                await asyncio.to_thread(self._cgroup.remove)
+            if (failure := await asyncio.to_thread(remove_tree, self.host_dir)) is not None:
+                raise SandboxError(f"could not remove {self.host_dir}: {failure}")
+        finally:
+            self._lease.release(ended=not any(isinstance(failure, BaseException) for failure in ended))
         for failure in ended:
             if isinstance(failure, BaseException):
                 raise failure
