@@ -244,6 +244,24 @@ def cmd_build_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check_model(args: argparse.Namespace) -> int:
+    from swe_grpo.tokens.layouts import load_layout
+    from swe_grpo.tokens.model_check import check_model
+
+    try:
+        kwargs = json.loads(args.chat_template_kwargs)
+        if not isinstance(kwargs, dict):
+            raise ValueError("--chat-template-kwargs must be a JSON object")
+        template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
+        layout = load_layout(args.layout) if args.layout else None
+        report = check_model(args.model, template, kwargs, layout)
+    except (OSError, ValueError) as e:
+        console.print(f"error: {e}", style="red", markup=False)
+        return 2
+    print("\n".join(report.lines()))
+    return 1 if report.refused else 0
+
+
 _AUTOLOAD_HELP = "pytest plugin autoload when grading (default: on; a task's plugin_autoload wins)"
 _REWARD_MODE = {
     "choices": REWARD_MODES,
@@ -384,6 +402,18 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("build-tiny-model", help="build the tiny test model; prints its directory")
     tiny.add_argument("--chat-template", default="qwen3", help="a template shipped with TRL")
     tiny.set_defaults(func=cmd_build_tiny_model)
+
+    check = sub.add_parser(
+        "check-model",
+        help="whether a model's tokenizer is served exactly: its template, call layout, end tokens and a round trip",
+    )
+    check.add_argument("model", metavar="TOKENIZER_OR_DIR", help="a tokenizer directory, or a hub name in the cache")
+    check.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the model's")
+    check.add_argument(
+        "--chat-template-kwargs", default="{}", metavar="JSON", help="e.g. '{\"enable_thinking\": false}'"
+    )
+    check.add_argument("--layout", metavar="module:Class", help="a tool-call layout of your own (docs/models.md)")
+    check.set_defaults(func=cmd_check_model)
 
     from swe_grpo.synth.cli import add_parser as add_synth_parser
 

@@ -36,6 +36,7 @@ from swe_grpo.tokens.calls_gemma import read_gemma
 from swe_grpo.tokens.calls_harmony import read_harmony
 from swe_grpo.tokens.calls_pythonic import read_pythonic
 from swe_grpo.tokens.calls_tagged import json_call, read_tagged
+from swe_grpo.tokens.layouts import CallLayout
 from swe_grpo.tokens.template import TemplateNotPrefixPreservingError, TemplateRefusedError, TrainingTemplate
 
 _BARE_CALL = re.compile(r'\s*\{\s*"name"\s*:')
@@ -82,10 +83,15 @@ class ParsedResponse:
 class ResponseParser:
     """Parses generations for one tokenizer (its chat template as the model writes replies). `template` is the
     training template prompts are rendered with (built from `tokenizer` when not given); its kwargs (`enable_thinking`
-    and the like) reach the probe. Raises UnsupportedTemplateError for a chat template whose tool calls do not parse
-    back exactly."""
+    and the like) reach the probe. `layout` is a family's own (`swe_grpo.tokens.layouts`), tried alone instead of the
+    built-in ones. Raises UnsupportedTemplateError for a chat template whose tool calls do not parse back exactly."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: TrainingTemplate | None = None):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        template: TrainingTemplate | None = None,
+        layout: CallLayout | None = None,
+    ):
         self.tokenizer = tokenizer
         try:
             self.template = template or TrainingTemplate(tokenizer)
@@ -95,7 +101,8 @@ class ResponseParser:
         # Set by the probe: the opener and closer of the template's reasoning block (None: it writes none), and
         # its call layout.
         self._reasoning: tuple[str, str] | None = None
-        self.layout = _LAYOUTS[0]
+        self._own_layout = layout
+        self.layout = _LAYOUTS[0] if layout is None else type(layout).__qualname__
         self._check_round_trip()
 
     def parse(
@@ -124,6 +131,8 @@ class ResponseParser:
 
     def _read(self, text: str, types: ToolTypes | None) -> Reading:
         """The calls in `text` (the reply after any leading reasoning), read in the template's layout."""
+        if self._own_layout is not None:
+            return self._own_layout.read(text, types)
         if self.layout == "harmony":
             return read_harmony(text, self._specials)
         if self.layout == "gemma4":
@@ -217,9 +226,10 @@ class ResponseParser:
         ids, prompt_ids = template.encode(written), template.encode(prompt)
         want = json.dumps([("probe", _PROBE_ARGUMENTS)], sort_keys=True)
         read: dict[str, list] = {}
-        for layout in _LAYOUTS:
+        own = self._own_layout
+        for layout in _LAYOUTS if own is None else (self.layout,):
             self.layout = layout
-            self._reasoning = GEMMA_REASONING if layout == "gemma4" else think
+            self._reasoning = own.reasoning if own else GEMMA_REASONING if layout == "gemma4" else think
             parsed = self.parse(ids, prompt_ids, "stop", tools)
             got = [
                 (c["function"]["name"], json.loads(c["function"]["arguments"]))
