@@ -517,7 +517,7 @@ def test_lfm_calls_with_escaped_strings_and_printed_values() -> None:
     rendered one)."""
     calls = (
         "edit(path='a b.py', newText='it\\'s\\n\tx\\\\y', count=3, ratio=-1.5, flag=True, none=None, "
-        "opts={\"k\": [1, \"2\"]}, items=[1, \"two\", null]), read(path='c.py')"
+        'opts={"k": [1, "2"]}, items=[1, "two", null]), read(path=\'c.py\')'
     )
     parsed = parse_with_tools("lfm2_v2", "Editing.\n" + _lfm(calls))
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.message["tool_calls"]] == [
