@@ -8,6 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 from conftest import tiny_tokenizer
 from test_cli_output import SWE_GRPO, fresh_box_env
 
@@ -87,3 +88,20 @@ def test_what_cannot_be_checked_exits_2_on_one_line(tmp_path: Path) -> None:
                                             "attribute 'Missing'"]  # fmt: skip
     rc, _, err = _check(tmp_path, "qwen3", "--chat-template-kwargs", "[1]")
     assert rc == 2 and err.splitlines() == ["error: --chat-template-kwargs must be a JSON object"]
+
+
+def test_the_workers_layout_reaches_the_parser_of_every_rollout(tmp_path: Path, monkeypatch) -> None:
+    """`WorkerConfig.tool_call_layout` is refused by name at configuration when it does not import; the rollout
+    host's InterceptionServer (what `engine` builds with the config's layout) probes it alone."""
+    from swe_grpo.serving.interception import InterceptionServer
+    from swe_grpo.worker.config import WorkerConfig
+
+    (tmp_path / "my_layouts.py").write_text(_LAYOUTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="tool-call layout 'my_layouts:Missing': module 'my_layouts' has no attribute"):
+        WorkerConfig(tool_call_layout="my_layouts:Missing")
+    config = WorkerConfig(tool_call_layout="my_layouts:Hermes")
+    server = InterceptionServer(None, tiny_tokenizer("qwen3"), tool_call_layout=config.tool_call_layout)  # type: ignore[arg-type]
+    assert server.parser.layout == "Hermes"
+    with pytest.raises(ValueError, match=r"no layout reads back \(\{'Blind': \[\]\}\)"):
+        InterceptionServer(None, tiny_tokenizer("qwen3"), tool_call_layout="my_layouts:Blind")  # type: ignore[arg-type]
