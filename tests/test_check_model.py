@@ -5,9 +5,11 @@ checked. Tokenizers are the families' tiny ones saved to a directory, as a downl
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
+import pytest
 from conftest import tiny_tokenizer
 from test_cli_output import SWE_GRPO, fresh_box_env
 
@@ -46,16 +48,17 @@ def _check(tmp_path: Path, template: str, *flags: str) -> tuple[int, list[str], 
 def test_a_served_family_says_its_template_layout_end_tokens_and_round_trip(tmp_path: Path) -> None:
     rc, lines, err = _check(tmp_path, "gptoss")
     assert rc == 0, err
-    assert lines[1:] == [
-        "template: TRL's gptoss, served with TRL's training variant gptoss_training (prefix-preserving)",
-        "layout: harmony",
-        "end token: <|return|> (closes a plain reply: the turn's last token)",
-        "end token: <|call|> (closes a tool call: the turn's last token)",
-        "round trip: a call written by the template reads back exactly (60 tokens)",
-        "round trip: the next prompt extends the held tokens and equals a fresh render (+218 tokens)",
-        "round trip: a final answer reads back as its text",
-        "served exactly",
+    expected = [
+        r"template: TRL's gptoss, served with TRL's training variant gptoss_training \(prefix-preserving\)",
+        r"layout: harmony",
+        r"end token: <\|return\|> \(closes a plain reply: the turn's last token\)",
+        r"end token: <\|call\|> \(closes a tool call: the turn's last token\)",
+        r"round trip: a call written by the template reads back exactly \(\d+ tokens\)",
+        r"round trip: the next prompt extends the held tokens and equals a fresh render \(\+\d+ tokens\)",
+        r"round trip: a final answer reads back as its text",
+        r"served exactly",
     ]
+    assert len(lines) == len(expected) + 1 and all(map(re.fullmatch, expected, lines[1:])), "\n".join(lines)
 
 
 def test_a_refused_family_names_the_templates_defect_and_exits_1(tmp_path: Path) -> None:
@@ -87,3 +90,20 @@ def test_what_cannot_be_checked_exits_2_on_one_line(tmp_path: Path) -> None:
                                             "attribute 'Missing'"]  # fmt: skip
     rc, _, err = _check(tmp_path, "qwen3", "--chat-template-kwargs", "[1]")
     assert rc == 2 and err.splitlines() == ["error: --chat-template-kwargs must be a JSON object"]
+
+
+def test_the_workers_layout_reaches_the_parser_of_every_rollout(tmp_path: Path, monkeypatch) -> None:
+    """`WorkerConfig.tool_call_layout` is refused by name at configuration when it does not import; the rollout
+    host's InterceptionServer (what `engine` builds with the config's layout) probes it alone."""
+    from swe_grpo.serving.interception import InterceptionServer
+    from swe_grpo.worker.config import WorkerConfig
+
+    (tmp_path / "my_layouts.py").write_text(_LAYOUTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="tool-call layout 'my_layouts:Missing': module 'my_layouts' has no attribute"):
+        WorkerConfig(tool_call_layout="my_layouts:Missing")
+    config = WorkerConfig(tool_call_layout="my_layouts:Hermes")
+    server = InterceptionServer(None, tiny_tokenizer("qwen3"), tool_call_layout=config.tool_call_layout)  # type: ignore[arg-type]
+    assert server.parser.layout == "Hermes"
+    with pytest.raises(ValueError, match=r"no layout reads back \(\{'Blind': \[\]\}\)"):
+        InterceptionServer(None, tiny_tokenizer("qwen3"), tool_call_layout="my_layouts:Blind")  # type: ignore[arg-type]

@@ -512,9 +512,12 @@ def _lfm(calls: str) -> str:
 
 
 def test_lfm_calls_with_escaped_strings_and_printed_values() -> None:
+    """Strings escaped, numbers and words as Python prints them, objects and lists as `tojson` (as LFM2 v2's
+    template writes a list: `[1, "two", null]`; read as Python's `[1, 'two', None]` until the layout property test
+    rendered one)."""
     calls = (
         "edit(path='a b.py', newText='it\\'s\\n\tx\\\\y', count=3, ratio=-1.5, flag=True, none=None, "
-        "opts={\"k\": [1, \"2\"]}, items=[1, 'two', None]), read(path='c.py')"
+        'opts={"k": [1, "2"]}, items=[1, "two", null]), read(path=\'c.py\')'
     )
     parsed = parse_with_tools("lfm2_v2", "Editing.\n" + _lfm(calls))
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.message["tool_calls"]] == [
@@ -546,6 +549,7 @@ LFM_MALFORMED = [
     "read(offset=9007199254740993)",
     "bash(command='ls') extra",
     "bash(command = 'ls')",
+    "read(items=[1, 'two', None])",  # a list as Python prints it: this revision writes `tojson`
 ]
 
 

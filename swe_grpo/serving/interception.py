@@ -78,6 +78,7 @@ from swe_grpo.serving.session import RolloutRecord, RolloutSession
 from swe_grpo.serving.turn import TurnTransaction, bulk_executor, requested_sampling
 from swe_grpo.serving.vllm_client import Generator, SamplingParams
 from swe_grpo.tokens.chain import MessageFormatError, TokenChain
+from swe_grpo.tokens.layouts import load_layout
 from swe_grpo.tokens.responses import ResponseParser
 from swe_grpo.tokens.template import TrainingTemplate
 from swe_grpo.types import Policy, RequestError, RolloutEndpoint
@@ -101,7 +102,8 @@ class InterceptionServer:
     recorded with the tokens it produces (so a weight sync mid-rollout is honest about which policy
     produced what). `last_request_at` is the `time.monotonic()` of the latest request of any rollout.
     `keepalive_s`: how often a streaming answer sends an SSE keep-alive comment while generating, and how
-    soon an agent's disconnection is noticed.
+    soon an agent's disconnection is noticed. `tool_call_layout`: a layout of one's own, "package.module:Class"
+    (`swe_grpo.tokens.layouts`), for a family no built-in layout reads.
     """
 
     def __init__(
@@ -116,12 +118,15 @@ class InterceptionServer:
         public_base_url: str | None = None,
         policy: Callable[[], Policy] = Policy,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tool_call_layout: str | None = None,
         keepalive_s: float = 5.0,
         limits: ServingLimits = ServingLimits(),  # noqa: B008  (frozen)
     ):
         self.generator = generator
         self.template = TrainingTemplate(tokenizer, **(chat_template_kwargs or {}))
-        self.parser = ResponseParser(tokenizer, self.template)  # its probe renders with the same kwargs
+        # Its probe renders with the same kwargs; a layout of one's own ("module:Class") is probed alone.
+        layout = load_layout(tool_call_layout) if tool_call_layout else None
+        self.parser = ResponseParser(tokenizer, self.template, layout)
         self.model_name = model_name
         self.sampling = sampling
         self.host, self.port = host, port

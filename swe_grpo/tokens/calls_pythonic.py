@@ -1,8 +1,9 @@
 """Tool calls in LFM2's pythonic layout: `<|tool_call_start|>[NAME(KEY=VALUE, ...), ...]<|tool_call_end|>`.
 
 The template writes a string between single quotes, an object as `tojson`, and anything else as Python prints it
-(`3`, `1.5`, `True`, `None`, `[1, '2', None]`). Two revisions differ in strings: LFM2 v2 and LFM2.5-VL escape them
-(`\\\\`, `\\'`, `\\n`, `\\r`), LFM2.5 writes them raw, so a raw string holding a quote followed by `, KEY=` or `)` can
+(`3`, `1.5`, `True`, `None`). Two revisions differ in strings and lists: LFM2 v2 and LFM2.5-VL escape strings
+(`\\\\`, `\\'`, `\\n`, `\\r`) and write a list as `tojson` (`[1, "2", null]`); LFM2.5 writes strings raw and a list
+as Python prints it (`[1, '2', None]`), so a raw string holding a quote followed by `, KEY=` or `)` can
 be read two ways. A reply is read every way the template could have written it; a call list with no reading, or
 with more than one (ambiguous), is malformed, so what the agent executes is the one thing the tokens can say. A
 value other than a string or an object must be exactly how Python prints what it reads as (`03`, `1_000`, `(1,)`
@@ -83,7 +84,7 @@ class _Reader:
         text = self.text
         if text.startswith("'", pos):
             yield from self.strings(pos)
-        elif text.startswith("{", pos):
+        elif text.startswith("{", pos) or (self.escaped and text.startswith("[", pos)):
             try:
                 value, end = JSON_DECODER.raw_decode(text, pos)
             except (ValueError, RecursionError):

@@ -17,6 +17,7 @@ from swe_grpo.plugins import check_choice
 from swe_grpo.sandbox.base import MAX_PATCH_BYTES
 from swe_grpo.serving.vllm_client import DEFAULT_ROUTING_HEADER, SamplingParams
 from swe_grpo.tasks.task import REWARD_MODES, RewardMode, Task
+from swe_grpo.tokens.layouts import load_layout
 from swe_grpo.worker.task_sampling import TASK_SAMPLING, TaskSampling
 
 if TYPE_CHECKING:
@@ -80,6 +81,9 @@ class WorkerConfig:
     # The harness when the worker is not given an Agent: a name of swe_grpo.agents.AGENTS, or a class of one's
     # own as "package.module:Class" (imported where the rollouts run).
     agent: str = "pi"
+    # A tool-call layout of one's own for a family no built-in layout reads, as "package.module:Class"
+    # (`swe_grpo.tokens.layouts`, docs/models.md), imported where the rollouts are served; None: the built-in ones.
+    tool_call_layout: str | None = None
     # What the backend the worker is given by name is built with (`make_backend(name, **sandbox_options)`, in each
     # rollout host), e.g. {"accept_network": True} for `hf`, whose grading sandboxes are otherwise refused.
     sandbox_options: Mapping[str, Any] = field(default_factory=dict)
@@ -111,6 +115,8 @@ class WorkerConfig:
         if self.task_sampling not in TASK_SAMPLING:
             raise ValueError(f"unknown task_sampling {self.task_sampling!r}: choose one of {', '.join(TASK_SAMPLING)}")
         check_choice(self.agent, AGENTS, "agent")
+        if self.tool_call_layout is not None:
+            load_layout(self.tool_call_layout)  # refused here, by name, not in every rollout host
         if self.reward_mode not in REWARD_MODES:
             raise ValueError(f"unknown reward_mode {self.reward_mode!r}: choose one of {', '.join(REWARD_MODES)}")
         self._check_eval()

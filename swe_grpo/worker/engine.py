@@ -221,6 +221,7 @@ class RolloutEngine:
             model_name=self.model,
             sampling=c.sampling_params(),
             chat_template_kwargs=dict(c.chat_template_kwargs),
+            tool_call_layout=c.tool_call_layout,
             host=c.host,
             port=c.port,
             public_base_url=c.public_base_url,
