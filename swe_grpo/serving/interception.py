@@ -63,7 +63,7 @@ from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
 from swe_grpo.serving.handle import RolloutHandle, SessionOps, Socket
-from swe_grpo.serving.limits import ConnectionBudget, Listener, Rate, ServingLimits, return_big_buffers
+from swe_grpo.serving.limits import BodyShare, ConnectionBudget, Listener, Rate, ServingLimits, return_big_buffers
 from swe_grpo.serving.openai_wire import Answer, APIError, errors_as_json, json_response, read_body, stream_mode
 from swe_grpo.serving.session import RolloutRecord, RolloutSession
 from swe_grpo.serving.turn import TurnTransaction, bulk_executor, requested_sampling
@@ -132,6 +132,7 @@ class InterceptionServer:
         # Each connection's request rate, gone with its transport; and the rate of requests without a valid token.
         self._connection_rates: weakref.WeakKeyDictionary[asyncio.BaseTransport, Rate] = weakref.WeakKeyDictionary()
         self._unauthorized = Rate(limits.unauthorized_per_s, limits.unauthorized_burst)
+        self._bodies = BodyShare(limits)  # the bytes big bodies being read together may take
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -370,7 +371,8 @@ class InterceptionServer:
                 rollout.serving = me
                 turn_index = len(rollout.chain.turns)
                 try:
-                    body, size = await read_body(request, self.limits.max_request_bytes, self.limits.body_timeout_s)
+                    async with self._bodies.reading(request.content_length):
+                        body, size = await read_body(request, self.limits.max_request_bytes, self.limits.body_timeout_s)
                     stream, include_usage = stream_mode(body)
                     params = requested_sampling(body, rollout.sampling)
                 except APIError as e:  # still the rollout's request: recorded like any refused turn
@@ -381,7 +383,7 @@ class InterceptionServer:
                     return web.Response(status=499, reason="Client Closed Request")
                 answer = Answer(request, stream, include_usage, rollout.endpoint.model)
                 turn = TurnTransaction(
-                    rollout, answer, self.generator, self.parser, self.policy, self.keepalive_s, self._bulk
+                    rollout, answer, self.generator, self.parser, self.policy, self.keepalive_s, self._bulk, self.limits
                 )
                 try:
                     return await turn.run(body, size, params)
