@@ -10,6 +10,9 @@ records from the TokenChain, the reward, and an outcome with its provenance:
                        repository: the task's (or the host's) failure, the agent never ran   reward None
     context_overflow   the conversation outgrew the model's context: after the policy's first turn reward 0.0,
                        the task's first prompt alone (before it)                         reward None
+    budget_exceeded    the policy's conversations would have taken the rollout past its caps of training rows or
+                       tokens (`ServingLimits.rollout_rows`, `rollout_tokens`: a new conversation each request);
+                       after its first turn reward 0.0, the task's first prompt alone   reward None
     agent_stalled      after the policy's first turn, no model request within the stall limit  reward 0.0
     agent_timeout      after the policy's first turn, the agent's wall-clock limit         reward 0.0
     agent_crashed      after the policy's first turn, the agent exited with a status that is neither 0, 1
@@ -241,10 +244,13 @@ def outcome_before_grading(
         return "resource_exhausted", 0.0, f"the agent ran its sandbox out of {exhausted} (its {exhausted} limit)"
     code, tail = agent.exit_code, agent.stderr_tail[-500:]
     overflow = next((e.message for e in errors if e.kind == "context_overflow"), None)
+    over_budget = next((e.message for e in errors if e.kind == "rollout_budget"), None)
     infra = [e for e in errors if e.kind in _INFRA_REQUEST_ERRORS]
     if turns == 0:  # the policy had not said anything yet: nothing that happened can be its doing
         if overflow is not None:
             return "context_overflow", None, f"the task's first prompt does not fit the context: {overflow}"
+        if over_budget is not None:
+            return "budget_exceeded", None, f"the task's first prompt is over the rollout's caps: {over_budget}"
         if infra:
             return "infra_error", None, f"generation failed: {infra[-1].kind}: {infra[-1].message}"
         if agent.stalled:
@@ -256,6 +262,8 @@ def outcome_before_grading(
         return "infra_error", None, f"generation failed: {infra[-1].kind}: {infra[-1].message}"
     if overflow is not None:
         return "context_overflow", 0.0, overflow
+    if over_budget is not None:
+        return "budget_exceeded", 0.0, over_budget
     if agent.stalled:
         return "agent_stalled", 0.0, "agent stalled: no model request within the stall limit"
     if agent.timed_out:

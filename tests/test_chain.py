@@ -210,6 +210,7 @@ def test_a_retried_request_replaces_the_turn_it_repeats(retried_turn: int) -> No
     prepared = d.chain.prepare(request["messages"], request["tools"])
     assert prepared.replaces and prepared.prompt_ids == d.sent[-1]
     assert prepared.fork == (before_retried.kind == "fork")
+    assert d.chain.size_after(prepared) == (1, len(d.sent[-1]))  # what the chain holds once the turn is replaced
     output = scripted_output(d.template, normalize_message(REPLIES[3]))
     record = d.chain.commit(prepared, output, [-0.5] * len(output), 9, {"role": "assistant", "content": "x"}, "stop")
     assert record.retries == 1 and record.turn == retried_turn and record.kind == before_retried.kind
@@ -242,6 +243,7 @@ def test_a_retried_fork_replaces_the_forked_row() -> None:
     request["messages"] = request["messages"][:2]
     prepared = d.chain.prepare(request["messages"], request["tools"])
     assert prepared.replaces and prepared.fork
+    assert d.chain.size_after(prepared) == (2, len(first_row.input_ids) + len(prepared.prompt_ids))
     d.chain.commit(prepared, [1, 2], [-1.0, -1.0], 0, {"role": "assistant", "content": "y"}, "stop")
     assert len(d.chain.rows) == 2 and d.chain.rows[0] == first_row
     assert d.chain.rows[1].input_ids.tolist() == [*prepared.prompt_ids, 1, 2]

@@ -439,3 +439,15 @@ async def test_a_patch_of_ten_million_lines_is_refused_before_parsing_and_stalls
     # neighbour. So: 99 % within 100 ms, none near the seconds the parse took.
     latencies = sorted(neighbour.latencies)
     assert len(latencies) > 10 and latencies[len(latencies) * 99 // 100] < 0.1 and latencies[-1] < 1.0, latencies[-5:]
+
+
+def test_a_rollout_over_its_rows_or_tokens_cap_is_the_policys_outcome() -> None:
+    """The server refuses a rollout's request past its rows or tokens cap (`ServingLimits.rollout_rows`,
+    `rollout_tokens`; recorded `rollout_budget`): once the policy has spoken that is its doing, reward 0, whatever
+    the agent did next; before its first turn (the task's first prompt alone over the cap) it is not."""
+    over = RequestError("rollout_budget", "the rollout holds 64 training rows, its cap", 5, 0.0)
+    for ran in (finished(0), finished(1), finished(3)):
+        decided = outcome_before_grading(ran, [over], turns=5, exhausted=None, unpatchable=None)
+        assert decided is not None and decided[:2] == ("budget_exceeded", 0.0), decided
+    decided = outcome_before_grading(finished(1), [over], turns=0, exhausted=None, unpatchable=None)
+    assert decided is not None and decided[1] is None, decided

@@ -476,3 +476,88 @@ async def test_a_flood_of_pipelined_gets_is_held_to_a_rate_per_connection_and_ro
     assert answered <= allowed, (answered, allowed)
     assert cpu < elapsed / 4, (cpu, elapsed)
     assert busy < quiet + 0.01, (quiet, busy)
+
+
+@pytest.mark.parametrize("cap", ["rows", "tokens"])
+async def test_a_rollout_that_sends_a_new_conversation_each_request_is_capped(http, cap: str) -> None:
+    """Each request a different conversation (a fork: a new training row rendered whole): 19 a second of ~100 kB
+    built 799 rows and 21.2 M tokens in 45 s, all held in the server and shipped to the trainer. Now a rollout
+    holds at most `rollout_rows` rows and `rollout_tokens` tokens: a request that would take it past either is
+    refused (400 `rollout_budget_exceeded`, no generation), recorded `rollout_budget`, and the rollout's rows stay
+    within the caps (the rollout is then `budget_exceeded`, reward 0: `swe_grpo.rollout`); another rollout is
+    served as before."""
+    padding = "lorem ipsum " * 400  # a few thousand tokens a conversation
+
+    def conversation(i: int) -> dict[str, Any]:
+        return {"messages": [{"role": "user", "content": f"conversation {i}: {padding}"}], "stream": False}
+
+    async with limited_server() as srv, srv.rollout() as probe:  # one conversation's tokens, as the chain holds them
+        answered = await post_chat(http, probe.endpoint, conversation(0))
+        assert answered.status == 200, await answered.text()
+        answered.release()
+    one = sum(len(row.input_ids) for row in probe.record.rows)
+    limits = replace(LIMITS, rollout_rows=4) if cap == "rows" else replace(LIMITS, rollout_tokens=int(2.5 * one))
+    kept = 4 if cap == "rows" else 2
+    async with limited_server(limits) as srv, srv.rollout() as handle, srv.rollout() as other:
+        statuses, codes = [], []
+        for i in range(kept + 3):
+            async with await post_chat(http, handle.endpoint, conversation(i)) as r:
+                statuses.append(r.status)
+                codes.append((await r.json())["error"]["code"] if r.status != 200 else None)
+        victim_s = await served(http, srv, other.endpoint)
+    record = handle.record
+    assert statuses == [200] * kept + [400] * 3, statuses
+    assert codes[kept:] == ["rollout_budget_exceeded"] * 3, codes
+    assert len(record.rows) == kept and sum(len(row.input_ids) for row in record.rows) <= limits.rollout_tokens
+    assert [e.kind for e in record.errors] == ["rollout_budget"] * 3
+    assert victim_s < 1.0
+
+
+async def test_big_bodies_from_many_rollouts_at_once_hold_the_servers_share(http) -> None:
+    """Six rollouts each streaming a body past the cap at once: a rollout holds at most one body, but six of them
+    held six (P9's big_bodies from six sandboxes: RSS +292 MiB against a bound of +160). Now a body not announced
+    within `own_body_bytes` is read only within the server's `shared_body_bytes` for all such bodies together (one
+    of unknown length counts as `max_request_bytes`): the others wait, unread, in their connections, memory grows
+    by about that share (a body being read takes up to twice its size: aiohttp's buffer grows as it comes), and a
+    rollout's small request is read without waiting. Here the share is one capped body: six were read at once."""
+    limits = replace(LIMITS, shared_body_bytes=LIMITS.max_request_bytes)
+    chunk = b"4000\r\n" + b"x" * 0x4000 + b"\r\n"  # 16 KiB chunks
+    async with contextlib.AsyncExitStack() as stack:
+        srv = await stack.enter_async_context(limited_server(limits))
+        attackers = [(await stack.enter_async_context(srv.rollout())).endpoint for _ in range(6)]
+        victim = (await stack.enter_async_context(srv.rollout())).endpoint
+        process = psutil.Process()
+        gc.collect()
+        before, peak = process.memory_info().rss, 0
+
+        async def stream(endpoint: RolloutEndpoint) -> bytes:
+            """Stream twice the cap, chunked, until the server answers; its answer."""
+            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            writer.write(head(endpoint, None))
+            reply = asyncio.create_task(reader.read(100))
+            with contextlib.suppress(ConnectionError):
+                for _ in range(2 * limits.max_request_bytes // 0x4000):
+                    if reply.done():
+                        break
+                    writer.write(chunk)
+                    await writer.drain()
+            try:
+                return await reply
+            finally:
+                writer.close()
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, process.memory_info().rss)
+                await asyncio.sleep(0.01)
+
+        watching = asyncio.create_task(watch())
+        streams = [asyncio.create_task(stream(endpoint)) for endpoint in attackers]
+        await asyncio.sleep(0.3)
+        victim_s = await served(http, srv, victim)
+        replies = await asyncio.gather(*streams)
+        watching.cancel()
+    assert [r[:12] for r in replies] == [b"HTTP/1.1 413"] * 6, replies
+    assert peak - before < 3 * limits.shared_body_bytes, (peak - before) / MIB
+    assert victim_s < 1.0

@@ -72,7 +72,7 @@ from transformers import PreTrainedTokenizerBase
 from swe_grpo.serving import dialects
 from swe_grpo.serving.dialects import Dialect
 from swe_grpo.serving.handle import RolloutHandle, SessionOps, Socket
-from swe_grpo.serving.limits import ConnectionBudget, Listener, Rate, ServingLimits, return_big_buffers
+from swe_grpo.serving.limits import BodyShare, ConnectionBudget, Listener, Rate, ServingLimits, return_big_buffers
 from swe_grpo.serving.openai_wire import Answer, APIError, errors_as, json_response, read_body, stream_mode
 from swe_grpo.serving.session import RolloutRecord, RolloutSession
 from swe_grpo.serving.turn import TurnTransaction, bulk_executor, requested_sampling
@@ -146,6 +146,7 @@ class InterceptionServer:
         # Each connection's request rate, gone with its transport; and the rate of requests without a valid token.
         self._connection_rates: weakref.WeakKeyDictionary[asyncio.BaseTransport, Rate] = weakref.WeakKeyDictionary()
         self._unauthorized = Rate(limits.unauthorized_per_s, limits.unauthorized_burst)
+        self._bodies = BodyShare(limits)  # the bytes big bodies being read together may take
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -401,7 +402,8 @@ class InterceptionServer:
             rollout.last_activity = self.last_request_at = time.monotonic()
             turn_index = len(rollout.chain.turns)
             try:
-                body, _ = await read_body(request, self.limits.max_request_bytes, self.limits.body_timeout_s)
+                async with self._bodies.reading(request.content_length):
+                    body, _ = await read_body(request, self.limits.max_request_bytes, self.limits.body_timeout_s)
                 chat = dialects.MESSAGES.to_chat(body)
                 prepare = functools.partial(rollout.chain.prepare, chat["messages"], chat.get("tools"))
                 turn = await asyncio.get_running_loop().run_in_executor(self._bulk, prepare)
@@ -430,7 +432,8 @@ class InterceptionServer:
                 rollout.serving = me
                 turn_index = len(rollout.chain.turns)
                 try:
-                    body, size = await read_body(request, self.limits.max_request_bytes, self.limits.body_timeout_s)
+                    async with self._bodies.reading(request.content_length):
+                        body, size = await read_body(request, self.limits.max_request_bytes, self.limits.body_timeout_s)
                     body = dialect.to_chat(body)
                     stream, include_usage = stream_mode(body)
                     params = requested_sampling(body, rollout.sampling)
@@ -443,7 +446,7 @@ class InterceptionServer:
                 model = rollout.endpoint.model
                 answer = Answer(request, stream, include_usage, model, dialect.wire(model, include_usage))
                 turn = TurnTransaction(
-                    rollout, answer, self.generator, self.parser, self.policy, self.keepalive_s, self._bulk
+                    rollout, answer, self.generator, self.parser, self.policy, self.keepalive_s, self._bulk, self.limits
                 )
                 try:
                     return await turn.run(body, size, params)

@@ -27,6 +27,17 @@ brackets):
   window holds] plus its waiting connections' read buffers (aiohttp stops reading a connection whose buffered
   body passes 2 x 64 KiB). And a freed body goes back to the system (`return_big_buffers`; not in a process that
   trains).
+- bytes across rollouts: a body announced (Content-Length) within `own_body_bytes` [4 MiB: more than an agent's
+  requests bring] is read at once; any other (bigger, or chunked: counted as `max_request_bytes`) is read only
+  within `shared_body_bytes` [64 MiB] for all such bodies being read together (`BodyShare`), and waits, unread in
+  its connection, for its turn: six rollouts each streaming a 31 MiB body at once moved the server's RSS by +292
+  MiB, each rollout within its own bound. A big body waits at most for the others' `body_timeout_s`.
+- training data: a rollout holds at most `rollout_rows` [64] training rows and `rollout_tokens` [2 Mi] tokens in
+  them (13 bytes a token, held until the rollout is trained on). A request that would take it past either (counting
+  the reply's `max_tokens`) is refused, 400 `rollout_budget_exceeded`, before any generation, and recorded
+  `rollout_budget`: the rollout is then `budget_exceeded`, reward 0 (`swe_grpo.rollout`: the policy's doing). An
+  agent extends one conversation, a row, to at most the context window, and starts a new one (a fork) rarely:
+  each request a different conversation of ~100 kB, 19 a second, built 799 rows and 21.2 M tokens in 45 s.
 - rate: every request, on every route, is held (`Rate`), before anything of it is read but its head, to
   `connection_requests_per_s` [20] a second on its connection (bursts of `connection_request_burst` [20]); one
   that carries its rollout's token also to `rollout_requests_per_s` [20] a second for its rollout (bursts of
@@ -51,7 +62,7 @@ import resource
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -66,6 +77,8 @@ class ServingLimits:
     """The InterceptionServer's bounds (see the module docstring)."""
 
     max_request_bytes: int = 32 * 1024**2
+    own_body_bytes: int = 4 * 1024**2
+    shared_body_bytes: int = 64 * 1024**2
     door_connections: int = 8
     door_accepts_per_s: float = 20.0
     tcp_connections: int = 512
@@ -75,6 +88,8 @@ class ServingLimits:
     body_timeout_s: float = 60.0
     rollout_requests_per_s: float = 20.0
     rollout_request_burst: int = 20
+    rollout_rows: int = 64
+    rollout_tokens: int = 2 * 1024**2
     connection_requests_per_s: float = 20.0
     connection_request_burst: int = 20
     unauthorized_per_s: float = 20.0
@@ -124,6 +139,34 @@ def pin_mmap_threshold() -> bool:
     with contextlib.suppress(OSError, AttributeError, TypeError):
         return ctypes.CDLL(name).mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
     return False
+
+
+class BodyShare:
+    """The bytes all rollouts' big request bodies being read together may take (see the module docstring)."""
+
+    def __init__(self, limits: ServingLimits):
+        self._limits = limits
+        self.used = 0
+        self._freed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def reading(self, announced: int | None) -> AsyncIterator[None]:
+        """Hold the block (the body's reading) until the body, of `announced` bytes (None: chunked), fits the
+        share; a small one, or one refused unread over `max_request_bytes`, does not wait."""
+        limits = self._limits
+        if announced is not None and (announced <= limits.own_body_bytes or announced > limits.max_request_bytes):
+            yield
+            return
+        size = min(limits.shared_body_bytes, limits.max_request_bytes if announced is None else announced)
+        async with self._freed:
+            await self._freed.wait_for(lambda: self.used + size <= limits.shared_body_bytes)
+            self.used += size
+        try:
+            yield
+        finally:
+            async with self._freed:
+                self.used -= size
+                self._freed.notify_all()
 
 
 class _Refused(asyncio.Protocol):

@@ -21,8 +21,9 @@
   (`TurnRecord.retries`). A reply the agent never received is never trained on.
 
 Every failure is recorded on the rollout as a named `RequestError` and raised as an `APIError` (bad messages or a
-template refusal 400, context overflow 400 `context_length_exceeded`, backend unavailable 503, backend error 502,
-rollout closed meanwhile 410), with the chain unchanged; the caller answers it through the `Answer`.
+template refusal 400, a turn past the rollout's caps of rows or tokens 400 `rollout_budget_exceeded`, context
+overflow 400 `context_length_exceeded`, backend unavailable 503, backend error 502, rollout closed meanwhile 410),
+with the chain unchanged; the caller answers it through the `Answer`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any
 
 from aiohttp import web
 
+from swe_grpo.serving.limits import ServingLimits
 from swe_grpo.serving.openai_wire import Answer, APIError
 from swe_grpo.serving.session import RolloutSession
 from swe_grpo.serving.vllm_client import (
@@ -94,6 +96,7 @@ class TurnTransaction:
     policy: Callable[[], Policy]
     keepalive_s: float
     bulk: Executor | None
+    limits: ServingLimits
 
     async def run(self, body: dict[str, Any], size: int, params: SamplingParams) -> web.StreamResponse:
         """Serve the request `body` (`size` bytes): nothing reaches the chain until the reply was delivered."""
@@ -101,6 +104,7 @@ class TurnTransaction:
         chain = rollout.chain
         turn_index = len(chain.turns)
         turn = await self._prepare(body, size)
+        self._check_budget(turn, params)
         await answer.start(len(turn.prompt_ids))
         policy = self.policy()
         params = replace(params, stop_token_ids=chain.template.stop_token_ids)  # every token that ends a turn
@@ -133,6 +137,20 @@ class TurnTransaction:
         except MessageFormatError as e:
             rollout.record_error("bad_request", str(e), len(chain.turns))
             raise APIError(400, str(e)) from None
+
+    def _check_budget(self, turn: PreparedTurn, params: SamplingParams) -> None:
+        """Refuse `turn` if, committed with a reply of `params.max_tokens`, it would take the rollout past its caps
+        of training rows or tokens (`swe_grpo.serving.limits`)."""
+        rows, tokens = self.rollout.chain.size_after(turn)
+        tokens += params.max_tokens or 0
+        limits = self.limits
+        if rows > limits.rollout_rows or tokens > limits.rollout_tokens:
+            message = (
+                f"this request would make the rollout hold {rows} training rows of {tokens} tokens: its caps are "
+                f"{limits.rollout_rows} rows and {limits.rollout_tokens} tokens"
+            )
+            self.rollout.record_error("rollout_budget", message, len(self.rollout.chain.turns))
+            raise APIError(400, message, code="rollout_budget_exceeded", retry=False)
 
     async def _generate(self, turn: PreparedTurn, params: SamplingParams, model: str | None) -> Generation | None:
         """The generation for `turn`, keeping the agent's connection alive meanwhile; None when the agent

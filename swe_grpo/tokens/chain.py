@@ -268,6 +268,17 @@ class TokenChain:
             replaces=True,
         )
 
+    def size_after(self, turn: PreparedTurn) -> tuple[int, int]:
+        """The rows and the tokens the chain would hold with `turn` committed, its output not counted (for a cap on
+        what one rollout may hold: `swe_grpo.serving.limits`)."""
+        rows, tokens = len(self.rows), sum(len(row.input_ids) for row in self.rows)
+        if turn.replaces and self._undo is not None:  # the last committed turn is taken back first
+            last = len(self.rows[-1].input_ids)
+            rows, tokens = (
+                (rows - 1, tokens - last) if self._undo.new_row else (rows, tokens - last + self._undo.length)
+            )
+        return rows + (turn.fork or rows == 0), tokens + len(turn.new_ids)
+
     def reply_message(self, turn: PreparedTurn, message: Message) -> Message:
         """`message` (the assistant reply to `turn`) as the chain will hold it: normalised, and rendered by
         the training template as the next turn's interstitial will render it. Raises MessageFormatError
