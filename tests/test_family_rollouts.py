@@ -7,7 +7,8 @@ ids the family's template writes for the reply (`forced_ids_grammar`), reasoning
 GLM's think block, Gemma 4's thought channel). They are real vLLM generations with the log-probs vLLM reports; the
 test chooses what they say. The first turn calls `edit` with the gold fix in the family's own call layout, Pi carries
 it out, the second answers `Done.`, and the tests grade the patch. Each family's turn ends with its own token, and
-those tokens are what every request stops at, what the interstitial starts after and what the mask trains.
+those tokens are what every request stops at, what the interstitial starts after and what the mask trains. Another
+test lets the random model write freely, through the same server.
 """
 
 from __future__ import annotations
@@ -106,3 +107,17 @@ async def test_family_rollout_is_exact_and_graded(family_vllm: FamilyServer, pi_
     expected = template.render(history, tools, generation_prompt=True)
     assert tokenizer.decode(row.input_ids[: second.prompt_tokens]) == expected
     assert tokenizer.convert_ids_to_tokens(row.input_ids[-1]) == plain_end and row.completion_mask[-1] == 1
+
+
+async def test_family_free_generation_through_pi(family_vllm: FamilyServer, pi_bundle, run_dir, tmp_path: Path):
+    """The random model unguided: whatever it writes (the family's special tokens anywhere, cut calls, no end token
+    before `max_tokens`) reaches Pi as a reply and the rows stay exactly what vLLM generated and was sent."""
+    name, tokenizer = family_vllm.template, family_vllm.tokenizer
+    task = next(t for t in demo_tasks() if t.instance_id == "swe-grpo-demo__strutil-1")
+    backend = LocalBackend(cache_dir=tmp_path / "checkouts", run_dir=run_dir)
+    async with RecordingClient(family_vllm.server.url, SERVED_NAME) as client:
+        trajectory, server = await rollout(client, tokenizer, backend, task, pi_bundle)
+    assert trajectory.outcome == "unresolved" and trajectory.reward == 0.0, (trajectory.error, trajectory.agent)
+    assert trajectory.request_errors == [] and server.open_rollouts == 0
+    assert all(set(tokenizer.convert_ids_to_tokens(e.stop_token_ids)) == STOPS[name] for e in client.exchanges)
+    assert_rows_are_exactly_what_vllm_saw(trajectory, client.exchanges)
