@@ -107,3 +107,16 @@ def test_the_workers_layout_reaches_the_parser_of_every_rollout(tmp_path: Path, 
     assert server.parser.layout == "Hermes"
     with pytest.raises(ValueError, match=r"no layout reads back \(\{'Blind': \[\]\}\)"):
         InterceptionServer(None, tiny_tokenizer("qwen3"), tool_call_layout="my_layouts:Blind")  # type: ignore[arg-type]
+
+
+def test_end_tokens_are_told_where_a_reply_needs_reasoning(tmp_path: Path) -> None:
+    """Nemotron 3 with thinking on: a reply starts inside the think block the generation prompt opened, so the end
+    tokens are found on replies written with reasoning (they were missing from the report before)."""
+    from swe_grpo.tokens.model_check import check_model
+
+    tiny_tokenizer("nemotron_3_nano").save_pretrained(tmp_path / "nemotron")
+    report = check_model(str(tmp_path / "nemotron"))
+    assert report.refused is None
+    assert report.end_tokens == [
+        ("<|im_end|>", "closes a plain reply: the turn's last token; closes a tool call: the turn's last token")
+    ]

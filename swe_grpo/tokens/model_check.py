@@ -96,7 +96,7 @@ def _end_token_reasons(template: TrainingTemplate) -> list[tuple[str, str]]:
     for kind, reply in (("a plain reply", {"role": "assistant", "content": "x"}),
                         ("a tool call", {"role": "assistant", "content": "", "tool_calls": [_CALL]})):  # fmt: skip
         try:
-            written = template.reply_text(reply, _TOOLS)
+            reply, written = _written(template, reply)
             turn = template.render([user, reply], _TOOLS).rstrip()
         except ValueError:
             continue
@@ -107,12 +107,14 @@ def _end_token_reasons(template: TrainingTemplate) -> list[tuple[str, str]]:
     return [(token, "; ".join(why)) for token, why in reasons.items()]
 
 
-def _written(template: TrainingTemplate, reply: dict[str, Any]) -> str:
-    """What the model writes for `reply`; with reasoning where the generation prompt opens a think block."""
+def _written(template: TrainingTemplate, reply: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """`reply` as the model writes it, and its text: with reasoning where the generation prompt opens a think block
+    that a reply without reasoning does not (Nemotron 3)."""
     try:
-        return template.reply_text(reply, _TOOLS)
+        return reply, template.reply_text(reply, _TOOLS)
     except ValueError:
-        return template.reply_text({**reply, "reasoning_content": "Checking."}, _TOOLS)
+        reply = {**reply, "reasoning_content": "Checking."}
+        return reply, template.reply_text(reply, _TOOLS)
 
 
 def _round_trip(template: TrainingTemplate, parser: ResponseParser) -> list[str]:
@@ -120,7 +122,7 @@ def _round_trip(template: TrainingTemplate, parser: ResponseParser) -> list[str]
     chain = TokenChain(template)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Fix the parser."}]
     turn = chain.prepare(messages, _TOOLS)
-    ids = template.encode(_written(template, {"role": "assistant", "content": "", "tool_calls": [_CALL]}))
+    ids = template.encode(_written(template, {"role": "assistant", "content": "", "tool_calls": [_CALL]})[1])
     parsed = parser.parse(ids, turn.prompt_ids, "stop", _TOOLS)
     read = [
         (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.message.get("tool_calls", [])
@@ -139,7 +141,7 @@ def _round_trip(template: TrainingTemplate, parser: ResponseParser) -> list[str]
             f"({'a fork' if turn.fork else 'the bridge differs from a fresh render'})"
         )
     steps.append(f"the next prompt extends the held tokens and equals a fresh render (+{len(turn.new_ids)} tokens)")
-    ids = template.encode(_written(template, {"role": "assistant", "content": _ANSWER}))
+    ids = template.encode(_written(template, {"role": "assistant", "content": _ANSWER})[1])
     answer = parser.parse(ids, turn.prompt_ids, "stop", _TOOLS).message
     if answer.get("tool_calls") or answer["content"] != _ANSWER:
         raise RoundTripError(f"a final answer reads back as {answer!r}")
