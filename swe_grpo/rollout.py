@@ -14,7 +14,8 @@ records from the TokenChain, the reward, and an outcome with its provenance:
                        tokens (`ServingLimits.rollout_rows`, `rollout_tokens`: a new conversation each request);
                        after its first turn reward 0.0, the task's first prompt alone   reward None
     agent_stalled      after the policy's first turn, no model request within the stall limit  reward 0.0
-    agent_timeout      after the policy's first turn, the agent's wall-clock limit         reward 0.0
+    agent_timeout      after the policy's first turn, the agent's wall-clock limit, its waits for generations
+                       left out (a slow vLLM is the host's: `RolloutView.waiting_s`)   reward 0.0
     agent_crashed      after the policy's first turn, the agent exited with a status that is neither 0, 1
                        nor a signal's (a crash, `process.exit(3)` reached through Node's inspector)  reward 0.0
     timeout            the agent stalled or hit its limit before its first model request was served, grading
@@ -329,6 +330,7 @@ async def run_rollout(
                             config.agent,
                             session.last_activity,
                             door=door,
+                            waiting_s=session.waiting_s,
                         )
                         timings["agent"] = ran.wall_s
                         abandoned = session.in_flight()

@@ -643,6 +643,21 @@ async def test_a_client_that_disconnects_before_its_reply_leaves_no_turn() -> No
     assert [e.kind for e in record.errors] == ["client_disconnected"] * 2
 
 
+async def test_a_handle_counts_the_time_its_agent_waits_for_generations(http) -> None:
+    """`waiting_s()` is what the agent's wall clock leaves out (`swe_grpo.agents.base.run_launch`): the rollout's
+    generations, the one in flight included, and nothing before its first request."""
+    generator = ScriptedGenerator.texts(training("qwen3"), ["Done.<|im_end|>"], delay_s=1.0)
+    async with stub_server("qwen3", generator) as srv, srv.rollout() as handle:
+        assert handle.waiting_s() == 0.0
+        request = asyncio.ensure_future(read_chat(http, handle.endpoint, PiConversation().request(stream=False)))
+        await asyncio.sleep(0.5)
+        midway = handle.waiting_s()
+        await request
+        after = handle.waiting_s()
+        await asyncio.sleep(0.3)
+        assert 0.2 < midway < after and 1.0 <= after == handle.waiting_s(), (midway, after)
+
+
 async def test_headers_at_once_and_keepalives_during_a_long_generation(http) -> None:
     """Pi 1.x abandons a request after 300 s without response headers and sends it again; the server sends
     headers before generating, then an SSE comment every `keepalive_s` until the answer."""
@@ -753,6 +768,7 @@ async def test_both_servers_give_the_handle_run_rollout_needs(tokenizer) -> None
         async with server.rollout() as handle:
             assert isinstance(handle, RolloutView), type(handle)
             assert not handle.in_flight() and handle.oldest_version() is None and handle.record is None
+            assert handle.waiting_s() == 0.0
         assert handle.record is not None and handle.record.rollout_id == handle.endpoint.rollout_id
         with pytest.raises(RuntimeError, match="used once"):
             async with handle:

@@ -451,3 +451,25 @@ def test_a_rollout_over_its_rows_or_tokens_cap_is_the_policys_outcome() -> None:
         assert decided is not None and decided[:2] == ("budget_exceeded", 0.0), decided
     decided = outcome_before_grading(finished(1), [over], turns=0, exhausted=None, unpatchable=None)
     assert decided is not None and decided[1] is None, decided
+
+
+async def test_the_time_an_agent_waits_for_generations_is_not_on_its_clock(backend: SandboxBackend, task: Task) -> None:
+    """A slow vLLM is the host's, not the policy's: the agent's wall-clock limit counted the time it waited for its
+    replies, so a slow server turned into `agent_timeout`, reward 0. Its clock now leaves out `waiting_s()` (the
+    rollout's generations: `RolloutView.waiting_s`): an agent that ran 3 s under a 2 s limit, all but 0.5 s of it
+    waiting, finishes; the same run with no wait is still ended at its limit."""
+    launch = Launch(argv=["bash", "-c", "sleep 3; echo finished"], env={}, files={}, secret_env="TOKEN")
+    config = AgentConfig(context_window=1024, max_tokens=16, timeout_s=2)
+    async with await backend.create(task) as sandbox:
+        started = time.monotonic()
+        waited = await run_launch(
+            sandbox,
+            launch,
+            "secret",
+            config,
+            time.monotonic,
+            waiting_s=lambda: max(0.0, time.monotonic() - started - 0.5),
+        )
+        own = await run_launch(sandbox, launch, "secret", config, time.monotonic)
+    assert waited.exit_code == 0 and not waited.timed_out and "finished" in waited.stdout_tail, waited
+    assert own.timed_out and "finished" not in own.stdout_tail, own

@@ -25,16 +25,20 @@ from swe_grpo.types import RolloutEndpoint
 
 #: How much of an agent's stdout and stderr an `AgentResult` keeps (the end).
 TAIL_CHARS = 4000
+#: With its waits for the server left out of its clock, an agent's run still ends at this many times its
+#: wall-clock limit: a backstop for a server that never answers (the worker's rollout limit, shorter, ends such a
+#: rollout first, as the host's `timeout`).
+WAIT_BACKSTOP = 4
 
 
 @dataclass(frozen=True)
 class AgentConfig:
     """Limits of one agent run. `context_window` / `max_tokens`: what the agent is told about the model;
-    `timeout_s`: wall-clock limit; `stall_timeout_s`: how long the agent may go without a model request
-    being made or served; `max_retries`: how often it retries a failed model request; `command_timeout_s`:
-    how long one command of the agent's shell tool may run before the harness kills it and the agent goes
-    on (the model sees it fail): keep it under `stall_timeout_s`, or a long command ends the whole run as
-    stalled first."""
+    `timeout_s`: wall-clock limit (the agent's own time: `run_agent` leaves its waits for generations out);
+    `stall_timeout_s`: how long the agent may go without a model request being made or served; `max_retries`:
+    how often it retries a failed model request; `command_timeout_s`: how long one command of the agent's shell
+    tool may run before the harness kills it and the agent goes on (the model sees it fail): keep it under
+    `stall_timeout_s`, or a long command ends the whole run as stalled first."""
 
     context_window: int
     max_tokens: int
@@ -96,13 +100,16 @@ async def run_agent(
     config: AgentConfig,
     last_activity: Callable[[], float],
     door: Door | None = None,
+    waiting_s: Callable[[], float] | None = None,
 ) -> AgentResult:
     """Run `agent` on `problem_statement` in `sandbox` (which mounts `agent.mount()`, and `door.mount()` with a
-    door) against `endpoint`, until it exits, `config.timeout_s` passes, or `last_activity()` (a `time.monotonic()`
-    stamp of the rollout's latest model request, made or being served: `RolloutView.last_activity`) is older than
-    `config.stall_timeout_s`. See `Agent` for what it guarantees."""
+    door) against `endpoint`, until it exits, `config.timeout_s` of its own time passes (its wall clock less
+    `waiting_s()`, the seconds it waited for generations: `RolloutView.waiting_s`), or `last_activity()` (a
+    `time.monotonic()` stamp of the rollout's latest model request, made or being served:
+    `RolloutView.last_activity`) is older than `config.stall_timeout_s`. A slow vLLM is the host's: neither limit
+    counts the time the agent waits for it. See `Agent` for what it guarantees."""
     launch = agent.launch(sandbox.workdir, behind_door(endpoint, door), problem_statement, config)
-    return await run_launch(sandbox, launch, endpoint.token, config, last_activity, door)
+    return await run_launch(sandbox, launch, endpoint.token, config, last_activity, door, waiting_s)
 
 
 async def run_launch(
@@ -112,22 +119,28 @@ async def run_launch(
     config: AgentConfig,
     last_activity: Callable[[], float],
     door: Door | None = None,
+    waiting_s: Callable[[], float] | None = None,
 ) -> AgentResult:
     """Run `launch` in `sandbox` with `token` in its environment as `launch.secret_env`, behind `door` when given,
-    under the wall-clock limit and the stall watchdog (`run_agent`). The agent's process tree is killed on every
-    path out, cancellation included."""
+    under the wall-clock limit (less `waiting_s()` when given, up to `WAIT_BACKSTOP` times the limit) and the stall
+    watchdog (`run_agent`). The agent's process tree is killed on every path out, cancellation included."""
     for path, data in launch.files.items():
         await sandbox.put_file(path, data)
     argv = door.wrap(launch.argv) if door is not None else launch.argv
     env = {**launch.env, launch.secret_env: token}
     start = time.monotonic()
-    run = asyncio.create_task(sandbox.exec(argv, timeout_s=config.timeout_s, env=env, cwd=sandbox.workdir))
-    stalled = False
+    backstop = config.timeout_s * (WAIT_BACKSTOP if waiting_s is not None else 1)
+    run = asyncio.create_task(sandbox.exec(argv, timeout_s=backstop, env=env, cwd=sandbox.workdir))
+    stalled = timed_out = False
     try:
         while not run.done():
-            await asyncio.wait({run}, timeout=min(5.0, config.stall_timeout_s / 4))
-            if not run.done() and time.monotonic() - max(start, last_activity()) > config.stall_timeout_s:
-                stalled = True
+            await asyncio.wait({run}, timeout=min(5.0, config.stall_timeout_s / 4, config.timeout_s / 4))
+            if run.done():
+                break
+            now = time.monotonic()
+            stalled = now - max(start, last_activity()) > config.stall_timeout_s
+            timed_out = waiting_s is not None and now - start - waiting_s() > config.timeout_s
+            if stalled or timed_out:
                 run.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await run
@@ -137,8 +150,8 @@ async def run_launch(
             with contextlib.suppress(asyncio.CancelledError):
                 await run
     wall_s = time.monotonic() - start
-    if stalled:
-        return AgentResult(None, False, True, wall_s, "", "")
+    if stalled or timed_out:
+        return AgentResult(None, timed_out and not stalled, stalled, wall_s, "", "")
     result = run.result()
     return AgentResult(
         exit_code=result.exit_code,

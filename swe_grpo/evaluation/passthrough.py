@@ -66,6 +66,8 @@ class _Rollout:
     in_flight: int = 0
     generation_s: float = 0.0
     last_activity: float = field(default_factory=time.monotonic)
+    waited_s: float = 0.0  # time with a request of it in flight, the requests before the latest
+    waiting_since: float = 0.0  # when its requests in flight started to be (valid while `in_flight`)
 
     def error(self, kind: str, message: str) -> None:
         self.errors.append(RequestError(kind, message[:1000], len(self.turns), time.time()))
@@ -217,8 +219,10 @@ class PassthroughServer:
             raise
         forwarded = self._forwarded(body, dialect)
         assert self._session is not None, "not started"
-        rollout.in_flight += 1
         start = time.monotonic()
+        if not rollout.in_flight:
+            rollout.waiting_since = start
+        rollout.in_flight += 1
         reply: dict[str, Any] = NOTHING
         status, response = 0, cast(web.StreamResponse | None, None)
         url = f"{self.upstream}/{request.path.rpartition('/v1/')[2]}"
@@ -263,6 +267,8 @@ class PassthroughServer:
         finally:
             rollout.in_flight -= 1
             rollout.last_activity = time.monotonic()
+            if not rollout.in_flight:
+                rollout.waited_s += rollout.last_activity - rollout.waiting_since
             rollout.generation_s += rollout.last_activity - start
             self._log(rollout, forwarded, reply, status)
         usage = reply["usage"] or {}
@@ -323,6 +329,10 @@ class PassthroughRollout:
     def in_flight(self) -> bool:
         """Whether a request of the rollout is being forwarded: a reply its agent has not had."""
         return self._live().in_flight > 0
+
+    def waiting_s(self) -> float:
+        live = self._live()
+        return live.waited_s + (time.monotonic() - live.waiting_since if live.in_flight else 0.0)
 
     def oldest_version(self) -> int | None:
         return None  # no policy versions: nothing here is trained on

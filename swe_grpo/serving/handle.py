@@ -49,6 +49,12 @@ class RolloutView(Protocol):
         """The oldest policy version that produced any of its tokens; None before its first token."""
         ...
 
+    def waiting_s(self) -> float:
+        """Seconds so far that its agent waited for generations (vLLM, however slow), the one in flight included:
+        what the agent's wall clock leaves out (`swe_grpo.agents.base.run_launch`). Not the time its own requests
+        take to arrive, nor their rate's hold: those are the agent's."""
+        ...
+
 
 @runtime_checkable
 class RolloutServer(Protocol):
@@ -118,6 +124,11 @@ class RolloutHandle:
 
     def in_flight(self) -> bool:
         return bool(self._live().pending) and self.record is None
+
+    def waiting_s(self) -> float:
+        session = self._live()
+        since = session.generating_since
+        return session.generation_s + (time.monotonic() - since if since is not None else 0.0)
 
     def oldest_version(self) -> int | None:
         return oldest_version(self.record.rows if self.record is not None else self._live().chain.rows)

@@ -63,6 +63,8 @@ class RolloutSession:
     malformed_tool_calls: int = 0
     generation_s: float = 0.0
     last_activity: float = field(default_factory=time.monotonic)  # the latest request's start or end
+    generating_since: float | None = None  # when the generation in flight started (its time is in `generation_s`
+    # once it ends)
     closed: bool = False
     serving: asyncio.Task | None = None  # the request being served (it holds the lock)
     pending: set[asyncio.Task] = field(default_factory=set)  # its chat requests, being served or waiting

@@ -157,7 +157,7 @@ class TurnTransaction:
         went away (the generation is then abandoned: cancelling it makes vLLM abort the request)."""
         rollout = self.rollout
         turn_index = len(rollout.chain.turns)
-        started = time.monotonic()
+        started = rollout.generating_since = time.monotonic()
         ROUTING_KEY.set(rollout.endpoint.rollout_id)  # the generation task inherits it (VLLMClient.routing_header)
         generating = asyncio.ensure_future(self.generator.generate(turn.prompt_ids, params, model))
         try:
@@ -176,6 +176,7 @@ class TurnTransaction:
             raise APIError(502, f"generation backend error: {e}", "server_error") from None
         finally:
             rollout.generation_s += time.monotonic() - started
+            rollout.generating_since = None
             if not generating.done():
                 generating.cancel()
                 await asyncio.wait({generating})
