@@ -12,6 +12,7 @@ from test_examples import load_train_module, parse
 
 from swe_grpo.agents import AGENTS, make_agent
 from swe_grpo.agents.mini_swe import MINI_MOUNT, MiniSweAgent, MiniSweAgentBundleError
+from swe_grpo.agents.opencode import OPENCODE_MOUNT, OpenCodeAgent
 from swe_grpo.agents.pi import PI_MOUNT, PiAgent
 from swe_grpo.cli import parse_args
 from swe_grpo.worker.config import WorkerConfig
@@ -20,18 +21,18 @@ ROLLOUT = ["rollout", "--tasks", "t.jsonl", "--vllm-url", "http://127.0.0.1:9", 
 
 
 def test_each_agent_is_made_from_its_install_and_mounted_read_only() -> None:
-    pi, mini = (make_agent(name) for name in AGENTS)
-    assert isinstance(pi, PiAgent) and isinstance(mini, MiniSweAgent)
-    mounts = [(a.mount().sandbox_path, a.mount().writable) for a in (pi, mini)]
-    assert mounts == [(PI_MOUNT, False), (MINI_MOUNT, False)]
-    assert [a.name for a in (pi, mini)] == list(AGENTS)  # each registry name is its harness's own name
+    pi, mini, opencode = (make_agent(name) for name in AGENTS)
+    assert isinstance(pi, PiAgent) and isinstance(mini, MiniSweAgent) and isinstance(opencode, OpenCodeAgent)
+    mounts = [(a.mount().sandbox_path, a.mount().writable) for a in (pi, mini, opencode)]
+    assert mounts == [(PI_MOUNT, False), (MINI_MOUNT, False), (OPENCODE_MOUNT, False)]
+    assert [a.name for a in (pi, mini, opencode)] == list(AGENTS)  # each registry name is its harness's own name
 
 
 def test_an_unknown_agent_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="unknown agent 'opencode': choose one of pi, mini-swe-agent"):
-        make_agent("opencode")
-    with pytest.raises(ValueError, match="unknown agent 'opencode'"):
-        WorkerConfig(agent="opencode")
+    with pytest.raises(ValueError, match="unknown agent 'codex': choose one of pi, mini-swe-agent, opencode"):
+        make_agent("codex")
+    with pytest.raises(ValueError, match="unknown agent 'codex'"):
+        WorkerConfig(agent="codex")
     with pytest.raises(SystemExit):
         parse_args([*ROLLOUT, "--agent", "x"])
 

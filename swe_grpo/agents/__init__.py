@@ -1,8 +1,8 @@
-"""Coding-agent harnesses behind one seam (`base.Agent`): Pi (the default) and mini-swe-agent.
+"""Coding-agent harnesses behind one seam (`base.Agent`): Pi (the default), mini-swe-agent and OpenCode.
 
-`make_agent(name)` builds one from its default host install: a name of `AGENTS` (`pi`, `mini-swe-agent`), or
-a harness class of one's own as a dotted path (`mypkg.mod:MyAgent`, built with no arguments, implementing
-`base.Agent`).
+`make_agent(name)` builds one from its default host install: a name of `AGENTS` (`pi`, `mini-swe-agent`,
+`opencode`), or a harness class of one's own as a dotted path (`mypkg.mod:MyAgent`, built with no arguments,
+implementing `base.Agent`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from swe_grpo.plugins import load_choice
 AGENTS = {
     "pi": "swe_grpo.agents.pi:PiAgent",
     "mini-swe-agent": "swe_grpo.agents.mini_swe:MiniSweAgent",
+    "opencode": "swe_grpo.agents.opencode:OpenCodeAgent",
 }
 
 __all__ = ["AGENTS", "Agent", "AgentConfig", "AgentResult", "make_agent"]
