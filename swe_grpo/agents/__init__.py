@@ -7,6 +7,8 @@ implementing `base.Agent`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from swe_grpo.agents.base import Agent, AgentConfig, AgentResult
 from swe_grpo.plugins import load_choice
 
@@ -17,7 +19,7 @@ AGENTS = {
     "opencode": "swe_grpo.agents.opencode:OpenCodeAgent",
 }
 
-__all__ = ["AGENTS", "Agent", "AgentConfig", "AgentResult", "make_agent"]
+__all__ = ["AGENTS", "Agent", "AgentConfig", "AgentResult", "make_agent", "make_agents"]
 
 
 def make_agent(name: str) -> Agent:
@@ -26,3 +28,9 @@ def make_agent(name: str) -> Agent:
     (`swe_grpo.plugins.load_object`), and the harness's bundle error when it is not installed."""
     agent: Agent = load_choice(name, AGENTS, "agent")()
     return agent
+
+
+def make_agents(names: Sequence[str]) -> list[Agent]:
+    """`make_agent` of each name, one harness per distinct name (a name repeated is the same object)."""
+    built = {name: make_agent(name) for name in dict.fromkeys(names)}
+    return [built[name] for name in names]
