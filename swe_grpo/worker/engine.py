@@ -77,9 +77,9 @@ class _Group:
 
 class RolloutEngine:
     """Runs rollouts of `tasks` against the vLLM server at `vllm_url` (base model `model`) in a thread of
-    its own, and puts graded whole groups, metrics and traces to `outlet`, numbering groups from
-    `group_ids`. `sandbox`: a backend name (`local`, `docker`, `hf`) or a `SandboxBackend`; `agent`: by
-    default the one `config.agent` names; `policy`: the policy it starts generating with."""
+    its own, and puts graded whole groups, metrics and traces to `outlet`, numbering groups from `group_ids`.
+    `sandbox`: a backend name (`local`, `docker`, `hf`) or a `SandboxBackend`; `agent`: by default `config.agent`
+    (a mix: each group the next of `agent_schedule()`, held-out eval the first); `policy`: the first policy."""
 
     def __init__(
         self,
@@ -106,7 +106,6 @@ class RolloutEngine:
         self.group_ids = group_ids if group_ids is not None else itertools.count()
         self.config = config or WorkerConfig()
         self.backend = make_backend(sandbox, **self.config.sandbox_options) if isinstance(sandbox, str) else sandbox
-        # One agent, or the config's mix: each group runs the next of `agent_schedule()` (held-out eval: the first).
         schedule = [agent] if agent else make_agents(self.config.agent_schedule())
         self.agent, self._group_agents = schedule[0], itertools.cycle(schedule)
         self._api_key = vllm_api_key
