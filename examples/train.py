@@ -49,7 +49,11 @@ class SWEArguments:
         },
     )
     agent: str = field(
-        default="pi", metadata={"help": "Agent harness: pi, mini-swe-agent, or your own as package.module:Class."}
+        default="pi",
+        metadata={
+            "help": "Agent harness: pi, mini-swe-agent, opencode, or your own as package.module:Class; or a mix, "
+            "one agent per group in turn: pi=2,opencode=1."
+        },
     )
     served_model_name: str | None = field(
         default=None, metadata={"help": "Name vLLM serves the base model under (default: model_name_or_path)."}

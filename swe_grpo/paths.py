@@ -24,3 +24,9 @@ def mini_swe_agent_dir() -> Path:
     """The mini-swe-agent bundle (a portable Python + mini-swe-agent) made by
     `scripts/setup.sh`: `$SWE_GRPO_MINI_DIR`, else `.deps/mini-swe-agent` in this checkout."""
     return Path(os.environ.get("SWE_GRPO_MINI_DIR", _CHECKOUT / ".deps" / "mini-swe-agent"))
+
+
+def opencode_dir() -> Path:
+    """The OpenCode bundle (`opencode-ai` with its linux-x64 binary) made by `scripts/setup.sh`:
+    `$SWE_GRPO_OPENCODE_DIR`, else `.deps/opencode` in this checkout."""
+    return Path(os.environ.get("SWE_GRPO_OPENCODE_DIR", _CHECKOUT / ".deps" / "opencode"))

@@ -121,6 +121,7 @@ class Trajectory:
     agent: AgentResult | None = None
     error: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    agent_name: str = ""  # the harness that ran it (`Agent.name`)
 
     @property
     def sandbox_failed_to_start(self) -> bool:
@@ -143,6 +144,7 @@ class Trajectory:
             "reward_mode": g.reward_mode if g else None,  # the mode that produced a graded reward
             "witnesses": list(g.witnesses) if g else [],  # the grader's tamper witnesses armed for this grade
             "outcome": self.outcome,
+            "agent_name": self.agent_name,
             "f2p_passed": g.f2p_passed if g else 0,
             "f2p_total": g.f2p_total if g else 0,
             "p2p_passed": g.p2p_passed if g else 0,
@@ -369,6 +371,7 @@ async def run_rollout(
         agent=ran,
         error=error,
         timings=timings,
+        agent_name=agent.name,
     )
     decided = (
         outcome_before_grading(ran, record.errors, len(record.turns), exhausted, unpatchable, abandoned)
@@ -429,5 +432,10 @@ async def run_rollout_within(
             outcome, error = "rollout_error", f"{type(e).__name__}: {e}"
         log.warning("rollout %s of %s ended as %s: %s", rollout_id, task.instance_id, outcome, error, exc_info=e)
         return Trajectory(
-            instance_id=task.instance_id, rollout_id=rollout_id, outcome=outcome, reward=None, error=error
+            instance_id=task.instance_id,
+            rollout_id=rollout_id,
+            outcome=outcome,
+            reward=None,
+            error=error,
+            agent_name=agent.name,
         )

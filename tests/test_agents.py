@@ -10,28 +10,33 @@ from pathlib import Path
 import pytest
 from test_examples import load_train_module, parse
 
-from swe_grpo.agents import AGENTS, make_agent
+from swe_grpo.agents import AGENTS, make_agent, make_agents
 from swe_grpo.agents.mini_swe import MINI_MOUNT, MiniSweAgent, MiniSweAgentBundleError
+from swe_grpo.agents.opencode import OPENCODE_MOUNT, OpenCodeAgent
 from swe_grpo.agents.pi import PI_MOUNT, PiAgent
 from swe_grpo.cli import parse_args
+from swe_grpo.rollout import Trajectory
 from swe_grpo.worker.config import WorkerConfig
+from swe_grpo.worker.telemetry import rollout_metrics
 
 ROLLOUT = ["rollout", "--tasks", "t.jsonl", "--vllm-url", "http://127.0.0.1:9", "--model", "m"]
 
 
 def test_each_agent_is_made_from_its_install_and_mounted_read_only() -> None:
-    pi, mini = (make_agent(name) for name in AGENTS)
-    assert isinstance(pi, PiAgent) and isinstance(mini, MiniSweAgent)
-    mounts = [(a.mount().sandbox_path, a.mount().writable) for a in (pi, mini)]
-    assert mounts == [(PI_MOUNT, False), (MINI_MOUNT, False)]
-    assert [a.name for a in (pi, mini)] == list(AGENTS)  # each registry name is its harness's own name
+    pi, mini, opencode = (make_agent(name) for name in AGENTS)
+    assert isinstance(pi, PiAgent) and isinstance(mini, MiniSweAgent) and isinstance(opencode, OpenCodeAgent)
+    mounts = [(a.mount().sandbox_path, a.mount().writable) for a in (pi, mini, opencode)]
+    assert mounts == [(PI_MOUNT, False), (MINI_MOUNT, False), (OPENCODE_MOUNT, False)]
+    assert [a.name for a in (pi, mini, opencode)] == list(AGENTS)  # each registry name is its harness's own name
 
 
 def test_an_unknown_agent_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="unknown agent 'opencode': choose one of pi, mini-swe-agent"):
-        make_agent("opencode")
-    with pytest.raises(ValueError, match="unknown agent 'opencode'"):
-        WorkerConfig(agent="opencode")
+    with pytest.raises(ValueError, match="unknown agent 'codex': choose one of pi, mini-swe-agent, opencode"):
+        make_agent("codex")
+    with pytest.raises(ValueError, match="unknown agent 'codex'"):
+        WorkerConfig(agent="codex")
+    with pytest.raises(ValueError, match="unknown agent 'codex'"):
+        WorkerConfig(agent={"pi": 1, "codex": 1})
     with pytest.raises(SystemExit):
         parse_args([*ROLLOUT, "--agent", "x"])
 
@@ -49,3 +54,28 @@ def test_the_entry_points_choose_the_agent() -> None:
     for flags, agent in (([], "pi"), (["--agent", "mini-swe-agent"], "mini-swe-agent")):
         swe, args, _ = parse(train, "cpu_tiny.yaml", *flags)
         assert train.worker_config(swe, args).agent == agent
+
+
+def test_a_mix_of_agents_takes_turns_by_group() -> None:
+    """`WorkerConfig.agent` as a mix: each group runs one agent, in turn, each as often as its weight; the flag's
+    form `pi=2,opencode=1` is the same mix; a bad weight or an empty mix is refused by name."""
+    mix = WorkerConfig(agent={"pi": 2, "opencode": 1})
+    assert mix.agent_schedule() == ("pi", "pi", "opencode") and WorkerConfig().agent_schedule() == ("pi",)
+    assert WorkerConfig(agent="pi=2,opencode=1").agent == {"pi": 2, "opencode": 1}
+    for bad, match in (({"pi": 0}, "whole number >= 1"), ({}, "empty mix"), ("pi=2,opencode", "NAME=WEIGHT")):
+        with pytest.raises(ValueError, match=match):
+            WorkerConfig(agent=bad)
+    train = load_train_module()
+    swe, args, _ = parse(train, "cpu_tiny.yaml", "--agent", "pi=2,opencode=1")
+    assert train.worker_config(swe, args).agent == {"pi": 2, "opencode": 1}
+    agents = make_agents(mix.agent_schedule())
+    assert [a.name for a in agents] == ["pi", "pi", "opencode"] and agents[0] is agents[1]
+
+
+def test_each_rollout_is_counted_under_its_agent() -> None:
+    """A trajectory carries the harness that ran it; its metrics repeat under `rollout/agent_<name>/`."""
+    trajectory = Trajectory("t-1", "r-1", "resolved", 1.0, agent_name="opencode")
+    metrics = rollout_metrics(trajectory)
+    assert trajectory.summary()["agent_name"] == "opencode"
+    for name in ("finished_total", "turns", "fork_rate", "resolved_rate"):
+        assert metrics[f"rollout/agent_opencode/{name}"] == metrics[f"rollout/{name}"], name

@@ -17,6 +17,7 @@ from pi_shapes import SHAPE_REPLIES, capture_pi_run, capture_shapes, make_repo, 
 from swe_grpo.agents.pi import (
     COMPAT_PI_VERSION,
     DEFAULT_PI_VERSION,
+    LAST_0X_PI_VERSION,
     NODE_PATH,
     SUPPORTED_PI_VERSIONS,
     PiBundle,
@@ -50,8 +51,12 @@ def test_bundle_knows_its_version_and_cli(bundle: PiBundle) -> None:
 def test_setup_and_image_install_the_supported_versions() -> None:
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     dockerfile = (ROOT / "space_app" / "Dockerfile").read_text()
-    pinned = dict(re.findall(r"^(PI_VERSION|PI_COMPAT_VERSION)=(\S+)$", setup, re.MULTILINE))
-    assert pinned == {"PI_VERSION": DEFAULT_PI_VERSION, "PI_COMPAT_VERSION": COMPAT_PI_VERSION}
+    pinned = dict(re.findall(r"^(PI_\w*VERSION)=(\S+)$", setup, re.MULTILINE))
+    assert pinned == {
+        "PI_VERSION": DEFAULT_PI_VERSION,
+        "PI_LAST_0X_VERSION": LAST_0X_PI_VERSION,
+        "PI_COMPAT_VERSION": COMPAT_PI_VERSION,
+    }
     assert f"ARG PI_VERSION={DEFAULT_PI_VERSION}\n" in dockerfile
 
 
@@ -116,6 +121,9 @@ HOSTILE_REPO = {
     ".pi/prompts/fix.md": "REPO_PROMPT_TEMPLATE\n",
     ".pi/skills/repo/SKILL.md": "---\nname: repo\ndescription: REPO_SKILL\n---\nREPO_SKILL\n",
     "AGENTS.md": "REPO_AGENTS_MD\n",
+    # Pi 1.6's built-in MCP client: a server the repository names would run, and its tools join the request.
+    ".pi/mcp.json": json.dumps({"mcpServers": {"repo": {"command": "sh", "args": ["-c", "touch /tmp/repo_mcp_ran"]}}}),
+    ".mcp.json": json.dumps({"mcpServers": {"repo2": {"command": "sh", "args": ["-c", "touch /tmp/repo_mcp2_ran"]}}}),
 }
 
 

@@ -30,15 +30,12 @@ STEPS = 3
 *TRAIN_TASKS, HELD_OUT = demo_tasks()
 
 
-def test_trainer_takes_steps_on_worker_samples_with_adapter_sync(
-    policy_vllm, tiny_model_dir: Path, tokenizer, run_dir: Path, tmp_path: Path
-) -> None:
-    use_cpu_fallbacks()
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+def _trainer_args(policy_vllm, tmp_path: Path, steps: int):
+    from trl.experimental.async_grpo import AsyncGRPOConfig
 
-    args = AsyncGRPOConfig(
+    return AsyncGRPOConfig(
         output_dir=str(tmp_path / "out"),
-        max_steps=STEPS,
+        max_steps=steps,
         per_device_train_batch_size=2,
         gradient_accumulation_steps=1,
         num_generations=2,
@@ -54,6 +51,32 @@ def test_trainer_takes_steps_on_worker_samples_with_adapter_sync(
         use_cpu=True,
         vllm_server_base_url=policy_vllm.url,
     )
+
+
+def _trainer(args, worker: SWERolloutWorker, tiny_model_dir: Path, tokenizer):
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    lora = LoraConfig(
+        r=LORA_RANK,
+        lora_alpha=16,
+        lora_dropout=0.0,  # dropout would make the trainer's log-probs differ from vLLM's
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+    )
+    return AsyncGRPOTrainer(
+        model=str(tiny_model_dir),
+        args=args,
+        train_dataset=Dataset.from_dict({"instance_id": [t.instance_id for t in TRAIN_TASKS]}),
+        processing_class=tokenizer,
+        peft_config=lora,
+        rollout_worker=worker,
+    )
+
+
+def test_trainer_takes_steps_on_worker_samples_with_adapter_sync(
+    policy_vllm, tiny_model_dir: Path, tokenizer, run_dir: Path, tmp_path: Path
+) -> None:
+    use_cpu_fallbacks()
+    args = _trainer_args(policy_vllm, tmp_path, STEPS)
     backend = LocalBackend(cache_dir=tmp_path / "checkouts", run_dir=run_dir)
     worker = SWERolloutWorker(
         TRAIN_TASKS,
@@ -74,20 +97,7 @@ def test_trainer_takes_steps_on_worker_samples_with_adapter_sync(
         # The rollout host records the name each generation asked vLLM for.
         host_setup=functools.partial(record_vllm_requests, str(tmp_path / "vllm_requests.jsonl")),
     )
-    lora = LoraConfig(
-        r=LORA_RANK,
-        lora_alpha=16,
-        lora_dropout=0.0,  # dropout would make the trainer's log-probs differ from vLLM's
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-    )
-    trainer = AsyncGRPOTrainer(
-        model=str(tiny_model_dir),
-        args=args,
-        train_dataset=Dataset.from_dict({"instance_id": [t.instance_id for t in TRAIN_TASKS]}),
-        processing_class=tokenizer,
-        peft_config=lora,
-        rollout_worker=worker,
-    )
+    trainer = _trainer(args, worker, tiny_model_dir, tokenizer)
     trainer.train()
     served = [m["id"] for m in requests.get(f"{policy_vllm.url}/v1/models", timeout=10).json()["data"]]
 
@@ -109,4 +119,34 @@ def test_trainer_takes_steps_on_worker_samples_with_adapter_sync(
     assert rounds and rounds[0]["eval/policy_version"] == 1.0 and rounds[0]["eval/attempts_total"] >= 1.0
     assert "eval/resolved_rate" in rounds[0] and "eval/pass@1" in rounds[0]
     # Nothing left behind: no agent, no sandbox, no mount.
+    assert_no_agent_or_sandbox_left(run_dir)
+
+
+def test_a_mix_of_agents_trains_one_agent_per_group(
+    policy_vllm, tiny_model_dir: Path, tokenizer, run_dir: Path, tmp_path: Path
+) -> None:
+    """`WorkerConfig(agent="pi=1,mini-swe-agent=1")`: groups take the agents in turn (each group one agent, so
+    that its advantages compare the policy's attempts under one harness), and the trainer's logs carry each
+    agent's rollout metrics (`rollout/agent_<name>/...`) and sample metrics (`agent_<name>/resolved`)."""
+    use_cpu_fallbacks()
+    args = _trainer_args(policy_vllm, tmp_path, 2)
+    backend = LocalBackend(cache_dir=tmp_path / "checkouts", run_dir=run_dir)
+    config = WorkerConfig.from_trainer_args(
+        args,
+        max_concurrent_rollouts=2,
+        drop_zero_variance_groups=False,
+        agent_timeout_s=300,
+        agent="pi=1,mini-swe-agent=1",
+    )
+    worker = SWERolloutWorker(
+        TRAIN_TASKS, tokenizer, vllm_url=policy_vllm.url, model=SERVED_NAME, sandbox=backend, config=config
+    )
+    trainer = _trainer(args, worker, tiny_model_dir, tokenizer)
+    trainer.train()
+
+    history = trainer.state.log_history
+    assert trainer.state.global_step == 2
+    for agent in ("pi", "mini-swe-agent"):  # OpenCode's first prompt (~12k tiny-model tokens) overflows 8192
+        assert any(entry.get(f"rollout/agent_{agent}/finished_total", 0) > 0 for entry in history), agent
+        assert any(f"agent_{agent}/resolved" in entry for entry in history), agent
     assert_no_agent_or_sandbox_left(run_dir)

@@ -1,11 +1,13 @@
-"""Coding-agent harnesses behind one seam (`base.Agent`): Pi (the default) and mini-swe-agent.
+"""Coding-agent harnesses behind one seam (`base.Agent`): Pi (the default), mini-swe-agent and OpenCode.
 
-`make_agent(name)` builds one from its default host install: a name of `AGENTS` (`pi`, `mini-swe-agent`), or
-a harness class of one's own as a dotted path (`mypkg.mod:MyAgent`, built with no arguments, implementing
-`base.Agent`).
+`make_agent(name)` builds one from its default host install: a name of `AGENTS` (`pi`, `mini-swe-agent`,
+`opencode`), or a harness class of one's own as a dotted path (`mypkg.mod:MyAgent`, built with no arguments,
+implementing `base.Agent`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from swe_grpo.agents.base import Agent, AgentConfig, AgentResult
 from swe_grpo.plugins import load_choice
@@ -14,9 +16,10 @@ from swe_grpo.plugins import load_choice
 AGENTS = {
     "pi": "swe_grpo.agents.pi:PiAgent",
     "mini-swe-agent": "swe_grpo.agents.mini_swe:MiniSweAgent",
+    "opencode": "swe_grpo.agents.opencode:OpenCodeAgent",
 }
 
-__all__ = ["AGENTS", "Agent", "AgentConfig", "AgentResult", "make_agent"]
+__all__ = ["AGENTS", "Agent", "AgentConfig", "AgentResult", "make_agent", "make_agents"]
 
 
 def make_agent(name: str) -> Agent:
@@ -25,3 +28,9 @@ def make_agent(name: str) -> Agent:
     (`swe_grpo.plugins.load_object`), and the harness's bundle error when it is not installed."""
     agent: Agent = load_choice(name, AGENTS, "agent")()
     return agent
+
+
+def make_agents(names: Sequence[str]) -> list[Agent]:
+    """`make_agent` of each name, one harness per distinct name (a name repeated is the same object)."""
+    built = {name: make_agent(name) for name in dict.fromkeys(names)}
+    return [built[name] for name in names]

@@ -1,9 +1,9 @@
 """The Pi coding agent as a rollout's agent, run inside a sandbox.
 
-Supported: `@earendil-works/pi-coding-agent` (the maintained scope; `DEFAULT_PI_VERSION`) and the last
-release of the old scope, `@mariozechner/pi-coding-agent@0.73.1` (`COMPAT_PI_VERSION`: another request
-dialect and configuration format, kept working). `SUPPORTED_PI_VERSIONS` are the versions the tests run
-end to end.
+Supported: `@earendil-works/pi-coding-agent` (the maintained scope; `DEFAULT_PI_VERSION`, 1.6.0, and
+`LAST_0X_PI_VERSION`, 0.87.1) and the last release of the old scope, `@mariozechner/pi-coding-agent@0.73.1`
+(`COMPAT_PI_VERSION`: another request dialect and configuration format, kept working).
+`SUPPORTED_PI_VERSIONS` are the versions the tests run end to end.
 
 Pi is installed once, with a portable Node, into a host directory by `scripts/setup.sh` (see
 `swe_grpo.paths.pi_bundle_dir`); every sandbox mounts that directory read-only at `PI_MOUNT`. Nothing
@@ -18,10 +18,11 @@ dialects run (0.73.1 reads a bare `apiKey` as an environment variable's NAME, 0.
 Pi runs non-interactively with the repository's extensions, context files, skills and prompt templates
 disabled (a repository's `.pi/extensions/*.ts` would otherwise run), no session file, stdin closed,
 and `PI_OFFLINE=1`. A repository cannot configure the agent: 0.74+ ignores an untrusted project's `.pi/`
-in print mode; 0.73.1 would still apply the repository's `.pi/settings.json` (e.g. `shellCommandPrefix`)
-and `.pi/SYSTEM.md` / `APPEND_SYSTEM.md` (the whole system prompt), so `scripts/setup.sh` renames its
-project config directory (`piConfig.configDir` in its package.json, the name Pi looks for) to one no
-repository carries; `PiBundle.at` warns about a 0.73.1 bundle installed otherwise.
+in print mode (1.6.0's `.pi/mcp.json` MCP servers included); 0.73.1 would still apply the repository's
+`.pi/settings.json` (e.g. `shellCommandPrefix`) and `.pi/SYSTEM.md` / `APPEND_SYSTEM.md` (the whole system
+prompt), so `scripts/setup.sh` renames its project config directory (`piConfig.configDir` in its
+package.json, the name Pi looks for) to one no repository carries; `PiBundle.at` warns about a 0.73.1
+bundle installed otherwise.
 
 `PiAgent` is Pi behind the harness seam (`swe_grpo.agents.base`), which also holds the limits that end a run:
 a wall-clock limit, and a stall watchdog (for `stall_timeout_s` no model request made and none being
@@ -52,11 +53,12 @@ from swe_grpo.paths import pi_bundle_dir
 from swe_grpo.sandbox.base import Mount
 from swe_grpo.types import RolloutEndpoint
 
-# The newest release that installs from npm with its declared dependencies here (every 1.x and 0.99.1 pin
-# sibling packages the registry lacks; see docs/rollouts-sandboxes-grading.md#which-pi).
-DEFAULT_PI_VERSION = "0.87.1"
+# The newest release (it installs from npm with its declared dependencies since 2026-11-27; see
+# docs/rollouts-sandboxes-grading.md#which-pi).
+DEFAULT_PI_VERSION = "1.6.0"
+LAST_0X_PI_VERSION = "0.87.1"  # the default until 1.x installed here: still supported and tested
 COMPAT_PI_VERSION = "0.73.1"  # the old scope's last release: its dialect stays supported and tested
-SUPPORTED_PI_VERSIONS = (DEFAULT_PI_VERSION, COMPAT_PI_VERSION)
+SUPPORTED_PI_VERSIONS = (DEFAULT_PI_VERSION, LAST_0X_PI_VERSION, COMPAT_PI_VERSION)
 # Where each scope's package lives in a bundle; the old scope stops at 0.73.1.
 PI_PACKAGES = ("@earendil-works/pi-coding-agent", "@mariozechner/pi-coding-agent")
 PROVIDER = "swe_grpo"

@@ -2,9 +2,9 @@
 pin the shape of Pi's requests with it, and the demo's warm start captures the conversations it
 fine-tunes on with it.
 
-`capture_pi_run` runs Pi in a sandbox behind the InterceptionServer, answering its model calls with
-scripted assistant messages (`ScriptedGenerator`, fed the ids `completion_ids` renders), and records
-every chat request Pi sends on the way (`recording_hop`).
+`capture_agent_run` (`capture_pi_run` for Pi) runs an agent in a sandbox behind the InterceptionServer,
+answering its model calls with scripted assistant messages (`ScriptedGenerator`, fed the ids
+`completion_ids` renders), and records every chat request the agent sends on the way (`recording_hop`).
 """
 
 from __future__ import annotations
@@ -22,13 +22,21 @@ from swe_grpo.serving.vllm_client import Generation, SamplingParams
 from swe_grpo.tokens.chain import Message, TrainingTemplate
 
 if TYPE_CHECKING:
-    from swe_grpo.agents.base import AgentResult
+    from swe_grpo.agents.base import Agent, AgentResult
     from swe_grpo.agents.pi import PiBundle
     from swe_grpo.sandbox.base import SandboxBackend
     from swe_grpo.serving.interception import RolloutRecord
     from swe_grpo.tasks import Task
 
-__all__ = ["CapturedRequests", "PiRun", "ScriptedGenerator", "capture_pi_run", "completion_ids", "recording_hop"]
+__all__ = [
+    "CapturedRequests",
+    "PiRun",
+    "ScriptedGenerator",
+    "capture_agent_run",
+    "capture_pi_run",
+    "completion_ids",
+    "recording_hop",
+]
 
 
 def completion_ids(template: TrainingTemplate, message: Message) -> list[int]:
@@ -96,9 +104,9 @@ async def recording_hop(target: str) -> AsyncIterator[CapturedRequests]:
 
 @dataclass
 class PiRun:
-    """One run of the real Pi with SCRIPTED model turns: how Pi ended, the InterceptionServer's record of
-    the rollout, every chat request Pi sent (headers and body), the rollout's token, the diff Pi left
-    against the base commit, and the output of each `after` command."""
+    """One run of a real agent (Pi or another harness) with SCRIPTED model turns: how it ended, the
+    InterceptionServer's record of the rollout, every chat request it sent (headers and body), the rollout's
+    token, the diff it left against the base commit, and the output of each `after` command."""
 
     result: AgentResult
     record: RolloutRecord
@@ -116,17 +124,30 @@ async def capture_pi_run(
     replies: Sequence[Message],
     after: Sequence[str] = (),
 ) -> PiRun:
-    """The real Pi of `bundle` in a fresh sandbox of `backend`, on `task`, its model turns SCRIPTED to
+    """The real Pi of `bundle` on `task` with its model turns SCRIPTED to `replies`: `capture_agent_run`."""
+    from swe_grpo.agents.pi import PiAgent
+
+    return await capture_agent_run(PiAgent(bundle), tokenizer, backend, task, replies, after)
+
+
+async def capture_agent_run(
+    agent: Agent,
+    tokenizer: PreTrainedTokenizerBase,
+    backend: SandboxBackend,
+    task: Task,
+    replies: Sequence[Message],
+    after: Sequence[str] = (),
+) -> PiRun:
+    """The real `agent` (any harness) in a fresh sandbox of `backend`, on `task`, its model turns SCRIPTED to
     `replies` (assistant messages in normalised form, see `ScriptedGenerator`), behind the
-    InterceptionServer and a `recording_hop`. `after`: shell commands run in the sandbox once Pi has
+    InterceptionServer and a `recording_hop`. `after`: shell commands run in the sandbox once the agent has
     exited, with the rollout's token in `$TOKEN`. The sandbox is gone when this returns."""
     from swe_grpo.agents.base import AgentConfig, run_agent
-    from swe_grpo.agents.pi import PiAgent
     from swe_grpo.serving.interception import InterceptionServer
 
     template = TrainingTemplate(tokenizer)
     generator = ScriptedGenerator([completion_ids(template, reply) for reply in replies])
-    config = AgentConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=120, stall_timeout_s=60)
+    config = AgentConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=180, stall_timeout_s=120)
     async with (
         InterceptionServer(generator, tokenizer) as server,
         recording_hop(server.public_base_url) as hop,
@@ -134,11 +155,9 @@ async def capture_pi_run(
     ):
         endpoint = session.endpoint
         proxied = replace(endpoint, base_url=hop.url + endpoint.base_url.removeprefix(server.public_base_url))
-        # The host's network: Pi reaches the recording hop on the host's loopback (no door).
-        async with await backend.create(task, mounts=[bundle.mount()], network=True) as sandbox:
-            result = await run_agent(
-                PiAgent(bundle), sandbox, proxied, task.problem_statement, config, session.last_activity
-            )
+        # The host's network: the agent reaches the recording hop on the host's loopback (no door).
+        async with await backend.create(task, mounts=[agent.mount()], network=True) as sandbox:
+            result = await run_agent(agent, sandbox, proxied, task.problem_statement, config, session.last_activity)
             patch = await sandbox.diff(task.base_commit)
             outputs = {}
             for command in after:

@@ -79,8 +79,10 @@ class WorkerConfig:
     log_traces: bool = False  # one group's agent conversations per policy version to the trainer's trackio run
     rollout_hosts: int = 1  # 0: rollouts run in a thread of this process; N: in N child processes (worker/hosts.py)
     # The harness when the worker is not given an Agent: a name of swe_grpo.agents.AGENTS, or a class of one's
-    # own as "package.module:Class" (imported where the rollouts run).
-    agent: str = "pi"
+    # own as "package.module:Class" (imported where the rollouts run); or a mix, {name: weight}, e.g.
+    # {"pi": 2, "opencode": 1}: each GROUP runs one agent, taken in turn (`agent_schedule`), so that a group's
+    # advantages compare the policy's attempts under one harness, not the harnesses (docs/training.md).
+    agent: str | Mapping[str, int] = "pi"
     # A tool-call layout of one's own for a family no built-in layout reads, as "package.module:Class"
     # (`swe_grpo.tokens.layouts`, docs/models.md), imported where the rollouts are served; None: the built-in ones.
     tool_call_layout: str | None = None
@@ -114,12 +116,36 @@ class WorkerConfig:
             raise ValueError("several rollout hosts bind a port each: leave port 0 and public_base_url unset")
         if self.task_sampling not in TASK_SAMPLING:
             raise ValueError(f"unknown task_sampling {self.task_sampling!r}: choose one of {', '.join(TASK_SAMPLING)}")
-        check_choice(self.agent, AGENTS, "agent")
+        self._check_agent()
         if self.tool_call_layout is not None:
             load_layout(self.tool_call_layout)  # refused here, by name, not in every rollout host
         if self.reward_mode not in REWARD_MODES:
             raise ValueError(f"unknown reward_mode {self.reward_mode!r}: choose one of {', '.join(REWARD_MODES)}")
         self._check_eval()
+
+    def _check_agent(self) -> None:
+        if isinstance(self.agent, str) and "=" in self.agent:  # the mix as a flag gives it: "pi=2,opencode=1"
+            pairs = [part.partition("=") for part in self.agent.split(",")]
+            if not all(name and sep and weight.isdigit() for name, sep, weight in pairs):
+                raise ValueError(f"agent: {self.agent!r} is not a mix of NAME=WEIGHT, e.g. 'pi=2,opencode=1'")
+            object.__setattr__(self, "agent", {name.strip(): int(weight) for name, _, weight in pairs})
+        if isinstance(self.agent, str):
+            check_choice(self.agent, AGENTS, "agent")
+            return
+        object.__setattr__(self, "agent", dict(self.agent))  # a copy: the caller's mapping may change
+        if not self.agent:
+            raise ValueError("agent: an empty mix; give a name, or {name: weight} with at least one agent")
+        for name, weight in self.agent.items():
+            check_choice(name, AGENTS, "agent")
+            if not isinstance(weight, int) or isinstance(weight, bool) or weight < 1:
+                raise ValueError(f"agent: the weight of {name!r} must be a whole number >= 1, not {weight!r}")
+
+    def agent_schedule(self) -> tuple[str, ...]:
+        """The agents successive groups run, cycled: each agent of the mix as many times in a row as its weight
+        (one name: that one)."""
+        if isinstance(self.agent, str):
+            return (self.agent,)
+        return tuple(name for name, weight in self.agent.items() for _ in range(weight))
 
     def _check_eval(self) -> None:
         object.__setattr__(self, "eval_tasks", tuple(self.eval_tasks))  # a list is accepted, kept as a tuple

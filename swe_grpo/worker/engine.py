@@ -37,7 +37,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from swe_grpo.agents import Agent, AgentConfig, make_agent
+from swe_grpo.agents import Agent, AgentConfig, make_agents
 from swe_grpo.rollout import RolloutConfig, Trajectory, run_rollout_within
 from swe_grpo.sandbox import make_backend
 from swe_grpo.sandbox.base import SandboxBackend
@@ -77,9 +77,9 @@ class _Group:
 
 class RolloutEngine:
     """Runs rollouts of `tasks` against the vLLM server at `vllm_url` (base model `model`) in a thread of
-    its own, and puts graded whole groups, metrics and traces to `outlet`, numbering groups from
-    `group_ids`. `sandbox`: a backend name (`local`, `docker`, `hf`) or a `SandboxBackend`; `agent`: by
-    default the one `config.agent` names; `policy`: the policy it starts generating with."""
+    its own, and puts graded whole groups, metrics and traces to `outlet`, numbering groups from `group_ids`.
+    `sandbox`: a backend name (`local`, `docker`, `hf`) or a `SandboxBackend`; `agent`: by default `config.agent`
+    (a mix: each group the next of `agent_schedule()`, held-out eval the first); `policy`: the first policy."""
 
     def __init__(
         self,
@@ -106,7 +106,8 @@ class RolloutEngine:
         self.group_ids = group_ids if group_ids is not None else itertools.count()
         self.config = config or WorkerConfig()
         self.backend = make_backend(sandbox, **self.config.sandbox_options) if isinstance(sandbox, str) else sandbox
-        self.agent = agent or make_agent(self.config.agent)
+        schedule = [agent] if agent else make_agents(self.config.agent_schedule())
+        self.agent, self._group_agents = schedule[0], itertools.cycle(schedule)
         self._api_key = vllm_api_key
         self._policy = policy or Policy(0, None)
         self._thread: threading.Thread | None = None
@@ -275,7 +276,7 @@ class RolloutEngine:
                     if task.instance_id in self._skipped:  # found unrunnable while we waited
                         slots.release()
                         continue
-                    group = _Group(next(self.group_ids), task, [])
+                    group, agent = _Group(next(self.group_ids), task, []), next(self._group_agents)
                     for index in range(self.config.num_generations):
                         if index:
                             await slots.acquire()
@@ -283,7 +284,7 @@ class RolloutEngine:
                         rollout_id = f"{_UNSAFE_ID_CHARS.sub('_', task.instance_id)[:48]}-g{group.group_id}-{index}"
                         rollout_id += f"-{uuid.uuid4().hex[:6]}"
                         group.rollouts.append(
-                            asyncio.create_task(self._rollout(task, rollout_id, rollout_config, slots))
+                            asyncio.create_task(self._rollout(task, agent, rollout_id, rollout_config, slots))
                         )
                     groups.create_task(self._finish_group(group))
         finally:
@@ -384,16 +385,16 @@ class RolloutEngine:
         self._push_metrics({"rollout/backpressure_s": time.monotonic() - blocked})
 
     async def _rollout(
-        self, task: Task, rollout_id: str, config: RolloutConfig, slots: asyncio.Semaphore
+        self, task: Task, agent: Agent, rollout_id: str, config: RolloutConfig, slots: asyncio.Semaphore
     ) -> Trajectory | None:
         """One rollout, a sandbox that would not start retried once; None when it was cancelled as stale."""
         self._push_metrics({"rollout/started_total": 1.0})  # ends in one of: an outcome, stale or stop cancelled
         try:
-            trajectory = await self._attempt(task, rollout_id, config)
+            trajectory = await self._attempt(task, agent, rollout_id, config)
             if trajectory is not None and trajectory.sandbox_failed_to_start:
                 log.warning("%s: the sandbox did not start (%s); retrying once", rollout_id, trajectory.error)
                 self._push_metrics({"rollout/sandbox_retries_total": 1.0})
-                trajectory = await self._attempt(task, f"{rollout_id}-retry", config)
+                trajectory = await self._attempt(task, agent, f"{rollout_id}-retry", config)
         finally:
             slots.release()
         if trajectory is None:
@@ -407,7 +408,7 @@ class RolloutEngine:
         self._push_metrics(rollout_metrics(trajectory))
         return trajectory
 
-    async def _attempt(self, task: Task, rollout_id: str, config: RolloutConfig) -> Trajectory | None:
+    async def _attempt(self, task: Task, agent: Agent, rollout_id: str, config: RolloutConfig) -> Trajectory | None:
         """Run the rollout once, within `rollout_limit_s`. Whatever goes wrong inside it is its outcome
         (`rollout_error`, or `timeout` past the limit); None when it was cancelled as stale."""
         self._in_flight[rollout_id] = asyncio.current_task()  # type: ignore[assignment]
@@ -418,7 +419,7 @@ class RolloutEngine:
                 task,
                 self._server,
                 self.backend,
-                self.agent,
+                agent,
                 config,
                 rollout_id,
                 on_grading=self._on_grading,

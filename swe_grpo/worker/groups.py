@@ -95,6 +95,9 @@ class GroupAssembler:
                 "resolved": float(trajectory.outcome == "resolved"),
                 "turns": float(len(trajectory.turns)),
             }
+            if trajectory.agent_name:  # which harness ran it: TRL averages each key over the samples that carry it
+                metrics[f"agent_{trajectory.agent_name}/resolved"] = metrics["resolved"]
+                metrics[f"agent_{trajectory.agent_name}/turns"] = metrics["turns"]
             for row in trajectory.rows:
                 if row.model_version is None:  # a row with no generated token trains nothing
                     continue

@@ -97,7 +97,7 @@ class EngineArgs:
     model: str
     sandbox: str | SandboxBackend
     config: WorkerConfig
-    agent: Agent
+    agent: Agent | None  # None: the engine builds the config's (`WorkerConfig.agent`, one or a mix)
     vllm_api_key: str | None
 
     def shares(self, hosts: int) -> list[EngineArgs]:

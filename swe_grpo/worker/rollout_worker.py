@@ -97,7 +97,7 @@ from transformers import PreTrainedTokenizerBase
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 from urllib3.util.retry import Retry
 
-from swe_grpo.agents import Agent, make_agent
+from swe_grpo.agents import Agent
 from swe_grpo.sandbox.base import SandboxBackend
 from swe_grpo.sandbox.door import remove_orphaned_doors
 from swe_grpo.tasks import Task, tasks_from_dataset
@@ -184,7 +184,6 @@ class SWERolloutWorker:
         self.vllm_url = vllm_url.rstrip("/")
         self.model = model
         self.config = config or WorkerConfig()
-        self.agent = agent or make_agent(self.config.agent)
         self._api_key = vllm_api_key
         self.metrics_queue: queue.Queue[dict[str, float | tuple[float, float]]] = queue.Queue()
         self.rollout_buffer = GroupQueue(self.metrics_queue)  # keeps TRL from training part of a group
@@ -204,10 +203,12 @@ class SWERolloutWorker:
             group_ids=itertools.count(),
             sandbox=sandbox,
             config=self.config,
-            agent=self.agent,
+            agent=agent,
             vllm_api_key=vllm_api_key,
         )
         self.backend = self._engine.backend
+        self.agent = self._engine.agent  # the given one, or the first of the config's (held-out eval runs it)
+        self._given_agent = agent  # None: each host builds the config's
 
     # ----------------------------------------------------------------- RolloutWorkerProtocol
 
@@ -288,7 +289,7 @@ class SWERolloutWorker:
             self.model,
             self._sandbox,
             self.config,
-            self.agent,
+            self._given_agent,
             self._api_key,
         )
         levels = {name: logging.getLogger(name).getEffectiveLevel() for name in ("", "swe_grpo")}

@@ -42,6 +42,10 @@ def rollout_metrics(t: Trajectory) -> Metrics:
     for stage in ("sandbox_create", "agent"):
         if stage in t.timings:
             metrics[f"rollout/{stage}_s"] = t.timings[stage]
+    if t.agent_name:  # the same per harness, for a mix of agents (WorkerConfig.agent)
+        for name in ("finished_total", "turns", "fork_rate", "resolved_rate"):
+            if f"rollout/{name}" in metrics:
+                metrics[f"rollout/agent_{t.agent_name}/{name}"] = metrics[f"rollout/{name}"]
     return metrics
 
 
