@@ -1,6 +1,7 @@
-"""Property, per newer layout (gpt-oss harmony, GLM-4-MoE, Gemma 4, LFM2 pythonic): whatever calls the model writes
-as its template writes them, the agent executes exactly those calls, or, where a value holds the family's own markup
-(a special or added token, which can end a value or a block), the reply goes back as plain text with its attempts
+"""Property, per newer layout (gpt-oss harmony, GLM-4-MoE, Gemma 4, LFM2 pythonic, Muse Glimmer ATEM): whatever calls
+the model writes as its template writes them, the agent executes exactly those calls, or, where a value holds the
+family's own markup (a special or added token, or a layout's tag written as text, which can end a value or a block),
+the reply goes back as plain text with its attempts
 counted: never another call. Cut at any token (max_tokens), the calls read are the first ones written, exactly, or
 none. tests/test_responses_property.py does the same for the Hermes and Qwen3.5 XML layouts.
 
@@ -22,12 +23,16 @@ from conftest import tiny_tokenizer
 from swe_grpo.tokens.responses import ResponseParser
 
 CASES = 150  # per template
-TEMPLATES = ["gptoss", "glm4moe", "gemma4", "gemma4_v5", "lfm2_v2", "lfm2_2_5_vl"]
+TEMPLATES = ["gptoss", "glm4moe", "gemma4", "gemma4_v5", "lfm2_v2", "lfm2_2_5_vl", "muse_glimmer"]
 ONE_CALL = {"gptoss"}  # the template writes a turn's first call only
 PARTS = [
     *("ls", "python -m pytest -x", " ", "  ", "\n", "\t", "\r\n", '"', "'", "\\", "\\n", "é", "😀", "007", "42"),
     *("true", "null", "None", "{", "}", "[", "]", "(", ")", ",", ":", "=", ", x=", "')", "to=functions.x"),
 ]
+# Markup a family writes as plain text, not as tokens: ATEM's tags (a value holding its closer ends there).
+TEXT_MARKUP = {
+    "muse_glimmer": ["</atem:parameter>\n", '<atem:parameter name="n">', "</atem:invoke>\n</atem:function_calls>"]
+}
 NAMES = ["bash", "read", "edit_file", "x"]
 STRINGS = ["command", "path", "oldText"]  # typed strings by the tools' schema: raw text (GLM) reads as a string
 KEYS = [*STRINGS, "n", "a_b"]  # the others untyped, never given a string: raw `true` is the boolean there
@@ -100,7 +105,7 @@ def test_the_agent_executes_the_calls_the_template_wrote_or_none(template: str) 
     tokenizer = tiny_tokenizer(template)
     parser = ResponseParser(tokenizer)
     training = parser.template
-    markup = sorted(tokenizer.get_added_vocab())
+    markup = sorted(tokenizer.get_added_vocab()) + TEXT_MARKUP.get(template, [])
     writer = Writer(random.Random(f"layouts-{template}"), markup)
     prompt = training.prompt_ids([{"role": "user", "content": "."}], TOOLS)
     written = 0

@@ -61,8 +61,8 @@ MATRIX: dict[str, str] = {
     "lfm2_2_5": _NOT_READ_BACK,
     "lfm2_2_5_v2": _NOT_READ_BACK,
     "lfm2_2_5_vl": SERVED,
-    # ATEM: `<|start|>assistant to=NAME<|message|><atem:function_calls>...`
-    "muse_glimmer": _NOT_READ_BACK,
+    # ATEM: `<|start|>assistant to=NAME<|message|><atem:function_calls>...`, values raw between their tags
+    "muse_glimmer": SERVED,
 }
 _TEMPLATE_DIR = Path(trl.__file__).parent / "chat_templates"
 _CALL = {"id": "call_0", "type": "function", "function": {"name": "matrix_probe", "arguments": {"k": "v"}}}

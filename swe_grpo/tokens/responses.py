@@ -8,6 +8,8 @@ value retyped, no text elsewhere in the reply taken out of them). The layouts, o
 - `<tool_call>` blocks (`calls_tagged`): Hermes JSON (Qwen3, and a fallback for every tagged template), Qwen3.5+ XML
   (and Nemotron 3), GLM-4-MoE `<arg_key>`/`<arg_value>` pairs;
 - gpt-oss harmony (`calls_harmony`): channels and `to=functions.NAME` recipients, the analysis channel as reasoning;
+- Muse Glimmer ATEM (`calls_atem`): `to=NAME` recipients, `<atem:invoke>` bodies of raw-text values, the `self`
+  channel as reasoning;
 - Gemma 4 (`calls_gemma`): `<|tool_call>call:NAME{k:<|"|>v<|"|>}<tool_call|>`, the thought channel as reasoning;
 - LFM2 pythonic (`calls_pythonic`): `<|tool_call_start|>[NAME(k='v')]<|tool_call_end|>`, strings escaped or raw as
   the template writes them (an ambiguous raw one is malformed);
@@ -31,6 +33,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from swe_grpo.tokens.call_values import Reading, ToolTypes, openai_call, parameter_types
+from swe_grpo.tokens.calls_atem import read_atem
 from swe_grpo.tokens.calls_gemma import REASONING as GEMMA_REASONING
 from swe_grpo.tokens.calls_gemma import read_gemma
 from swe_grpo.tokens.calls_harmony import read_harmony
@@ -44,7 +47,7 @@ _THINK = ("<think>", "</think>")
 # How much of the prompt's end holds its generation prompt's think opener, where the template writes one.
 _PROMPT_TAIL_TOKENS = 8
 # The layouts a probe call is tried in, in this order; the first that reads it back exactly is the template's.
-_LAYOUTS = ("tagged", "glm", "harmony", "gemma4", "pythonic", "pythonic_raw", "bare")
+_LAYOUTS = ("tagged", "glm", "harmony", "atem", "gemma4", "pythonic", "pythonic_raw", "bare")
 
 # The start-up probe: values a template must let through exactly (see `ResponseParser._check_round_trip`).
 _PROBE_TYPES = {"text": "string", "digits": "string", "padded": "string", "count": "integer", "options": "object"}
@@ -135,6 +138,8 @@ class ResponseParser:
             return self._own_layout.read(text, types)
         if self.layout == "harmony":
             return read_harmony(text, self._specials)
+        if self.layout == "atem":
+            return read_atem(text, types, self._specials)
         if self.layout == "gemma4":
             return read_gemma(text)
         if self.layout.startswith("pythonic"):
