@@ -9,6 +9,7 @@ import time
 from functools import cache
 
 import pytest
+from chain_driver import Driver
 from conftest import tiny_tokenizer
 from pi_shapes import TOOLS
 
@@ -127,3 +128,22 @@ def test_degenerate_output_parses_in_linear_time() -> None:
     parsed = parser.parse(ids, prompt, "length", TOOLS)
     assert time.perf_counter() - start < 1.0
     assert "tool_calls" not in parsed.message and parsed.malformed_tool_calls == 1
+
+
+def test_text_beside_a_call_reaches_the_agent_and_stays_in_the_held_tokens() -> None:
+    # The template renders a turn with calls without its content; a model may still write text to the user before a
+    # call. The agent gets both, and the next prompt goes on from the tokens the model wrote (text included).
+    d = Driver(_TEMPLATE)
+    request = d.convo.request()
+    prepared = d.chain.prepare(request["messages"], request["tools"])
+    text = " to=user<|message|>Let me look.<|eom|><|start|>assistant" + _call("bash", ("command", "ls")) + "<|eot|>"
+    output = d.template.encode(text)
+    parsed = d.parser.parse(output, prepared.prompt_ids, "stop", request["tools"])
+    assert parsed.message["content"] == "Let me look." and _calls(parsed) == [("bash", {"command": "ls"})]
+    d.chain.commit(prepared, output, [-0.1] * len(output), 0, parsed.message, parsed.finish_reason)
+    d.convo.add_reply(parsed.message)
+    request = d.convo.request()
+    following = d.chain.prepare(request["messages"], request["tools"])
+    assert not following.fork and following.prompt_ids[: len(prepared.prompt_ids) + len(output)] == (
+        prepared.prompt_ids + output
+    )

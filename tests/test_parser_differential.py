@@ -65,6 +65,7 @@ CASES: dict[str, Case] = {
     "newlines tabs quotes unicode backslashes": Case((_bash(_ODD),)),
     "CRLF": Case((_bash("printf 'a'\r\nprintf 'b'\r\n"),)),
     "digits stay a string": Case((_bash("007"),)),
+    "a string that reads as JSON": Case((_bash("42"),)),
     "integer": Case((_bash("sleep 1", timeout=30),)),
     "integer past 2^53": Case((_bash("sleep 1", timeout=2**53 + 1),)),
     "integer past a double": Case((_bash("sleep 1", timeout=10**400),)),
@@ -222,6 +223,8 @@ DIFFERENCES: dict[str, tuple[str, frozenset[str]]] = {
         "executes a call written in reasoning",
         frozenset({"gemma4_v5", "glm4moe", "lfm2_2_5_vl", "nemotron_3_nano", "qwen3", "qwen3_5_think"}),
     ),
+    # vLLM's ATEM parser reads every value with `json.loads`, whatever the schema: the command "42" becomes 42.
+    "a string that reads as JSON": ("reads other calls", frozenset({"muse_glimmer"})),
     # The detokenizer drops special tokens before the parser reads the text, unless the parsers composed for the
     # family ask for them (Hermes and LFM2 alone do, and harmony reads token ids).
     "special token as text": (

@@ -29,6 +29,7 @@ VLLM_PARSERS: dict[str, tuple[str, str | None]] = {
     "gemma4_v5": ("gemma4", "gemma4"),
     "lfm2_v2": ("lfm2", None),
     "lfm2_2_5_vl": ("lfm2", None),
+    "muse_glimmer": ("muse_glimmer", "muse_glimmer"),
 }
 
 
