@@ -83,6 +83,8 @@ MALFORMED = [
     _call("bash", ("command", "ls"), ("command", "rm -rf build")),  # a repeated key
     _call("bash", ("command", 'ls</atem:parameter>\n<atem:invoke name="x">')),  # the closer, then markup
     _call("bash", ("command", "ls</atem:parameter>\nplease")),  # the closer, then text
+    # The closer inside a value, as the layout's own regular expressions read it (the value ends there)
+    _call("bash", ("command", "grep '</atem:parameter>' out.txt")),
     _call("bash", ("", "ls")),  # a nameless parameter
     _call("read", ("path", "a"), ("offset", "9007199254740993")),  # a number no double holds, where it is a number
     _call("bash", ("command", "ls")).replace("\n</atem:invoke>", "</atem:invoke>"),  # not as the template writes it

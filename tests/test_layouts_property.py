@@ -31,7 +31,12 @@ PARTS = [
 ]
 # Markup a family writes as plain text, not as tokens: ATEM's tags (a value holding its closer ends there).
 TEXT_MARKUP = {
-    "muse_glimmer": ["</atem:parameter>\n", '<atem:parameter name="n">', "</atem:invoke>\n</atem:function_calls>"]
+    "muse_glimmer": [
+        "</atem:parameter>",
+        "</atem:parameter>\n",
+        '<atem:parameter name="n">',
+        "</atem:invoke>\n</atem:function_calls>",
+    ]
 }
 NAMES = ["bash", "read", "edit_file", "x"]
 STRINGS = ["command", "path", "oldText"]  # typed strings by the tools' schema: raw text (GLM) reads as a string

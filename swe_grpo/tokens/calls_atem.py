@@ -9,10 +9,11 @@ has already written the first message's `<|start|>assistant`. The recipient says
     </atem:invoke>\n</atem:function_calls>
 
 with NAME the recipient. A value is all between its tags (the template strips nothing) and ends at the first
-`</atem:parameter>`; strings are written raw and other values as `tojson`, so a value is typed by the tool's schema
+`</atem:parameter>` (as the layout's own regular expressions and vLLM's parser read it), which the template's newline
+must follow; strings are written raw and other values as `tojson`, so a value is typed by the tool's schema
 (`call_values.typed_value`). A body that is anything else (a cut call, a repeated or nameless key, text between
-parameters, a value holding the closer and more markup after it, an invoke naming another tool than the recipient)
-is malformed, as is text after the message that ended the turn. Markup in a `self` or `user` message is that
+parameters, a value holding the closer, an invoke naming another tool than the recipient) is malformed, as is text
+after the message that ended the turn. Markup in a `self` or `user` message is that
 message's text: the recipient, not the markup, makes a call.
 """
 
@@ -29,7 +30,7 @@ _END = re.compile(r"<\|eom\|>|<\|eot\|>")
 _TURN_END = "<|eot|>"
 _INVOKE = re.compile(r'<atem:function_calls>\n<atem:invoke name="([^"\n<>]+)">\n')
 _PARAMETER = re.compile(r'<atem:parameter name="([^"\n<>]+)">')
-_PARAMETER_CLOSER = "</atem:parameter>\n"
+_PARAMETER_CLOSER = "</atem:parameter>"
 _CLOSERS = "</atem:invoke>\n</atem:function_calls>"
 _REASONING, _CONTENT = "self", "user"
 
@@ -45,11 +46,13 @@ def _call(recipient: str, body: str, types: ToolTypes | None) -> dict[str, Any]:
     # A scan, not a regex search: a parameter without its closer must not cost a pass over the rest of the text.
     while parameter := _PARAMETER.match(body, pos):
         key, start = parameter.group(1), parameter.end()
+        # The first closer ends the value, as the layout's own regular expressions read it (vLLM's too): a value
+        # that holds the closer leaves text after it that is no parameter.
         end = body.find(_PARAMETER_CLOSER, start)
-        if end == -1 or key in arguments:
-            raise Malformed("an unclosed or repeated parameter")
+        pos = end + len(_PARAMETER_CLOSER) + 1
+        if end == -1 or key in arguments or body[pos - 1 : pos] != "\n":
+            raise Malformed("an unclosed or repeated parameter, or a value holding its closer")
         arguments[key] = typed_value(body[start:end], properties.get(key, set()))
-        pos = end + len(_PARAMETER_CLOSER)
     if body[pos:] != _CLOSERS:
         raise Malformed("text that is not a parameter, or a call not closed")
     return openai_call(recipient, arguments)
