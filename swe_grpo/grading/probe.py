@@ -4,13 +4,14 @@ once per task base without the patch) and the witnessed test run that the probe 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
+import logging
 import secrets
 import shlex
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from swe_grpo.grading.canaries import Canaries
 from swe_grpo.grading.limits import KILLED_BY_LIMIT, LIMIT_ENV, limit_secret, limit_source, limited
@@ -20,7 +21,11 @@ from swe_grpo.grading.selection import SELECT_ENV, select_source, selection_file
 from swe_grpo.grading.steps import DEFAULT_TEST_CMD, BrokenTask, failure, grade_setup, in_sandbox, step
 from swe_grpo.grading.tamper import BOOT_ENV, AuditReport, boot_secret, boot_source, shim_script
 from swe_grpo.sandbox.base import ExecResult, FileTooLarge, Sandbox, SandboxBackend, SandboxError
+from swe_grpo.sandbox.bounded import BoundExceeded, run_bounded
 from swe_grpo.tasks import Task
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The environment of every witnessed run: no user site (a patch could have written one outside the
 # repository for a later interpreter), and no runner options from the environment.
@@ -115,7 +120,7 @@ async def witnessed_run(
     # tampering, unless the run timed out, when no verdict is drawn from it), one it bloated as missing, and
     # neither is ever read past its cap or parsed on the event loop.
     audit_text = await _read_capped(sandbox, audit_path, _AUDIT_MAX_BYTES)
-    audit = await asyncio.to_thread(AuditReport.parse, audit_text or "", nonce)
+    audit = await parse_report(AuditReport.parse, audit_text or "", nonce) or AuditReport.parse("", nonce)
     installed = limit and limited(await _read_capped(sandbox, status_path, _STATUS_MAX_BYTES))
     # Whether a runner took the selection (its file is gone): the probe's to judge, in a run without the patch.
     # (Read whole when present: over a cap it would read as missing, as taken.)
@@ -123,7 +128,10 @@ async def witnessed_run(
     if tests.timed_out:
         return WitnessedRun(tests, None, audit, added, None, limit, installed, taken)
     junit_xml = await _read_capped(sandbox, junit_path, _JUNIT_MAX_BYTES)
-    reports = await asyncio.to_thread(RunReports.parse, ids, junit_xml, tests.stdout)
+    reports = await parse_report(RunReports.parse, ids, junit_xml, tests.stdout)
+    if reports is None:  # a report too large to parse in its bounds reads as missing, as one over its cap does
+        junit_xml = None
+        reports = await parse_report(RunReports.parse, ids, None, tests.stdout) or RunReports(None, None)
     return WitnessedRun(tests, reports, audit, added, junit_xml, limit, installed, taken)
 
 
@@ -150,6 +158,21 @@ def _bytes(text: str | bytes) -> bytes:
 _AUDIT_MAX_BYTES = 4 * 1024**2
 _JUNIT_MAX_BYTES = 64 * 1024**2
 _STATUS_MAX_BYTES = 4096
+# A parse of a report at its cap (tens of MiB of JUnit XML: hundreds of thousands of test cases) fits in these.
+REPORT_TIMEOUT_S = 60.0
+REPORT_MEMORY_BYTES = 1 << 30
+
+
+async def parse_report(parse: Callable[..., T], *args: object) -> T | None:
+    """`parse(*args)` on a report of the graded run (the patch's code wrote it, or could have) in a process of its
+    own (`run_bounded`: a parser holds the GIL for its whole input, and would stall every rollout served
+    beside this grade), within `REPORT_TIMEOUT_S` and `REPORT_MEMORY_BYTES`; None, logged, when it does not
+    finish in them: the caller reads that report as missing."""
+    try:
+        return await run_bounded(parse, *args, timeout_s=REPORT_TIMEOUT_S, memory_bytes=REPORT_MEMORY_BYTES)
+    except BoundExceeded as e:
+        log.warning("a report of the graded run is read as missing: its parse is over its %s bound (%s)", e.bound, e)
+        return None
 
 
 async def _read_capped(sandbox: Sandbox, path: str, max_bytes: int) -> str | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
 import shlex
 import time
@@ -12,7 +11,7 @@ from typing import Literal
 
 from swe_grpo.grading.capability import CAPABILITIES, allowed_capabilities
 from swe_grpo.grading.limits import KILLED_BY_LIMIT
-from swe_grpo.grading.probe import Probe, WitnessedRun, lift_limits, probe_runner, witnessed_run
+from swe_grpo.grading.probe import Probe, WitnessedRun, lift_limits, parse_report, probe_runner, witnessed_run
 from swe_grpo.grading.protect import command_words, doctest_examples, is_protected
 from swe_grpo.grading.reports import PASS_STATUSES, report_statuses
 from swe_grpo.grading.steps import (
@@ -232,8 +231,8 @@ async def _graded_run(
     timings["exit_scan_s"] = run.witnessed.audit.exit_scan_s
     run.exhausted = await sandbox.exhausted()
     if run.witnessed.reports is not None:
-        # Off the event loop: the report may be tens of MiB (its cap), as the patch's code left it.
-        run.statuses = await asyncio.to_thread(report_statuses, test_ids, run.witnessed.junit_xml, tests.stdout)
+        # Bounded, off the event loop: the report may be tens of MiB (its cap), as the patch's code left it.
+        run.statuses = await parse_report(report_statuses, test_ids, run.witnessed.junit_xml, tests.stdout)
     return run
 
 
