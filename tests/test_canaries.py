@@ -11,15 +11,20 @@ keep grading as before (tests/test_grading.py, tests/test_grading_tamper.py, tes
 from __future__ import annotations
 
 import ast
+import os
 import random
 import re
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 from tampers import tamper_patch
 
 from swe_grpo.demo.tasks import demo_tasks
 from swe_grpo.grading import SCAN_RULES, grade
 from swe_grpo.grading.canaries import Canaries
+from swe_grpo.grading.selection import SELECT_ENV, select_source, selection_files, selection_secret
 from swe_grpo.sandbox.local import LocalBackend
 
 FUNCTIONS = """\
@@ -301,3 +306,44 @@ async def test_a_flip_that_spares_the_ids_visible_in_the_runner_is_caught(local_
         result.error
     )
     assert "canaries" in result.witnesses
+
+
+SELECTED = """\
+import os
+import sys
+
+
+def test_one():
+    assert not [arg for arg in sys.argv if "::" in arg], sys.argv
+    assert "SWE_GRPO_SELECT" not in os.environ
+    assert os.environ["PYTEST_PLUGINS"] == ""
+
+
+def test_two():
+    pass
+
+
+def test_three():
+    assert False, "not selected"
+"""
+
+
+def test_pytest_runs_exactly_the_selection_which_the_tests_cannot_see(tmp_path: Path) -> None:
+    """The grader's sitecustomize piece in a real pytest process (under `-W error`: it adds no warning): the
+    command line names the file, pytest runs exactly the selected ids in the selection's order, the secret
+    file is gone, and a test sees no id on `sys.argv` and no trace of the selection in its environment."""
+    (tmp_path / "boot").mkdir()
+    (tmp_path / "boot" / "sitecustomize.py").write_text(select_source())
+    (tmp_path / "proj" / "tests").mkdir(parents=True)
+    (tmp_path / "proj" / "tests" / "test_a.py").write_text(SELECTED)
+    ids = ["tests/test_a.py::test_two", "tests/test_a.py::test_one"]
+    secret = tmp_path / "selection"
+    secret.write_text(selection_secret(ids))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "boot"), SELECT_ENV: str(secret), "PYTEST_PLUGINS": ""}
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # this venv's plugins warn on their own under -W error
+    command = [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-W", "error", *selection_files(ids)]
+    done = subprocess.run(command, cwd=tmp_path / "proj", env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.findall(r"^PASSED (\S+)$", done.stdout, re.M) == ids, done.stdout
+    assert "test_three" not in done.stdout
+    assert not secret.exists()

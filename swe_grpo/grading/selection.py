@@ -71,7 +71,9 @@ def _swe_grpo_select():
         if files and args[-len(files):] == files:
             args[-len(files):] = ids
 
-    plugin = type(sys)(name)
+    # The docstring's mark keeps pytest from warning that it cannot rewrite a module already imported
+    # (a warning that `-W error` would turn into a failed start).
+    plugin = type(sys)(name, "PYTEST_DONT_REWRITE: the grader's test selection")
     plugin.pytest_load_initial_conftests = pytest_load_initial_conftests
     sys.modules[name] = plugin
     os.environ["PYTEST_PLUGINS"] = ",".join(p for p in (before, name) if p)
