@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import socket
 import time
@@ -21,7 +22,7 @@ from pi_shapes import SYSTEM_PROMPT, PiConversation, scripted_output, tool_call
 
 from swe_grpo.evaluation.passthrough import PassthroughServer
 from swe_grpo.serving.handle import RolloutServer, RolloutView
-from swe_grpo.serving.interception import InterceptionServer
+from swe_grpo.serving.interception import SERVING_GC_THRESHOLD, InterceptionServer
 from swe_grpo.serving.vllm_client import (
     ContextOverflowError,
     Generation,
@@ -790,3 +791,15 @@ async def test_the_parser_probes_with_the_servers_template_kwargs(tokenizer) -> 
     """The parser reads replies as the prompts were rendered: with the server's chat-template kwargs."""
     srv = InterceptionServer(ScriptedGenerator([[1]]), tokenizer, chat_template_kwargs={"enable_thinking": False})
     assert srv.parser.template is srv.template and srv.template.template_kwargs == {"enable_thinking": False}
+
+
+async def test_a_server_collects_young_objects_less_often_while_it_runs(tokenizer) -> None:
+    """While it serves, the collector runs with `SERVING_GC_THRESHOLD` (a request's objects die young instead of
+    setting off full collections: benchmarks/p2_concurrency.py's GC column); stop() gives the process its own back."""
+    own = gc.get_threshold()
+    srv = await InterceptionServer(NeverReturns(), tokenizer).start()
+    try:
+        assert gc.get_threshold() == SERVING_GC_THRESHOLD != own
+    finally:
+        await srv.stop()
+    assert gc.get_threshold() == own

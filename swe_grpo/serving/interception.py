@@ -92,6 +92,11 @@ _CLOSED_REMEMBERED = 100_000  # closed rollouts answer 410 (not 404) while remem
 # Answers to a request that carries no valid token for any route (or names none): held to the server's
 # `ServingLimits.unauthorized_per_s`.
 _UNAUTHORIZED = frozenset({401, 403, 404, 405})
+# The collector's thresholds while a server runs. CPython's (700, 10, 10) collects the young generation every 700
+# allocations: a request's objects (its body: thousands, alive through its generation) are promoted to the old
+# generation, whose growth then sets off full collections that walk every rollout's history (P2, 256 rollouts: 4 of
+# up to 105 ms). Young collections every 50,000 allocations let a request's objects die young (P2: none).
+SERVING_GC_THRESHOLD = (50_000, 20, 10)
 
 
 class InterceptionServer:
@@ -138,6 +143,7 @@ class InterceptionServer:
         self._rollouts: dict[str, RolloutSession] = {}
         self._closed: OrderedDict[str, str] = OrderedDict()  # rollout_id -> token
         self._runner: web.AppRunner | None = None
+        self._gc_threshold = gc.get_threshold()  # the process's own, given back by stop()
         self._bulk: ThreadPoolExecutor | None = None
         self._doors: dict[str, tuple[RolloutSession, Listener]] = {}  # socket path -> its rollout and listener
         self._tcp: Listener | None = None
@@ -178,6 +184,8 @@ class InterceptionServer:
         # Freezing it keeps each full garbage collection from walking all of it, which would otherwise pause
         # every rollout's requests. (Undone by stop(), so that what was frozen can be freed at exit.)
         gc.freeze()
+        self._gc_threshold = gc.get_threshold()
+        gc.set_threshold(*SERVING_GC_THRESHOLD)
         return_big_buffers()
         self._bulk = bulk_executor()  # big requests are prepared there (`swe_grpo.serving.turn`)
         # aiohttp's keepalive timeout runs from a connection's opening and from each reply until a whole
@@ -208,6 +216,7 @@ class InterceptionServer:
             await self._runner.cleanup()
             self._runner = None
             gc.unfreeze()
+            gc.set_threshold(*self._gc_threshold)
         if self._bulk is not None:
             self._bulk.shutdown(wait=False, cancel_futures=True)
             self._bulk = None
