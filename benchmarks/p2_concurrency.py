@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import gc
 import json
 import logging
@@ -122,15 +123,17 @@ class ServerReport:
         )
 
 
-def serve(conn: Connection, rollouts: int, calls: int, cpus: set[int], vllm_url: str | None) -> None:
+def serve(
+    conn: Connection, rollouts: int, calls: int, cpus: set[int], vllm_url: str | None, profile: Path | None
+) -> None:
     """Entry point of the server process: generation through `VLLMClient` at `vllm_url`, or (None) the
-    in-process `StubGenerator`."""
+    in-process `StubGenerator`. `profile`: a folder to write the server's cProfile of the traffic to."""
     os.sched_setaffinity(0, cpus)
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(_serve(conn, rollouts, calls, vllm_url))
+    asyncio.run(_serve(conn, rollouts, calls, vllm_url, profile))
 
 
-async def _serve(conn: Connection, rollouts: int, calls: int, vllm_url: str | None) -> None:
+async def _serve(conn: Connection, rollouts: int, calls: int, vllm_url: str | None, profile: Path | None) -> None:
     tokenizer = load_tokenizer()
     client = None
     if vllm_url is not None:
@@ -138,16 +141,16 @@ async def _serve(conn: Connection, rollouts: int, calls: int, vllm_url: str | No
     generator = client or StubGenerator(tokenizer, calls, STUB_LATENCY_S)
     server = InterceptionServer(generator, tokenizer)
     handler_s: list[float] = []
-    handler = server._chat_completions
+    handler = server._turn
 
-    async def timed(request: Any) -> Any:
+    async def timed(request: Any, dialect: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            return await handler(request)
+            return await handler(request, dialect)
         finally:
             handler_s.append(time.perf_counter() - t0)
 
-    server._chat_completions = timed  # type: ignore[method-assign]  # app() routes to it at start()
+    server._turn = timed  # type: ignore[method-assign]  # app() routes every dialect's turns to it at start()
     gc_stats = {"full": 0, "max": 0.0, "total": 0.0, "started": 0.0}
 
     def on_gc(phase: str, info: dict[str, int]) -> None:
@@ -164,9 +167,16 @@ async def _serve(conn: Connection, rollouts: int, calls: int, vllm_url: str | No
     handles = [await rollouts_open.enter_async_context(server.rollout()) for _ in range(rollouts)]
     endpoints = [handle.endpoint for handle in handles]
     gc.callbacks.append(on_gc)
+    profiler = cProfile.Profile() if profile else None
+    if profiler:
+        profiler.enable()
     conn.send(endpoints)
     loop = asyncio.get_running_loop()
     while await loop.run_in_executor(None, conn.recv) != "stop":  # "report"
+        if profiler and profile:  # the traffic only: not the rollouts' closing
+            profiler.disable()
+            profile.mkdir(parents=True, exist_ok=True)
+            profiler.dump_stats(profile / f"server-{os.getpid()}.prof")
         await rollouts_open.aclose()
         records = [handle.record for handle in handles]
         conn.send(
@@ -297,7 +307,7 @@ async def run_scenario(
     async with AsyncExitStack() as stack:
         running = [
             await stack.enter_async_context(
-                server_process(serve, share + 1, case.calls, server_cpus, vllm and vllm.url)
+                server_process(serve, share + 1, case.calls, server_cpus, vllm and vllm.url, args.profile)
             )
             for share in shares
         ]
@@ -533,6 +543,9 @@ def main() -> int:
     parser.add_argument("--tool-output", choices=sorted(TOOL_OUTPUTS), default="large")
     parser.add_argument("--no-saturation", action="store_true", help="skip the zero-think-time scenario")
     parser.add_argument("--max-seconds", type=float, default=150.0, help="time limit of each scenario")
+    parser.add_argument(
+        "--profile", type=Path, help="folder for each server's cProfile of the traffic (server-PID.prof; slows it)"
+    )
     args = parser.parse_args()
     args.hosts_text = args.hosts.replace(",", "/")
     generators = args.generator.split(",")

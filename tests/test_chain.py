@@ -357,3 +357,36 @@ def test_a_turn_closed_with_another_end_token_than_the_templates_forks() -> None
     training, _, _ = _glm_turn()
     user = training.tokenizer.convert_tokens_to_ids("<|user|>")
     assert training.interstitial_ids(normalize_message(GLM_CALL), [GLM_RESULT], None, user) is None
+
+
+def test_a_clean_turn_renders_twice_and_stays_exact() -> None:
+    """The serving path's render work: a clean turn renders the template twice (the interstitial, from the rendering
+    of the last reply kept since its check, and the check of the new reply, which `commit` reuses), not four times;
+    the conversation's tokens are unchanged by it (the exactness tests above)."""
+    d = Driver("qwen3")
+    d.turn(REPLIES[0])
+    renders = 0
+    render = d.template.render
+
+    def counted(*args: object, **kwargs: object) -> str:
+        nonlocal renders
+        renders += 1
+        return render(*args, **kwargs)
+
+    request = d.convo.request()
+    output = scripted_output(d.template, normalize_message(REPLIES[1]))  # the model's part: not counted
+    d.template.render = counted  # type: ignore[method-assign]
+    prepared = d.chain.prepare(request["messages"], request["tools"])
+    parsed = d.parser.parse(output, prepared.prompt_ids, "stop", request["tools"])
+    d.chain.reply_message(prepared, parsed.message)
+    record = d.chain.commit(prepared, output, [-0.1] * len(output), 0, parsed.message, parsed.finish_reason)
+    assert record.kind == "clean" and renders == 2
+
+
+def test_an_interstitial_from_a_stale_rendering_of_the_last_reply_is_the_same() -> None:
+    """A kept rendering of the last reply that is not a prefix of this turn's (a template that writes today's date,
+    rendered on another day) is rendered again: the interstitial is what a fresh render gives."""
+    training, _, reply = _glm_turn()
+    fresh = training.interstitial_ids(normalize_message(GLM_CALL), [GLM_RESULT], None, reply[-1])
+    stale = training.interstitial_ids(normalize_message(GLM_CALL), [GLM_RESULT], None, reply[-1], "another day")
+    assert fresh is not None and stale == fresh

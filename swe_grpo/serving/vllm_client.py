@@ -229,7 +229,7 @@ class VLLMClient:
             raise BadResponseError(f"unexpected /v1/completions reply ({e!r}): {str(reply)[:300]}") from e
         if len(token_ids) != len(log_probs):
             raise BadResponseError(f"{len(token_ids)} output tokens but {len(log_probs)} log-probs")
-        if echoed is not None and list(echoed) != prompt_ids:
+        if echoed is not None and echoed != prompt_ids:  # a JSON list: compared as it is, not copied
             raise BadResponseError("vLLM's echoed prompt token ids differ from the ids sent")
         return Generation(token_ids, log_probs, "length" if finish == "length" else "stop", reply.get("model", ""))
 

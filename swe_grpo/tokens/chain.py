@@ -169,6 +169,10 @@ class TokenChain:
         self._raw: list[Any] = []  # the previous request's messages as received, for a cheap equality test
         self._tools: list | None = None
         self._undo: _Undo | None = None  # how to replace the last committed turn (see `prepare`)
+        # The template's rendering of the last assistant message (`check_reply`), which the next turn's
+        # interstitial starts from; and the latest `reply_message`'s answer, which `commit` then need not redo.
+        self._held_text: str | None = None
+        self._replied: tuple[PreparedTurn, Message, Message, str] | None = None
 
     @property
     def messages(self) -> list[Message]:
@@ -194,7 +198,7 @@ class TokenChain:
             return self._retry(norm, messages)
         if plan == "extend":
             held, chain = self._held, self.rows[-1].input_ids
-            new_ids = self.template.interstitial_ids(held[-1], norm[len(held) :], tools, chain[-1])
+            new_ids = self.template.interstitial_ids(held[-1], norm[len(held) :], tools, chain[-1], self._held_text)
             if new_ids is not None:
                 return PreparedTurn(chain.tolist() + new_ids, new_ids, False, norm, messages, tools, 0)
         replaces = plan == "replace"
@@ -282,9 +286,11 @@ class TokenChain:
     def reply_message(self, turn: PreparedTurn, message: Message) -> Message:
         """`message` (the assistant reply to `turn`) as the chain will hold it: normalised, and rendered by
         the training template as the next turn's interstitial will render it. Raises MessageFormatError
-        (TemplateRefusedError when the template refuses it); changes nothing."""
+        (TemplateRefusedError when the template refuses it); changes nothing the chain holds (`commit` reuses its work
+        for the same `turn` and `message` objects)."""
         held = normalize_message(message, len(turn.messages))
-        self.template.check_reply(held, turn.tools)
+        text = self.template.check_reply(held, turn.tools)
+        self._replied = (turn, message, held, text)
         return held
 
     def commit(
@@ -304,7 +310,12 @@ class TokenChain:
         Everything that can fail is checked first (`reply_message`, the log-probs): on an error the chain
         is unchanged.
         """
-        held = self.reply_message(turn, assistant_message)
+        replied = self._replied
+        if replied is None or replied[0] is not turn or replied[1] is not assistant_message:
+            self.reply_message(turn, assistant_message)
+            replied = self._replied
+        assert replied is not None
+        _, _, held, text = replied
         if len(output_ids) != len(log_probs):
             raise ValueError(f"{len(output_ids)} output tokens but {len(log_probs)} log-probs")
         retries = 0
@@ -321,6 +332,7 @@ class TokenChain:
         row.extend_prompt(turn.packed_new_ids)
         row.extend_completion(output_ids, log_probs, model_version)
         self._held = [*turn.messages, held]
+        self._held_text, self._replied = text, None
         self._raw = turn.raw_messages
         self._tools = turn.tools
         record = TurnRecord(

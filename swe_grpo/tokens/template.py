@@ -231,7 +231,12 @@ class TrainingTemplate:
         return self.encode(self.render(messages, tools, generation_prompt=True))
 
     def interstitial_ids(
-        self, last_assistant: Message, new_messages: list[Message], tools: list | None, last_output_id: int
+        self,
+        last_assistant: Message,
+        new_messages: list[Message],
+        tools: list | None,
+        last_output_id: int,
+        before: str | None = None,
     ) -> list[int] | None:
         """Tokens that follow the last assistant turn's end token: `new_messages` and the generation prompt.
 
@@ -239,11 +244,14 @@ class TrainingTemplate:
         output hit max_tokens), the end token the template writes for the turn is prepended, as the template would
         have closed it. Returns None when this conversation breaks prefix preservation, or the model closed the
         turn with another end token than the template writes after it (GLM's `<|user|>` after a tool call): the
-        caller forks instead.
+        caller forks instead. `before`: `check_reply`'s rendering of `last_assistant` with `tools`, when the caller
+        kept it (one render fewer per turn); rendered again when it is not a prefix of this turn's rendering (a
+        template that writes the date, rendered on another day).
         """
         context = [_CONTEXT_USER, last_assistant]
-        before = self.render(context, tools)
         after = self.render(context + new_messages, tools, generation_prompt=True)
+        if before is None or not after.startswith(before):
+            before = self.render(context, tools)
         closer = self._closer(before, after, self.end_tokens) if after.startswith(before) else None
         if closer is None:
             return None
@@ -270,7 +278,8 @@ class TrainingTemplate:
             raise ValueError("the template writes the generation prompt differently from an assistant turn")
         return text[len(prompt) : len(text) - len(closer[1])]
 
-    def check_reply(self, message: Message, tools: list | None = None) -> None:
-        """Render the (normalised) assistant `message` as `interstitial_ids` will render it after the turn; raises
-        TemplateRefusedError when the template refuses it."""
-        self.render([_CONTEXT_USER, message], tools)
+    def check_reply(self, message: Message, tools: list | None = None) -> str:
+        """Render the (normalised) assistant `message` as `interstitial_ids` will render it after the turn (the text,
+        which the next turn's `interstitial_ids` takes as `before`); raises TemplateRefusedError when the template
+        refuses it."""
+        return self.render([_CONTEXT_USER, message], tools)
