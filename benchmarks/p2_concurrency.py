@@ -106,8 +106,9 @@ class ServerReport:
     forks: int
     recorded_errors: int
     gc_full: int  # full (generation 2) collections
-    gc_pause_max_s: float
+    gc_pause_max_s: float  # of any collection
     gc_pause_total_s: float
+    gc_full_pause_max_s: float
 
     @classmethod
     def merged(cls, reports: list[ServerReport]) -> ServerReport:
@@ -120,20 +121,35 @@ class ServerReport:
             gc_full=sum(r.gc_full for r in reports),
             gc_pause_max_s=max(r.gc_pause_max_s for r in reports),
             gc_pause_total_s=sum(r.gc_pause_total_s for r in reports),
+            gc_full_pause_max_s=max(r.gc_full_pause_max_s for r in reports),
         )
 
 
 def serve(
-    conn: Connection, rollouts: int, calls: int, cpus: set[int], vllm_url: str | None, profile: Path | None
+    conn: Connection,
+    rollouts: int,
+    calls: int,
+    cpus: set[int],
+    vllm_url: str | None,
+    profile: Path | None,
+    gc_threshold: tuple[int, ...] | None,
 ) -> None:
     """Entry point of the server process: generation through `VLLMClient` at `vllm_url`, or (None) the
-    in-process `StubGenerator`. `profile`: a folder to write the server's cProfile of the traffic to."""
+    in-process `StubGenerator`. `profile`: a folder to write the server's cProfile of the traffic to;
+    `gc_threshold`: the collector's thresholds to serve with (an experiment; None: the server's own)."""
     os.sched_setaffinity(0, cpus)
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(_serve(conn, rollouts, calls, vllm_url, profile))
+    asyncio.run(_serve(conn, rollouts, calls, vllm_url, profile, gc_threshold))
 
 
-async def _serve(conn: Connection, rollouts: int, calls: int, vllm_url: str | None, profile: Path | None) -> None:
+async def _serve(
+    conn: Connection,
+    rollouts: int,
+    calls: int,
+    vllm_url: str | None,
+    profile: Path | None,
+    gc_threshold: tuple[int, ...] | None,
+) -> None:
     tokenizer = load_tokenizer()
     client = None
     if vllm_url is not None:
@@ -151,7 +167,7 @@ async def _serve(conn: Connection, rollouts: int, calls: int, vllm_url: str | No
             handler_s.append(time.perf_counter() - t0)
 
     server._turn = timed  # type: ignore[method-assign]  # app() routes every dialect's turns to it at start()
-    gc_stats = {"full": 0, "max": 0.0, "total": 0.0, "started": 0.0}
+    gc_stats = {"full": 0, "max": 0.0, "total": 0.0, "started": 0.0, "full_max": 0.0}
 
     def on_gc(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -160,9 +176,13 @@ async def _serve(conn: Connection, rollouts: int, calls: int, vllm_url: str | No
         pause = time.perf_counter() - gc_stats["started"]
         gc_stats["total"] += pause
         gc_stats["max"] = max(gc_stats["max"], pause)
-        gc_stats["full"] += info.get("generation") == 2
+        if info.get("generation") == 2:
+            gc_stats["full"] += 1
+            gc_stats["full_max"] = max(gc_stats["full_max"], pause)
 
     await server.start()
+    if gc_threshold:
+        gc.set_threshold(*gc_threshold)
     rollouts_open = AsyncExitStack()
     handles = [await rollouts_open.enter_async_context(server.rollout()) for _ in range(rollouts)]
     endpoints = [handle.endpoint for handle in handles]
@@ -188,6 +208,7 @@ async def _serve(conn: Connection, rollouts: int, calls: int, vllm_url: str | No
                 gc_full=int(gc_stats["full"]),
                 gc_pause_max_s=gc_stats["max"],
                 gc_pause_total_s=gc_stats["total"],
+                gc_full_pause_max_s=gc_stats["full_max"],
             )
         )
     await server.stop()
@@ -307,7 +328,9 @@ async def run_scenario(
     async with AsyncExitStack() as stack:
         running = [
             await stack.enter_async_context(
-                server_process(serve, share + 1, case.calls, server_cpus, vllm and vllm.url, args.profile)
+                server_process(
+                    serve, share + 1, case.calls, server_cpus, vllm and vllm.url, args.profile, args.gc_threshold
+                )
             )
             for share in shares
         ]
@@ -418,7 +441,7 @@ def report(results: list[Result], args: argparse.Namespace, load_before: float) 
                 f"{r.cpu[0]:.0%} / {r.cpu[1]:.0%}" + (f" / {r.cpu[2]:.0%}" if r.generator == "client" else ""),
                 f"{r.cpu[0] * r.wall_s / max(len(s.round_trips), 1) * 1e3:.1f}",
                 " / ".join(f"{x:,.0f}" for x in r.rss_mib),
-                f"{r.server.gc_full} ({_ms(r.server.gc_pause_max_s)} ms)",
+                f"{r.server.gc_full} ({_ms(r.server.gc_full_pause_max_s)} ms) / {_ms(r.server.gc_pause_max_s)} ms",
             ]
         )
     headers = [
@@ -434,7 +457,7 @@ def report(results: list[Result], args: argparse.Namespace, load_before: float) 
         "CPU server / agents (/ stub vLLM)",
         "server CPU ms / request",
         "server RSS MiB before / after / peak",
-        "full GCs (longest pause)",
+        "full GCs (longest) / longest GC pause",
     ]
     out += [markdown_table(headers, rows), ""]
     saturated = {r.hosts: r for r in results if r.scenario.think_s[1] == 0}
@@ -520,6 +543,7 @@ def _row(r: Result, rollouts: int) -> dict[str, Any]:
         "rss_growth_mib_per_rollout": (r.rss_mib[1] - r.rss_mib[0]) / rollouts,
         "gc_full": r.server.gc_full,
         "gc_pause_max_ms": r.server.gc_pause_max_s * 1e3,
+        "gc_full_pause_max_ms": r.server.gc_full_pause_max_s * 1e3,
         "prompt_tokens_last_mean": sum(s.prompt_tokens_last) / max(len(s.prompt_tokens_last), 1),
         "wall_s": r.wall_s,
     }
@@ -543,6 +567,11 @@ def main() -> int:
     parser.add_argument("--tool-output", choices=sorted(TOOL_OUTPUTS), default="large")
     parser.add_argument("--no-saturation", action="store_true", help="skip the zero-think-time scenario")
     parser.add_argument("--max-seconds", type=float, default=150.0, help="time limit of each scenario")
+    parser.add_argument(
+        "--gc-threshold",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        help="the servers' gc.set_threshold, 'gen0[,gen1[,gen2]]' (an experiment; default: the server's own)",
+    )
     parser.add_argument(
         "--profile", type=Path, help="folder for each server's cProfile of the traffic (server-PID.prof; slows it)"
     )
@@ -585,7 +614,11 @@ def main() -> int:
 def write_json(args: argparse.Namespace, results: list[Result], provenance: Provenance) -> None:
     """The run so far, with its provenance, to `args.json`."""
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    options = {k: v for k, v in vars(args).items() if k in ("rollouts", "turns", "think", "tool_output", "max_seconds")}
+    options = {
+        k: v
+        for k, v in vars(args).items()
+        if k in ("rollouts", "turns", "think", "tool_output", "max_seconds", "gc_threshold")
+    }
     args.json.write_text(
         json.dumps(
             {
