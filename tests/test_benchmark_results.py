@@ -41,8 +41,12 @@ def problems(provenance: Any) -> list[str]:
     commit = provenance.get("commit")
     if not (isinstance(commit, str) and re.fullmatch(r"[0-9a-f]{7,40}", commit)):
         found.append(f"commit {commit!r} is not a commit id")
-    elif subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"]).returncode:
-        found.append(f"commit {commit} is not in this repository's history")
+    # An ancestor of HEAD, not merely an object here: a commit left behind by a rebase is in the checkout where it
+    # ran but not in a fresh clone of main.
+    elif subprocess.run(
+        ["git", "-C", str(ROOT), "merge-base", "--is-ancestor", commit, "HEAD"], capture_output=True
+    ).returncode:
+        found.append(f"commit {commit} is not in the history of HEAD")
     dirty = provenance.get("dirty")
     if not (dirty is False or (isinstance(dirty, list) and dirty and all(isinstance(p, str) for p in dirty))):
         found.append(f"dirty {dirty!r} is neither false nor a list of files")
