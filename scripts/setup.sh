@@ -6,11 +6,13 @@
 #                 last release), still supported and tested
 #   .deps/mini-swe-agent/  a portable Python + mini-swe-agent (the second harness), mounted the same way
 #   .deps/opencode/  OpenCode from npm (the third harness, a native binary), mounted the same way
+#   .deps/codex/, .deps/claude-code/  Codex and Claude Code from npm (native binaries), mounted the same way
 #   ~/.cache/swe_grpo/door/  the agents' door forwarder, a static binary built from swe_grpo/sandbox/door_forwarder.c
 #   ~/.cache/swe_grpo/seccomp/  the docker sandboxes' seccomp wrapper, built from swe_grpo/sandbox/docker/seccomp_exec.c
 #   bubblewrap, gcc, ...  from apt, when missing
 # `setup.sh --demo` (what `make demo` runs) stops at what the demo needs: no docker, no Pi 0.73.1, no
-# mini-swe-agent or OpenCode, no Ray, no test tools (those serve the tests and the other backends/harnesses).
+# mini-swe-agent, OpenCode, Codex or Claude Code, no Ray, no test tools (those serve the tests and the other
+# backends/harnesses).
 # Idempotent: each step records a stamp of its inputs and is skipped when they have not changed,
 # so a second run takes about a second.
 set -euo pipefail
@@ -30,8 +32,11 @@ DEPS=$ROOT/.deps
 PI_VERSION=1.6.0
 PI_LAST_0X_VERSION=0.87.1
 PI_COMPAT_VERSION=0.73.1
-# The other npm agents: swe_grpo/agents/opencode.py's OPENCODE_VERSION (a test keeps them equal).
+# The other npm agents: swe_grpo/agents/opencode.py's OPENCODE_VERSION, codex.py's CODEX_VERSION and
+# claude_code.py's CLAUDE_CODE_VERSION (tests keep them equal).
 OPENCODE_VERSION=1.18.33
+CODEX_VERSION=0.171.0
+CLAUDE_CODE_VERSION=2.1.332
 NODE_VERSION=22.23.3
 TORCH_VERSION=2.13.0
 mkdir -p "$DEPS"
@@ -179,5 +184,8 @@ install_npm_agent() {
 install_npm_agent opencode-ai "$OPENCODE_VERSION" "$DEPS/opencode"
 [[ $("$DEPS/opencode/node_modules/opencode-linux-x64/bin/opencode" --version) == "$OPENCODE_VERSION" ]] \
     || { echo "OpenCode in $DEPS/opencode is not ${OPENCODE_VERSION}" >&2; exit 1; }
+# Codex (a static musl binary) and Claude Code (a glibc binary), each from its optional linux-x64 package.
+install_npm_agent @openai/codex "$CODEX_VERSION" "$DEPS/codex"
+install_npm_agent @anthropic-ai/claude-code "$CLAUDE_CODE_VERSION" "$DEPS/claude-code"
 
-log "ready: $VENV, $DEPS/pi (Pi ${PI_VERSION}), $DEPS/pi-${PI_LAST_0X_VERSION}, $DEPS/pi-${PI_COMPAT_VERSION}, $MINI_DIR, $DEPS/opencode"
+log "ready: $VENV, $DEPS/pi (Pi ${PI_VERSION}), $DEPS/pi-${PI_LAST_0X_VERSION}, $DEPS/pi-${PI_COMPAT_VERSION}, $MINI_DIR, $DEPS/opencode, $DEPS/codex, $DEPS/claude-code"

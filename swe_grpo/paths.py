@@ -30,3 +30,15 @@ def opencode_dir() -> Path:
     """The OpenCode bundle (`opencode-ai` with its linux-x64 binary) made by `scripts/setup.sh`:
     `$SWE_GRPO_OPENCODE_DIR`, else `.deps/opencode` in this checkout."""
     return Path(os.environ.get("SWE_GRPO_OPENCODE_DIR", _CHECKOUT / ".deps" / "opencode"))
+
+
+def codex_dir() -> Path:
+    """The Codex bundle (`@openai/codex` with its linux-x64 binary) made by `scripts/setup.sh`:
+    `$SWE_GRPO_CODEX_DIR`, else `.deps/codex` in this checkout."""
+    return Path(os.environ.get("SWE_GRPO_CODEX_DIR", _CHECKOUT / ".deps" / "codex"))
+
+
+def claude_code_dir() -> Path:
+    """The Claude Code bundle (`@anthropic-ai/claude-code` with its linux-x64 binary) made by `scripts/setup.sh`:
+    `$SWE_GRPO_CLAUDE_CODE_DIR`, else `.deps/claude-code` in this checkout."""
+    return Path(os.environ.get("SWE_GRPO_CLAUDE_CODE_DIR", _CHECKOUT / ".deps" / "claude-code"))

@@ -11,6 +11,8 @@ import pytest
 from test_examples import load_train_module, parse
 
 from swe_grpo.agents import AGENTS, make_agent, make_agents
+from swe_grpo.agents.claude_code import CLAUDE_CODE_MOUNT, ClaudeCodeAgent
+from swe_grpo.agents.codex import CODEX_MOUNT, CodexAgent
 from swe_grpo.agents.mini_swe import MINI_MOUNT, MiniSweAgent, MiniSweAgentBundleError
 from swe_grpo.agents.opencode import OPENCODE_MOUNT, OpenCodeAgent
 from swe_grpo.agents.pi import PI_MOUNT, PiAgent
@@ -23,20 +25,21 @@ ROLLOUT = ["rollout", "--tasks", "t.jsonl", "--vllm-url", "http://127.0.0.1:9", 
 
 
 def test_each_agent_is_made_from_its_install_and_mounted_read_only() -> None:
-    pi, mini, opencode = (make_agent(name) for name in AGENTS)
-    assert isinstance(pi, PiAgent) and isinstance(mini, MiniSweAgent) and isinstance(opencode, OpenCodeAgent)
-    mounts = [(a.mount().sandbox_path, a.mount().writable) for a in (pi, mini, opencode)]
-    assert mounts == [(PI_MOUNT, False), (MINI_MOUNT, False), (OPENCODE_MOUNT, False)]
-    assert [a.name for a in (pi, mini, opencode)] == list(AGENTS)  # each registry name is its harness's own name
+    agents = [make_agent(name) for name in AGENTS]
+    classes = [PiAgent, MiniSweAgent, OpenCodeAgent, CodexAgent, ClaudeCodeAgent]
+    assert [type(a) for a in agents] == classes
+    mounts = [(a.mount().sandbox_path, a.mount().writable) for a in agents]
+    assert mounts == [(m, False) for m in (PI_MOUNT, MINI_MOUNT, OPENCODE_MOUNT, CODEX_MOUNT, CLAUDE_CODE_MOUNT)]
+    assert [a.name for a in agents] == list(AGENTS)  # each registry name is its harness's own name
 
 
 def test_an_unknown_agent_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="unknown agent 'codex': choose one of pi, mini-swe-agent, opencode"):
-        make_agent("codex")
-    with pytest.raises(ValueError, match="unknown agent 'codex'"):
-        WorkerConfig(agent="codex")
-    with pytest.raises(ValueError, match="unknown agent 'codex'"):
-        WorkerConfig(agent={"pi": 1, "codex": 1})
+    with pytest.raises(ValueError, match="unknown agent 'codx': choose one of pi, mini-swe-agent, opencode, codex"):
+        make_agent("codx")
+    with pytest.raises(ValueError, match="unknown agent 'codx'"):
+        WorkerConfig(agent="codx")
+    with pytest.raises(ValueError, match="unknown agent 'codx'"):
+        WorkerConfig(agent={"pi": 1, "codx": 1})
     with pytest.raises(SystemExit):
         parse_args([*ROLLOUT, "--agent", "x"])
 

@@ -1,8 +1,9 @@
-"""Coding-agent harnesses behind one seam (`base.Agent`): Pi (the default), mini-swe-agent and OpenCode.
+"""Coding-agent harnesses behind one seam (`base.Agent`): Pi (the default), mini-swe-agent, OpenCode,
+Codex and Claude Code.
 
 `make_agent(name)` builds one from its default host install: a name of `AGENTS` (`pi`, `mini-swe-agent`,
-`opencode`), or a harness class of one's own as a dotted path (`mypkg.mod:MyAgent`, built with no arguments,
-implementing `base.Agent`).
+`opencode`, `codex`, `claude-code`), or a harness class of one's own as a dotted path (`mypkg.mod:MyAgent`, built
+with no arguments, implementing `base.Agent`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ AGENTS = {
     "pi": "swe_grpo.agents.pi:PiAgent",
     "mini-swe-agent": "swe_grpo.agents.mini_swe:MiniSweAgent",
     "opencode": "swe_grpo.agents.opencode:OpenCodeAgent",
+    "codex": "swe_grpo.agents.codex:CodexAgent",
+    "claude-code": "swe_grpo.agents.claude_code:ClaudeCodeAgent",
 }
 
 __all__ = ["AGENTS", "Agent", "AgentConfig", "AgentResult", "make_agent", "make_agents"]

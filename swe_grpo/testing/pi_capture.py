@@ -64,7 +64,8 @@ class ScriptedGenerator:
 
 @dataclass
 class CapturedRequests:
-    """The chat requests an agent sent, as they left it: each one's headers (names lower-cased) and JSON body."""
+    """The model requests an agent sent (chat, Responses or Messages), as they left it: each one's headers (names
+    lower-cased) and JSON body."""
 
     url: str = ""
     requests: list[tuple[dict[str, str], dict[str, Any]]] = field(default_factory=list)
@@ -74,18 +75,23 @@ class CapturedRequests:
         return [body for _, body in self.requests]
 
 
+# The model calls a hop records, in each dialect the server speaks, and the headers it forwards (auth and dialect).
+_MODEL_CALLS = ("/chat/completions", "/responses", "/messages")
+_FORWARDED = ("authorization", "x-api-key", "anthropic-version", "content-type")
+
+
 @contextlib.asynccontextmanager
 async def recording_hop(target: str) -> AsyncIterator[CapturedRequests]:
     """A loopback HTTP hop in front of `target` (a base URL) that forwards every request unchanged and keeps
-    each chat request's headers and body."""
+    each model request's headers and body."""
     captured = CapturedRequests()
     async with ClientSession() as http:
 
         async def forward(request: web.Request) -> web.Response:
             body = await request.read()
-            if request.path.endswith("/chat/completions"):
+            if request.path.endswith(_MODEL_CALLS):
                 captured.requests.append(({k.lower(): v for k, v in request.headers.items()}, orjson.loads(body)))
-            headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+            headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED}
             async with http.request(request.method, target + request.path_qs, data=body, headers=headers) as r:
                 reply = await r.read()
                 return web.Response(body=reply, status=r.status, headers={"Content-Type": r.content_type})

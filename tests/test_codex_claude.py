@@ -1,0 +1,100 @@
+"""Codex and Claude Code, for real: the binaries of the bundles scripts/setup.sh installs, in a real `local`
+sandbox, talking to the InterceptionServer in their own dialects (OpenAI Responses, Anthropic Messages).
+
+With SCRIPTED model turns (`capture_agent_run`, no model) the tests pin that each authenticates with the
+rollout's token, which stays in its environment, and what a hostile repository can do to it."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from pi_shapes import make_repo
+from pi_shapes import tool_call as scripted_call
+
+from swe_grpo.agents.claude_code import (
+    CLAUDE_CODE_VERSION,
+    ClaudeCodeAgent,
+    ClaudeCodeBundle,
+    ClaudeCodeBundleError,
+)
+from swe_grpo.agents.codex import CODEX_VERSION, CodexAgent, CodexBundle, CodexBundleError
+from swe_grpo.sandbox.local import LocalBackend
+from swe_grpo.testing.pi_capture import capture_agent_run
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parent.parent
+# name -> (agent class, pinned version, bundle class, its error, the tool its shell is called by)
+AGENTS = {
+    "codex": (CodexAgent, CODEX_VERSION, CodexBundle, CodexBundleError, "exec_command"),
+    "claude-code": (ClaudeCodeAgent, CLAUDE_CODE_VERSION, ClaudeCodeBundle, ClaudeCodeBundleError, "Bash"),
+}
+
+
+@pytest.fixture
+def backend(tmp_path: Path, run_dir: Path) -> LocalBackend:
+    return LocalBackend(cache_dir=tmp_path / "checkouts", run_dir=run_dir)
+
+
+@pytest.mark.parametrize("name", AGENTS)
+def test_setup_installs_the_pinned_version_and_it_runs(name: str) -> None:
+    agent_class, version, *_ = AGENTS[name]
+    agent = agent_class()
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    variable = name.upper().replace("-", "_") + "_VERSION"
+    assert re.search(rf"^{variable}={re.escape(version)}$", setup, re.MULTILINE)
+    assert agent.bundle.version == version
+    out = subprocess.run(
+        [agent.bundle.root / agent.bundle.binary, "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"HOME": "/tmp"},
+    )
+    assert version in out.stdout, out
+
+
+@pytest.mark.parametrize("name", AGENTS)
+def test_a_missing_bundle_says_how_to_install_it(name: str, tmp_path: Path) -> None:
+    _, _, bundle_class, error, _ = AGENTS[name]
+    with pytest.raises(error, match=r"scripts/setup\.sh"):
+        bundle_class.at(tmp_path)
+
+
+# Claude Code 2.1.332 sends a message of role "system" after the first user message (its environment and
+# deferred tools), which wire_messages rejects (400, bad_request); CLAUDE_CODE_DISABLE_EXPERIMENTAL_BETAS does not
+# stop it.
+_SYSTEM_ROLE = pytest.mark.xfail(
+    strict=True, reason="KNOWN (2026-11-27): Claude Code sends messages[1] with role 'system', answered 400"
+)
+
+
+@pytest.mark.parametrize("name", ["codex", pytest.param("claude-code", marks=_SYSTEM_ROLE)])
+async def test_it_authenticates_and_the_token_stays_in_its_environment(
+    name: str, tokenizer, backend, tmp_path: Path
+) -> None:
+    """Every request carries the token (no 401) though it is in no process's argv while the agent runs (the
+    model's own tool call lists them all) and in no file after (Codex's shell snapshot would hold it)."""
+    agent_class, *_, shell = AGENTS[name]
+    argv = "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"
+    arguments = {"cmd": argv} if name == "codex" else {"command": argv}
+    replies = [
+        {"role": "assistant", "content": "", "tool_calls": [scripted_call(shell, **arguments)]},
+        {"role": "assistant", "content": "Done."},
+    ]
+    files = 'grep -rlsF -e "$TOKEN" /tmp /testbed'
+    task = make_repo(tmp_path)
+    run = await capture_agent_run(agent_class(), tokenizer, backend, task, replies, after=[files])
+
+    assert run.result.exit_code == 0, run.result.stderr_tail
+    auth = [h.get("authorization") or h.get("x-api-key") for h, _ in run.captured.requests]
+    assert auth == ([f"Bearer {run.token}"] if name == "codex" else [run.token]) * 2
+    assert run.record.errors == [] and [t.kind for t in run.record.turns] == ["clean", "clean"]
+    listing = json.dumps(run.captured.bodies[1])
+    assert agent_class().bundle.binary in listing and run.token not in listing
+    assert task.problem_statement in json.dumps(run.captured.bodies[0])
+    assert run.after[files] == ""
