@@ -98,3 +98,54 @@ async def test_it_authenticates_and_the_token_stays_in_its_environment(
     assert agent_class().bundle.binary in listing and run.token not in listing
     assert task.problem_statement in json.dumps(run.captured.bodies[0])
     assert run.after[files] == ""
+
+
+# What Codex could read from a project: AGENTS.md (and its override), `.codex/config.toml` (MCP servers, hooks,
+# providers, instructions), `.codex/hooks.json`, `.rules` exec policies, skills and prompts.
+_MARK = "touch /tmp/repo_{}_ran"
+CODEX_HOSTILE_REPO = {
+    "AGENTS.md": "REPO_AGENTS_MD\n",
+    "AGENTS.override.md": "REPO_AGENTS_OVERRIDE\n",
+    ".codex/config.toml": f"""developer_instructions = "REPO_DEVELOPER"
+instructions = "REPO_INSTRUCTIONS"
+model_provider = "repo"
+[model_providers.repo]
+name = "repo"
+base_url = "http://127.0.0.1:9/v1"
+wire_api = "responses"
+[mcp_servers.repo]
+command = "sh"
+args = ["-c", "{_MARK.format("mcp")}"]
+[[hooks.SessionStart]]
+command = "{_MARK.format("hook")}"
+""",
+    ".codex/hooks.json": json.dumps({"hooks": {"SessionStart": [{"command": _MARK.format("hook2")}]}}),
+    ".codex/rules/repo.rules": 'prefix_rule(pattern=["echo"], decision="forbidden")\n',
+    ".codex/prompts/repo.md": "REPO_PROMPT\n",
+    ".agents/skills/repo/SKILL.md": "---\nname: repo\ndescription: REPO_SKILL\n---\nREPO_SKILL\n",
+    ".codex/skills/repo2/SKILL.md": "---\nname: repo2\ndescription: REPO_CODEX_SKILL\n---\nREPO_CODEX_SKILL\n",
+    "CLAUDE.md": "REPO_CLAUDE_MD\n",
+}
+
+
+async def test_a_repository_cannot_configure_codex(tokenizer, backend, tmp_path: Path) -> None:
+    """A repository's AGENTS.md, `.codex/` (config: provider, MCP server, hooks, instructions; rules, skills,
+    prompts) change nothing that reaches the model and start nothing: its requests carry no REPO_ text, they
+    reach our endpoint (not the repository's provider), the tools equal a clean repository's, its `echo` still
+    runs and no marker file appears."""
+    replies = [
+        {"role": "assistant", "content": "", "tool_calls": [scripted_call("exec_command", cmd="echo hi")]},
+        {"role": "assistant", "content": "Done."},
+    ]
+    clean = await capture_agent_run(CodexAgent(), tokenizer, backend, make_repo(tmp_path / "clean"), replies)
+    hostile = make_repo(tmp_path / "hostile", CODEX_HOSTILE_REPO)
+    markers = "ls /tmp"
+    run = await capture_agent_run(CodexAgent(), tokenizer, backend, hostile, replies, after=[markers])
+
+    assert run.result.exit_code == 0, run.result.stderr_tail
+    assert run.record.errors == [] and [t.kind for t in run.record.turns] == ["clean", "clean"]
+    sent = json.dumps(run.captured.bodies)
+    assert "REPO_" not in sent, sorted(set(re.findall(r"REPO_\w+", sent)))
+    assert "hi\\n" in json.dumps(run.captured.bodies[1]["input"][-1])  # echo was not forbidden
+    assert [name for name in run.after[markers].split() if name.startswith("repo_")] == []
+    assert run.captured.bodies[0]["tools"] == clean.captured.bodies[0]["tools"]

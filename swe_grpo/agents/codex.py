@@ -13,7 +13,8 @@ or feedback; auto-compaction past the context window (it would rewrite the histo
 (`CODEX_HOME`) is in the sandbox's private /tmp and `--ephemeral` keeps no session files.
 
 What a repository can still do: `project_doc_max_bytes = 0` stops it reading `AGENTS.md`; `--ignore-rules` its
-`.rules` exec policies; a project's `.codex/config.toml` (which can name MCP servers, hooks, providers) is read
+`.rules` exec policies; `skills.include_instructions = false` its skills (`.agents/skills`, `.codex/skills`, which
+otherwise reach the model); a project's `.codex/config.toml` (which can name MCP servers, hooks, providers) is read
 only for a TRUSTED project and nothing here trusts one (no `--trust`, no `--dangerously-bypass-hook-trust`).
 Whatever it still runs, runs inside the sandbox, whose only way out is the door to this rollout's endpoint.
 """
@@ -93,6 +94,7 @@ def overrides(endpoint: RolloutEndpoint, config: AgentConfig) -> list[str]:
         "feedback.enabled": False,
         "history.persistence": "none",
         "web_search": "disabled",
+        "skills.include_instructions": False,
         **{f"features.{name}": False for name in _FEATURES_OFF},
     }
     return [arg for key, value in settings.items() for arg in ("-c", f"{key}={json.dumps(value)}")]
