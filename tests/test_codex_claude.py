@@ -70,15 +70,7 @@ def test_a_missing_bundle_says_how_to_install_it(name: str, tmp_path: Path) -> N
         bundle_class.at(tmp_path)
 
 
-# Claude Code 2.1.332 sends a message of role "system" after the first user message (its environment and
-# deferred tools), which wire_messages rejects (400, bad_request); CLAUDE_CODE_DISABLE_EXPERIMENTAL_BETAS does not
-# stop it.
-_SYSTEM_ROLE = pytest.mark.xfail(
-    strict=True, reason="KNOWN (2026-11-27): Claude Code sends messages[1] with role 'system', answered 400"
-)
-
-
-@pytest.mark.parametrize("name", ["codex", pytest.param("claude-code", marks=_SYSTEM_ROLE)])
+@pytest.mark.parametrize("name", AGENTS)
 async def test_it_authenticates_and_the_token_stays_in_its_environment(
     name: str, tokenizer, backend, tmp_path: Path
 ) -> None:

@@ -387,6 +387,19 @@ def test_messages_round_trip_is_lossless() -> None:
     ]
 
 
+def test_messages_system_message_after_the_task_stays_in_place() -> None:
+    """Claude Code 2.1.332 sends its environment as a message of role "system" after the first user message (it
+    was answered 400 before): it is a system message at that place, its text blocks joined."""
+    blocks = [{"type": "text", "text": "# Environment"}, {"type": "text", "text": "cwd: /testbed"}]
+    messages = [{"role": "user", "content": TASK}, {"role": "system", "content": blocks}]
+    chat = wire_messages.to_chat({"system": SYSTEM_PROMPT, "messages": messages})
+    assert chat["messages"] == [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": TASK},
+        {"role": "system", "content": "# Environment\n\ncwd: /testbed"},
+    ]
+
+
 # ------------------------------------------------------------------ guarantees shared with the chat path
 
 GENERATED_ARGUMENTS = '{"command":"ls  -la", "timeout": 30.0}'  # spacing and a float as the model wrote them

@@ -1,7 +1,8 @@
 """The Anthropic Messages dialect (`POST .../v1/messages`, what Claude Code speaks), as a thin translation at the edge.
 
 `to_chat` turns a Messages request into the chat-completions request the rest of the server serves (one canonical
-conversation, one TokenChain): `system` (a string, or text blocks joined by a blank line) the system message; an
+conversation, one TokenChain): `system` (a string, or text blocks joined by a blank line) the system message, and
+a message of role `system` among the messages (Claude Code sends one after the task) a system message there; an
 assistant message's `thinking` blocks its reasoning, its `text` blocks its content, its `tool_use` blocks its tool
 calls (`input` the arguments); a user message's `tool_result` blocks tool messages (in their order, before the
 message's text, which becomes a user message); text blocks of one message joined by a blank line. `tools` (`name`,
@@ -156,6 +157,9 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
             messages.append(_assistant(message.get("content"), where))
         elif role == "user":
             messages.extend(_user(message.get("content"), where))
+        elif role == "system":  # Claude Code 2.1.332 sends one after the first user message
+            text = _joined([_text_of(b, where) for b in _blocks(message.get("content"), where)])
+            messages.append({"role": "system", "content": text})
         else:
             raise APIError(400, f"{where}: unsupported role {role!r}")
     chat: dict[str, Any] = {"messages": messages, "stream": body.get("stream", False)}
