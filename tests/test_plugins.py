@@ -18,6 +18,8 @@ import pytest
 from sandbox_helpers import assert_nothing_left, calc_task, make_repo, no_sandbox_left_in_run_dir  # noqa: F401
 
 from swe_grpo.agents import AGENTS, make_agent
+from swe_grpo.agents.claude_code import ClaudeCodeAgent
+from swe_grpo.agents.codex import CodexAgent
 from swe_grpo.agents.mini_swe import MiniSweAgent
 from swe_grpo.agents.opencode import OpenCodeAgent
 from swe_grpo.agents.pi import PI_MOUNT, PiAgent
@@ -86,13 +88,21 @@ def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cal
 
 
 def test_the_registries_name_the_builtin_classes() -> None:
-    assert list(BACKENDS) == ["local", "docker", "hf"] and list(AGENTS) == ["pi", "mini-swe-agent", "opencode"]
+    assert list(BACKENDS) == ["local", "docker", "hf"] and list(AGENTS) == [
+        "pi",
+        "mini-swe-agent",
+        "opencode",
+        "codex",
+        "claude-code",
+    ]
     loaded = {name: load_object(spec, "sandbox backend", base=SandboxBackend) for name, spec in BACKENDS.items()}
     assert loaded == {"local": LocalBackend, "docker": DockerBackend, "hf": HFBackend}
     assert {name: load_object(spec, "agent") for name, spec in AGENTS.items()} == {
         "pi": PiAgent,
         "mini-swe-agent": MiniSweAgent,
         "opencode": OpenCodeAgent,
+        "codex": CodexAgent,
+        "claude-code": ClaudeCodeAgent,
     }
 
 
@@ -156,8 +166,11 @@ def test_each_bad_backend_is_refused_with_what_is_wrong(
 
 def test_bad_agents_are_refused_with_what_is_wrong(user_module: Callable[[str], str]) -> None:
     module = user_module(USER_MODULE)
-    with pytest.raises(ValueError, match=r"unknown agent 'codex': choose one of pi, mini-swe-agent, opencode, or give"):
-        make_agent("codex")
+    with pytest.raises(
+        ValueError,
+        match=r"unknown agent 'gemini-cli': choose one of pi, mini-swe-agent, opencode, codex, claude-code, or give",
+    ):
+        make_agent("gemini-cli")
     with pytest.raises(ValueError, match=rf"agent '{module}:Missing': module '{module}' has no attribute"):
         make_agent(f"{module}:Missing")
     with pytest.raises(ValueError, match=rf"agent '{module}:NOT_A_CLASS' is not a class"):
@@ -177,7 +190,10 @@ def test_the_command_line_takes_a_class_path_and_refuses_an_unknown_name(
     assert parse_args([*grade, "--sandbox", "mypkg.sandboxes:Mine"]).sandbox == "mypkg.sandboxes:Mine"  # not imported
     for flags, error in (
         (["--sandbox", "nope"], "argument --sandbox: unknown sandbox backend 'nope': choose one of local, docker, hf"),
-        (["--agent", "codex"], "argument --agent: unknown agent 'codex': choose one of pi, mini-swe-agent, opencode"),
+        (
+            ["--agent", "gemini-cli"],
+            "argument --agent: unknown agent 'gemini-cli': choose one of pi, mini-swe-agent, opencode, codex, claude-code",
+        ),
         (["--sandbox", "a..b"], "argument --sandbox: bad sandbox backend path 'a..b'"),
     ):
         with pytest.raises(SystemExit):
@@ -188,8 +204,10 @@ def test_the_command_line_takes_a_class_path_and_refuses_an_unknown_name(
 def test_worker_config_takes_an_agent_path_without_importing_it() -> None:
     assert WorkerConfig(agent="mypkg.agents:MyAgent").agent == "mypkg.agents:MyAgent"
     assert "mypkg" not in sys.modules
-    with pytest.raises(ValueError, match="unknown agent 'codex': choose one of pi, mini-swe-agent, opencode"):
-        WorkerConfig(agent="codex")
+    with pytest.raises(
+        ValueError, match="unknown agent 'gemini-cli': choose one of pi, mini-swe-agent, opencode, codex, claude-code"
+    ):
+        WorkerConfig(agent="gemini-cli")
     with pytest.raises(ValueError, match="bad agent path 'mypkg:'"):
         WorkerConfig(agent="mypkg:")
     assert check_choice("mini-swe-agent", AGENTS, "agent") == "mini-swe-agent"
