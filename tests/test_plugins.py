@@ -192,7 +192,8 @@ def test_the_command_line_takes_a_class_path_and_refuses_an_unknown_name(
         (["--sandbox", "nope"], "argument --sandbox: unknown sandbox backend 'nope': choose one of local, docker, hf"),
         (
             ["--agent", "gemini-cli"],
-            "argument --agent: unknown agent 'gemini-cli': choose one of pi, mini-swe-agent, opencode, codex, claude-code",
+            "argument --agent: unknown agent 'gemini-cli': "
+            "choose one of pi, mini-swe-agent, opencode, codex, claude-code",
         ),
         (["--sandbox", "a..b"], "argument --sandbox: bad sandbox backend path 'a..b'"),
     ):
