@@ -61,6 +61,9 @@ async def test_a_pathological_junit_report_neither_stalls_the_loop_nor_grows_the
     the serving process's peak RSS grows no more than the baseline's plus 64 MiB (to_thread: +200 MiB and
     more, with a loop still for 2-8 s)."""
     monkeypatch.setattr(grading_probe, "REPORT_MEMORY_BYTES", 64 << 20)
+    # Another test earlier in the run can leave this logger disabled (a library's logging.config with
+    # disable_existing_loggers): the full suite captured no warning here while the module alone did.
+    monkeypatch.setattr(logging.getLogger(grading_probe.__name__), "disabled", False)
     task = replace(INIPARSE, tamper_allow=(*SCAN_RULES, *EVENTS), runner_limits=False)
 
     async def measured(patch: str) -> tuple[str, float | None, float, int]:
