@@ -20,11 +20,8 @@ Whatever it still runs, runs inside the sandbox, whose only way out is the door 
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
-
 from swe_grpo.agents.base import AgentConfig, Launch
+from swe_grpo.agents.npm_bundle import BundleError, NpmBundle
 from swe_grpo.paths import claude_code_dir
 from swe_grpo.sandbox.base import Mount
 from swe_grpo.types import RolloutEndpoint
@@ -37,29 +34,18 @@ _HOME = "/tmp/swe_grpo/claude"
 _TASK_FILE = "/tmp/swe_grpo/task.md"
 
 
-class ClaudeCodeBundleError(RuntimeError):
+class ClaudeCodeBundleError(BundleError):
     """The Claude Code bundle is missing or incomplete."""
 
 
-@dataclass(frozen=True)
-class ClaudeCodeBundle:
-    """A host directory holding `@anthropic-ai/claude-code` and its linux-x64 binary (`binary`, relative to
-    `root`), with the package's `version`."""
+class ClaudeCodeBundle(NpmBundle):
+    """`@anthropic-ai/claude-code` and its linux-x64 binary in a host directory (`NpmBundle`)."""
 
-    root: Path
-    version: str
-    binary: str = _BINARY
-
-    @classmethod
-    def at(cls, root: Path) -> ClaudeCodeBundle:
-        """The bundle in `root`. Raises ClaudeCodeBundleError when Claude Code or its binary is missing there."""
-        package = root / "node_modules" / "@anthropic-ai" / "claude-code" / "package.json"
-        if not package.is_file() or not (root / _BINARY).is_file():
-            raise ClaudeCodeBundleError(
-                f"Claude Code is not installed in {root} (no @anthropic-ai/claude-code with its linux-x64 binary); "
-                "run `bash scripts/setup.sh` (or set SWE_GRPO_CLAUDE_CODE_DIR)"
-            )
-        return cls(root, json.loads(package.read_text())["version"])
+    PACKAGE = "@anthropic-ai/claude-code"
+    BINARIES = (_BINARY,)
+    LABEL = "Claude Code"
+    DIR_ENV = "SWE_GRPO_CLAUDE_CODE_DIR"
+    ERROR = ClaudeCodeBundleError
 
     @classmethod
     def default(cls) -> ClaudeCodeBundle:

@@ -22,10 +22,9 @@ Whatever it still runs, runs inside the sandbox, whose only way out is the door 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from pathlib import Path
 
 from swe_grpo.agents.base import AgentConfig, Launch
+from swe_grpo.agents.npm_bundle import BundleError, NpmBundle
 from swe_grpo.paths import codex_dir
 from swe_grpo.sandbox.base import Mount
 from swe_grpo.types import RolloutEndpoint
@@ -43,29 +42,18 @@ _TASK_FILE = "/tmp/swe_grpo/task.md"
 _FEATURES_OFF = ("shell_snapshot", "multi_agent", "goals", "hooks", "plugins", "apps", "image_generation")
 
 
-class CodexBundleError(RuntimeError):
+class CodexBundleError(BundleError):
     """The Codex bundle is missing or incomplete."""
 
 
-@dataclass(frozen=True)
-class CodexBundle:
-    """A host directory holding `@openai/codex` and its linux-x64 binary (`CodexBundle.binary`, relative to
-    `root`), with the package's `version`."""
+class CodexBundle(NpmBundle):
+    """`@openai/codex` and its linux-x64 binary in a host directory (`NpmBundle`)."""
 
-    root: Path
-    version: str
-    binary: str = _BINARY
-
-    @classmethod
-    def at(cls, root: Path) -> CodexBundle:
-        """The bundle in `root`. Raises CodexBundleError when Codex or its binary is missing there."""
-        package = root / "node_modules" / "@openai" / "codex" / "package.json"
-        if not package.is_file() or not (root / _BINARY).is_file():
-            raise CodexBundleError(
-                f"Codex is not installed in {root} (no @openai/codex with its linux-x64 binary); "
-                "run `bash scripts/setup.sh` (or set SWE_GRPO_CODEX_DIR)"
-            )
-        return cls(root, json.loads(package.read_text())["version"])
+    PACKAGE = "@openai/codex"
+    BINARIES = (_BINARY,)
+    LABEL = "Codex"
+    DIR_ENV = "SWE_GRPO_CODEX_DIR"
+    ERROR = CodexBundleError
 
     @classmethod
     def default(cls) -> CodexBundle:

@@ -26,10 +26,9 @@ rollout's endpoint.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from pathlib import Path
 
 from swe_grpo.agents.base import AgentConfig, Launch
+from swe_grpo.agents.npm_bundle import BundleError, NpmBundle
 from swe_grpo.paths import opencode_dir
 from swe_grpo.sandbox.base import Mount
 from swe_grpo.types import RolloutEndpoint
@@ -46,30 +45,18 @@ _TASK_FILE = "/tmp/swe_grpo/task.md"
 _TITLE = "swe_grpo rollout"
 
 
-class OpenCodeBundleError(RuntimeError):
+class OpenCodeBundleError(BundleError):
     """The OpenCode bundle is missing or incomplete."""
 
 
-@dataclass(frozen=True)
-class OpenCodeBundle:
-    """A host directory holding `opencode-ai` and its linux-x64 binary, as `at` found it: the binary's path
-    relative to `root` and the package's `version`."""
+class OpenCodeBundle(NpmBundle):
+    """`opencode-ai` and its linux-x64 binary in a host directory (`NpmBundle`)."""
 
-    root: Path
-    binary: str
-    version: str
-
-    @classmethod
-    def at(cls, root: Path) -> OpenCodeBundle:
-        """The bundle in `root`. Raises OpenCodeBundleError when OpenCode or its binary is missing there."""
-        package = root / "node_modules" / "opencode-ai" / "package.json"
-        binary = next((b for b in _BINARIES if (root / b).is_file()), None)
-        if not package.is_file() or binary is None:
-            raise OpenCodeBundleError(
-                f"OpenCode is not installed in {root} (no opencode-ai with its linux-x64 binary); "
-                "run `bash scripts/setup.sh` (or set SWE_GRPO_OPENCODE_DIR)"
-            )
-        return cls(root, binary, json.loads(package.read_text())["version"])
+    PACKAGE = "opencode-ai"
+    BINARIES = _BINARIES
+    LABEL = "OpenCode"
+    DIR_ENV = "SWE_GRPO_OPENCODE_DIR"
+    ERROR = OpenCodeBundleError
 
     @classmethod
     def default(cls) -> OpenCodeBundle:
