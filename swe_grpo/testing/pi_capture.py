@@ -143,19 +143,21 @@ async def capture_agent_run(
     replies: Sequence[Message],
     after: Sequence[str] = (),
     max_model_len: int = 32768,
+    timeout_s: float = 180,
 ) -> PiRun:
     """The real `agent` (any harness) in a fresh sandbox of `backend`, on `task`, its model turns SCRIPTED to
     `replies` (assistant messages in normalised form, see `ScriptedGenerator`), behind the
     InterceptionServer and a `recording_hop`. `after`: shell commands run in the sandbox once the agent has
     exited, with the rollout's token in `$TOKEN`. `max_model_len`: the context the server says it serves (Claude
-    Code's first prompt alone is ~32k tokens in the tiny model's vocabulary). The sandbox is gone when this
-    returns."""
+    Code's first prompt alone is ~32k tokens in the tiny model's vocabulary); `timeout_s`: the agent's wall clock
+    (no request for two thirds of it is a stall). The sandbox is gone when this returns."""
     from swe_grpo.agents.base import AgentConfig, run_agent
     from swe_grpo.serving.interception import InterceptionServer
 
     template = TrainingTemplate(tokenizer)
     generator = ScriptedGenerator([completion_ids(template, reply) for reply in replies], max_model_len)
-    config = AgentConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=180, stall_timeout_s=120)
+    stall_s = timeout_s * 2 / 3  # no request for that long: the agent hangs
+    config = AgentConfig(context_window=max_model_len, max_tokens=256, timeout_s=timeout_s, stall_timeout_s=stall_s)
     async with (
         InterceptionServer(generator, tokenizer) as server,
         recording_hop(server.public_base_url) as hop,
