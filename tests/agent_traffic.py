@@ -116,20 +116,46 @@ def script(wire: AgentWire, instance_id: str, long_output: bool) -> list[Message
     return turns
 
 
+# The agents that offer a sub-agent tool (Codex's, `multi_agent`, is off): the tool and the sub-agent type to ask for.
+SUBAGENT_TOOLS = {"opencode": ("task", "general"), "claude-code": ("Agent", "general-purpose")}
+
+
+def subagent_script(wire: AgentWire) -> list[Message]:
+    """The model turns of a sub-agent capture: the agent's sub-agent tool called, the sub-agent's answer (its own
+    conversation, on the same endpoint), the agent's final answer."""
+    tool, kind = SUBAGENT_TOOLS[wire.name]
+    arguments = {
+        "description": "Survey the repository",
+        "prompt": "List the files and say what each is for.",
+        "subagent_type": kind,
+    }
+    call = {"id": "call_0", "type": "function", "function": {"name": tool, "arguments": arguments}}
+    return [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "assistant", "content": "The repository holds the module and its tests."},
+        {"role": "assistant", "content": "Done."},
+    ]
+
+
 # --------------------------------------------------------------------------- storing a capture small
 
 
 def pack(bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each body as what changed since the previous one: a top-level field equal to the previous body's is left out
-    (listed in `same`), and a list field that extends the previous one's is stored as `{"keep": n, "then": [...]}`
-    (its first n items are the previous body's). `unpack` gives the bodies back exactly."""
-    packed, previous = [], {}
-    for body in bodies:
+    (listed in `same`), one equal to an earlier body's is `{"as": index}` (a sub-agent's turns between two of the
+    agent's), and a list field that extends the previous one's is `{"keep": n, "then": [...]}` (its first n items are
+    the previous body's). `unpack` gives the bodies back exactly."""
+    packed: list[dict[str, Any]] = []
+    for k, body in enumerate(bodies):
+        previous = bodies[k - 1] if k else {}
         entry: dict[str, Any] = {"same": [], "fields": {}}
         for key, value in body.items():
             before = previous.get(key)
+            earlier = next((j for j in range(k - 2, -1, -1) if bodies[j].get(key) == value), None)
             if key in previous and before == value:
                 entry["same"].append(key)
+            elif earlier is not None and len(json.dumps(value)) > 64:
+                entry["fields"][key] = {"as": earlier}
             elif isinstance(value, list) and isinstance(before, list):
                 keep = next((i for i, (a, b) in enumerate(zip(before, value, strict=False)) if a != b), None)
                 keep = min(len(before), len(value)) if keep is None else keep
@@ -137,18 +163,20 @@ def pack(bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 entry["fields"][key] = {"value": value}
         packed.append(entry)
-        previous = body
     return packed
 
 
 def unpack(packed: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    bodies, previous = [], {}
+    bodies: list[dict[str, Any]] = []
     for entry in packed:
+        previous = bodies[-1] if bodies else {}
         body = {key: previous[key] for key in entry["same"]}
         for key, field in entry["fields"].items():
-            body[key] = field["value"] if "value" in field else previous[key][: field["keep"]] + field["then"]
+            if "as" in field:
+                body[key] = bodies[field["as"]][key]
+            else:
+                body[key] = field["value"] if "value" in field else previous[key][: field["keep"]] + field["then"]
         bodies.append(body)
-        previous = body
     return bodies
 
 
@@ -197,8 +225,9 @@ def load(path: Path) -> list[Capture]:
     return captures
 
 
-def captured_files() -> list[Path]:
-    return sorted(TRAFFIC_DIR.glob("*.json"))
+def captured_files(subagent: bool = False) -> list[Path]:
+    """The stored captures: of the demo tasks, or (`subagent`) of an agent's sub-agent tool."""
+    return sorted((TRAFFIC_DIR / "subagent" if subagent else TRAFFIC_DIR).glob("*.json"))
 
 
 # --------------------------------------------------------------------------- capturing
@@ -209,11 +238,10 @@ async def capture(
     tokenizer: PreTrainedTokenizerBase,
     backend: SandboxBackend,
     task: Task,
-    long_output: bool,
+    replies: list[Message],
 ) -> Capture:
-    """The real agent of `wire` on `task` with `script`'s turns (see the module docstring)."""
+    """The real agent of `wire` on `task` with its model turns scripted to `replies` (see the module docstring)."""
     agent = wire.agent()
-    replies = script(wire, task.instance_id, long_output)
     # A wall clock for a loaded box: OpenCode takes ~2 s of CPU a request and ~25 s to its first one at load 11-14.
     run = await capture_agent_run(agent, tokenizer, backend, task, replies, max_model_len=MAX_MODEL_LEN, timeout_s=900)
     turns = [t.kind for t in run.record.turns]
@@ -251,18 +279,16 @@ async def replay(capture: Capture, tokenizer: PreTrainedTokenizerBase) -> Rollou
         headers = {wire.key_header: wire.key_prefix + endpoint.token, "content-type": "application/json"}
         for k, body in enumerate(capture.bodies):
             text = json.dumps(body)
-            # The ids the capture's server gave the reply to request k are those request k+1 brings first.
-            if k + 1 < len(capture.bodies):
-                later = _CALL_ID.findall(json.dumps(capture.bodies[k + 1]))
-                new = list(dict.fromkeys(i for i in later if i not in given and i not in text))
-            else:
-                new = []
+            # The ids the capture's server gave the reply to request k: the first new ones a later request brings (the
+            # next one, or the one after a sub-agent's turns).
+            later = [i for b in capture.bodies[k + 1 :] for i in _CALL_ID.findall(json.dumps(b))]
+            new = [i for i in dict.fromkeys(later) if i not in given and i not in text]
             text = _CALL_ID.sub(lambda m: given.get(m.group(0), m.group(0)), text)
             async with http.post(endpoint.base_url + wire.route, data=text, headers=headers) as response:
                 answer = await response.text()
                 assert response.status == 200, (k, response.status, answer[:500])
-            for old, replayed in zip(new, dict.fromkeys(_CALL_ID.findall(answer)), strict=True):
-                given[old] = replayed
+            answered = list(dict.fromkeys(_CALL_ID.findall(answer)))
+            given.update(zip(new[: len(answered)], answered, strict=False))
     assert session.record is not None
     return session.record
 
@@ -321,7 +347,9 @@ def history_facts(capture: Capture) -> HistoryFacts:
 
 def main(names: list[str]) -> None:
     """Re-capture: `python tests/agent_traffic.py [AGENT...]` writes tests/agent_traffic/AGENT-VERSION.json for each
-    agent (default: all three) on the three demo tasks (the first with the 12,000-line output)."""
+    agent (default: all three) on the three demo tasks (the first with the 12,000-line output); with `--subagent`,
+    tests/agent_traffic/subagent/AGENT-VERSION.json: the first task with `subagent_script` (default: the agents of
+    `SUBAGENT_TOOLS`)."""
     import asyncio
     import tempfile
 
@@ -333,18 +361,26 @@ def main(names: list[str]) -> None:
 
     tasks = sorted(demo_tasks(), key=lambda t: list(_TASK_FILES).index(t.instance_id))
 
+    subagent = "--subagent" in names
+    names = [name for name in names if name != "--subagent"] or list(SUBAGENT_TOOLS if subagent else WIRES)
+    where = TRAFFIC_DIR / "subagent" if subagent else TRAFFIC_DIR
+
     async def run(wire: AgentWire) -> list[Capture]:
+        if subagent:
+            scripts = [(tasks[0], subagent_script(wire))]
+        else:
+            scripts = [(task, script(wire, task.instance_id, long_output=i == 0)) for i, task in enumerate(tasks)]
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
             root.chmod(0o711)  # the sandbox user must traverse it
             backend = LocalBackend(cache_dir=root / "checkouts", run_dir=root)
-            return [await capture(wire, tokenizer, backend, task, long_output=i == 0) for i, task in enumerate(tasks)]
+            return [await capture(wire, tokenizer, backend, task, replies) for task, replies in scripts]
 
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
-    TRAFFIC_DIR.mkdir(exist_ok=True)
-    for name in names or list(WIRES):
+    where.mkdir(parents=True, exist_ok=True)
+    for name in names:
         captures = asyncio.run(run(WIRES[name]))
-        path = TRAFFIC_DIR / f"{name}-{captures[0].version}.json"
+        path = where / f"{name}-{captures[0].version}.json"
         path.write_text(json.dumps(stored(captures), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         print(path, [c.turns for c in captures])
 

@@ -29,6 +29,7 @@ from swe_grpo.testing.pi_capture import completion_ids
 from swe_grpo.tokens.chain import TrainingTemplate
 
 CAPTURES = [(path, capture) for path in captured_files() for capture in load(path)]
+SUBAGENT_CAPTURES = [(path, capture) for path in captured_files(subagent=True) for capture in load(path)]
 # What each agent did to its history on the demo tasks (see HistoryFacts); the first task holds the long output.
 FACTS = {
     agent: HistoryFacts(
@@ -52,7 +53,7 @@ def test_every_agent_is_captured() -> None:
     assert all(len([c for _, c in CAPTURES if c.agent == agent]) == 3 for agent in FACTS)
 
 
-@pytest.mark.parametrize("case", CAPTURES, ids=_id)
+@pytest.mark.parametrize("case", CAPTURES + SUBAGENT_CAPTURES, ids=_id)
 def test_a_capture_holds_no_secret_and_packs_exactly(case: tuple[Path, Capture]) -> None:
     """No header that carries a key is stored (the capture also checked that the token is nowhere in it), and the
     stored form gives every request back exactly."""
@@ -121,3 +122,29 @@ async def test_a_rewritten_history_forks_with_its_cause_named(agent: str, rewrit
     assert [t.kind for t in record.turns] == ["clean"] * (len(capture.bodies) - 1) + ["fork"]
     assert record.turns[-1].fork_cause.startswith(f"{rewrite} at messages[")
     assert len(record.rows) == 2
+
+
+# A sub-agent is another conversation on the rollout's endpoint: the chain holds one, so its first turn forks and so
+# does the agent's next turn after it. Claude Code's `Agent` runs in the background (the agent's own next turn comes
+# first); the sub-agent has its own system prompt and 14 tools. OpenCode's `task` keeps the system prompt, gives the
+# sub-agent 9 tools (no `task`) and the prompt as its task.
+SUBAGENT_FORKS = {
+    "claude-code": (["clean", "clean", "fork", "fork"], "tools_changed; system_prompt_changed at messages[0]"),
+    "opencode": (["clean", "fork", "fork"], "tools_changed; user_message_changed at messages[1]"),
+}
+
+
+def test_every_subagent_tool_is_captured() -> None:
+    assert sorted(c.agent for _, c in SUBAGENT_CAPTURES) == sorted(SUBAGENT_FORKS)
+
+
+@pytest.mark.parametrize("case", SUBAGENT_CAPTURES, ids=_id)
+async def test_a_subagent_forks_twice_each_fork_named(case: tuple[Path, Capture], tokenizer) -> None:
+    """The agent's sub-agent tool called once (`agent_traffic.subagent_script`): replayed, the turns fork where they
+    forked at capture, into the sub-agent's conversation and back, each fork with its cause; a row per conversation."""
+    _, capture = case
+    kinds, cause = SUBAGENT_FORKS[capture.agent]
+    record = await replay(capture, tokenizer)
+    assert record.errors == [] and [t.kind for t in record.turns] == capture.turns == kinds
+    assert [t.fork_cause for t in record.turns if t.kind == "fork"] == [cause, cause]
+    assert len(record.rows) == 3
