@@ -2,8 +2,9 @@
 `python tests/agent_traffic.py`: each agent on the three demo tasks, its model turns scripted) replayed through the
 InterceptionServer in the agent's own dialect (`agent_traffic.replay`): every turn as clean as it was at capture,
 each fork with its named cause, the rows exactly the template's render of each request followed by the scripted
-outputs, and what each agent does to its history pinned (`agent_traffic.history_facts`; docs/agents.md quotes it).
-No model and no sandbox: the agents ran when the capture was made."""
+outputs, and what each agent does to its history pinned (`agent_traffic.history_facts`, quoted by
+docs/rollouts-sandboxes-grading.md). Sub-agents too (tests/agent_traffic/subagent/). No model and no sandbox: the agents
+ran when the capture was made."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ FACTS = {
 
 
 def _id(case: tuple[Path, Capture]) -> str:
-    return f"{case[0].stem}-{case[1].instance_id.removeprefix('swe-grpo-demo__')}"
+    where = "-subagent" if case[0].parent.name == "subagent" else ""
+    return f"{case[0].stem}{where}-{case[1].instance_id.removeprefix('swe-grpo-demo__')}"
 
 
 def test_every_agent_is_captured() -> None:
