@@ -14,8 +14,10 @@ generator answers each with the output it answered at capture (the same script),
 capture's server gave into those the replay's server gives: the record it returns says which turns were clean and
 which forked, with the named cause of each fork (`TurnRecord.fork_cause`).
 
-Re-capture with `python tests/agent_traffic.py [AGENT...]` (the agents of setup.sh; about a minute a task) and review
-the diff: it is what the agent changed.
+A sub-agent capture (`subagent_script`, tests/agent_traffic/subagent/) calls the agent's sub-agent tool once instead.
+
+Re-capture with `python tests/agent_traffic.py [--subagent] [AGENT...]` (the agents of setup.sh; about a minute a
+task, under `heavy`) and review the diff: it is what the agent changed.
 """
 
 from __future__ import annotations
