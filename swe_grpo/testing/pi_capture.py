@@ -50,10 +50,9 @@ class ScriptedGenerator:
     script with the last one (a caller that needs an exact count checks `requests`). For driving the real
     Pi where a model cannot be trusted to act: capturing its requests, pinning their shapes in tests."""
 
-    max_model_len = 32768
-
-    def __init__(self, outputs: list[list[int]]):
+    def __init__(self, outputs: list[list[int]], max_model_len: int = 32768):
         self.outputs = outputs
+        self.max_model_len = max_model_len
         self.requests = 0
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, model: str | None = None) -> Generation:
@@ -143,17 +142,22 @@ async def capture_agent_run(
     task: Task,
     replies: Sequence[Message],
     after: Sequence[str] = (),
+    max_model_len: int = 32768,
+    timeout_s: float = 180,
 ) -> PiRun:
     """The real `agent` (any harness) in a fresh sandbox of `backend`, on `task`, its model turns SCRIPTED to
     `replies` (assistant messages in normalised form, see `ScriptedGenerator`), behind the
     InterceptionServer and a `recording_hop`. `after`: shell commands run in the sandbox once the agent has
-    exited, with the rollout's token in `$TOKEN`. The sandbox is gone when this returns."""
+    exited, with the rollout's token in `$TOKEN`. `max_model_len`: the context the server says it serves (Claude
+    Code's first prompt alone is ~32k tokens in the tiny model's vocabulary); `timeout_s`: the agent's wall clock
+    (no request for two thirds of it is a stall). The sandbox is gone when this returns."""
     from swe_grpo.agents.base import AgentConfig, run_agent
     from swe_grpo.serving.interception import InterceptionServer
 
     template = TrainingTemplate(tokenizer)
-    generator = ScriptedGenerator([completion_ids(template, reply) for reply in replies])
-    config = AgentConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=180, stall_timeout_s=120)
+    generator = ScriptedGenerator([completion_ids(template, reply) for reply in replies], max_model_len)
+    stall_s = timeout_s * 2 / 3  # no request for that long: the agent hangs
+    config = AgentConfig(context_window=max_model_len, max_tokens=256, timeout_s=timeout_s, stall_timeout_s=stall_s)
     async with (
         InterceptionServer(generator, tokenizer) as server,
         recording_hop(server.public_base_url) as hop,

@@ -10,7 +10,8 @@ token the model produced, untouched. When the next request's history extends wha
 `same_message`), the next prompt is the held chain followed by the *interstitial* of the training template
 (`TrainingTemplate.interstitial_ids`: tool results, the next generation prompt). When the history does not
 extend what the chain holds (the agent compacted, truncated or edited it), the chain FORKS: the current
-training row is closed and a new one starts from a fresh render. Every turn is recorded as clean or fork.
+training row is closed and a new one starts from a fresh render. Every turn is recorded as clean or fork, a fork with
+its named cause (`TurnRecord.fork_cause`: what the agent changed, `swe_grpo.tokens.messages.fork_cause`).
 
 A turn is a transaction: `prepare` changes nothing, and `commit` validates the reply completely (it
 normalises, and the training template renders it) before it touches the chain, so a failure leaves the
@@ -34,7 +35,14 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, Literal
 
-from swe_grpo.tokens.messages import Message, MessageFormatError, normalize_message, same_json, same_message
+from swe_grpo.tokens.messages import (
+    Message,
+    MessageFormatError,
+    fork_cause,
+    normalize_message,
+    same_json,
+    same_message,
+)
 from swe_grpo.tokens.template import TemplateNotPrefixPreservingError, TemplateRefusedError, TrainingTemplate
 
 __all__ = [
@@ -47,6 +55,7 @@ __all__ = [
     "TrainingRow",
     "TrainingTemplate",
     "TurnRecord",
+    "fork_cause",
     "normalize_message",
     "oldest_version",
     "same_json",
@@ -109,8 +118,10 @@ def oldest_version(rows: Iterable[TrainingRow]) -> int | None:
 class TurnRecord:
     """What happened at one turn. `kind` is "clean" when the prompt extended the held chain (the
     first turn of a rollout counts as clean) and "fork" when a new row started from a fresh render;
-    `drift_tokens` is how many held tokens the fork's fresh render did not reproduce; `retries` is how
-    many earlier generations for this same request were replaced (the agent re-sent it)."""
+    `drift_tokens` is how many held tokens the fork's fresh render did not reproduce; `fork_cause` names why it forked
+    (`fork_cause`'s names, or `no_interstitial` when the history extends the chain but the template writes nothing
+    that follows the held turn's last token); `retries` is how many earlier generations for this same request were
+    replaced (the agent re-sent it)."""
 
     turn: int
     row: int
@@ -122,6 +133,7 @@ class TurnRecord:
     finish_reason: str
     drift_tokens: int = 0
     retries: int = 0
+    fork_cause: str = ""
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,7 @@ class PreparedTurn:
     tools: list | None
     drift_tokens: int
     replaces: bool = False
+    fork_cause: str = ""  # why it forks (`TurnRecord.fork_cause`); empty when it does not
     # `new_ids` as the row stores them, packed where `prepare` runs (a worker thread), not in `commit`
     packed_new_ids: array = field(init=False, repr=False, compare=False)
 
@@ -204,11 +217,14 @@ class TokenChain:
         replaces = plan == "replace"
         prompt = self.template.prompt_ids(norm, tools)
         chain = self._chain_before_last() if replaces else self.rows[-1].input_ids if self.rows else None
-        drift = 0
+        drift, cause = 0, ""
         if chain is not None:
             common = next((i for i, (a, b) in enumerate(zip(chain, prompt, strict=False)) if a != b), None)
             drift = len(chain) - (min(len(chain), len(prompt)) if common is None else common)
-        return PreparedTurn(prompt, prompt, chain is not None, norm, messages, tools, drift, replaces)
+            # A retry is compared with what its replaced turn asked; anything else with the history through the reply.
+            held = self._held[:-1] if replaces else self._held
+            cause = fork_cause(held, self._tools, norm, tools) or "no_interstitial"
+        return PreparedTurn(prompt, prompt, chain is not None, norm, messages, tools, drift, replaces, cause)
 
     def renders_whole_history(self, messages: list[Any], tools: list | None = None) -> bool:
         """Whether `prepare` renders the whole conversation (a first turn, a fork, a retry whose prompt
@@ -270,6 +286,7 @@ class TokenChain:
             tools=self._tools,
             drift_tokens=last.drift_tokens,
             replaces=True,
+            fork_cause=last.fork_cause,
         )
 
     def size_after(self, turn: PreparedTurn) -> tuple[int, int]:
@@ -346,6 +363,7 @@ class TokenChain:
             finish_reason=finish_reason,
             drift_tokens=turn.drift_tokens,
             retries=retries,
+            fork_cause=turn.fork_cause,
         )
         self.turns.append(record)
         return record
