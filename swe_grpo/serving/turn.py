@@ -105,12 +105,12 @@ class TurnTransaction:
         turn_index = len(chain.turns)
         turn = await self._prepare(body, size)
         self._check_budget(turn, params)
-        await answer.start(len(turn.prompt_ids))
+        await answer.start(len(turn.prompt))
         policy = self.policy()
         params = replace(params, stop_token_ids=chain.template.stop_token_ids)  # every token that ends a turn
         generation = await self._generate(turn, params, rollout.model or policy.model)
         delivered = generation is not None and await answer.send(
-            self._reply(chain, turn, generation), len(turn.prompt_ids), len(generation.token_ids)
+            self._reply(chain, turn, generation), len(turn.prompt), len(generation.token_ids)
         )
         if not delivered:
             rollout.record_error("client_disconnected", "the agent went away before its reply was sent", turn_index)
@@ -159,7 +159,7 @@ class TurnTransaction:
         turn_index = len(rollout.chain.turns)
         started = rollout.generating_since = time.monotonic()
         ROUTING_KEY.set(rollout.endpoint.rollout_id)  # the generation task inherits it (VLLMClient.routing_header)
-        generating = asyncio.ensure_future(self.generator.generate(turn.prompt_ids, params, model))
+        generating = asyncio.ensure_future(self.generator.generate(turn.prompt, params, model))
         try:
             while not (await asyncio.wait({generating}, timeout=self.keepalive_s))[0]:
                 if not await self.answer.keep_alive():
@@ -189,7 +189,7 @@ class TurnTransaction:
         the chain cannot hold (tool-call arguments that are not a JSON object, a message the template
         refuses) degrades to plain text, its calls counted as malformed."""
         ids, finish = generation.token_ids, generation.finish_reason
-        parsed = self.parser.parse(ids, turn.prompt_ids, finish, turn.tools)
+        parsed = self.parser.parse(ids, turn.prompt, finish, turn.tools)
         try:
             chain.reply_message(turn, parsed.message)
         except MessageFormatError as e:

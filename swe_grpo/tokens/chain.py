@@ -21,7 +21,7 @@ re-serialised, numbers respelled) counts, whatever the system prompt or tool lis
 prompt is a fresh render (a fork), else it is the replaced turn's prompt and does not fork.
 
 Usage: one `TokenChain(template)` per rollout; per request `turn = chain.prepare(messages, tools)`, generate
-from `turn.prompt_ids`, then `chain.commit(turn, output_ids, log_probs, version, reply, finish_reason)`. The
+from `turn.prompt`, then `chain.commit(turn, output_ids, log_probs, version, reply, finish_reason)`. The
 training data is `chain.rows` (`TrainingRow`), the per-turn story `chain.turns` (`TurnRecord`). The template and
 message helpers are re-exported here from `swe_grpo.tokens.template` and `swe_grpo.tokens.messages`.
 """
@@ -127,21 +127,29 @@ class TurnRecord:
 @dataclass(frozen=True)
 class PreparedTurn:
     """A prompt ready to send; becomes part of the chain only through `TokenChain.commit`. `replaces`:
-    the request repeats the last committed turn's, whose commit it will replace."""
+    the request repeats the last committed turn's, whose commit it will replace.
 
-    prompt_ids: list[int]
-    new_ids: list[int]  # what this turn adds to the row (the interstitial, or the whole fresh render)
+    `prompt` holds the prompt ids packed as the rows hold them (`array("i")`: the held tokens are copied as bytes,
+    and `VLLMClient` writes them to JSON from the buffer); `prompt_ids` is the same as a list, made when asked for.
+    """
+
+    prompt: array
+    new_ids: list[int]  # what this turn adds to the row (the interstitial, or the whole fresh render): the prompt's end
     fork: bool
     messages: list[Message]
     raw_messages: list[Any]
     tools: list | None
     drift_tokens: int
     replaces: bool = False
-    # `new_ids` as the row stores them, packed where `prepare` runs (a worker thread), not in `commit`
-    packed_new_ids: array = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "packed_new_ids", array("i", self.new_ids))
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompt.tolist()
+
+    @property
+    def packed_new_ids(self) -> array:
+        """`new_ids` as the row stores them: the end of `prompt`."""
+        return self.prompt[len(self.prompt) - len(self.new_ids) :]
 
 
 @dataclass(frozen=True)
@@ -200,7 +208,7 @@ class TokenChain:
             held, chain = self._held, self.rows[-1].input_ids
             new_ids = self.template.interstitial_ids(held[-1], norm[len(held) :], tools, chain[-1], self._held_text)
             if new_ids is not None:
-                return PreparedTurn(chain.tolist() + new_ids, new_ids, False, norm, messages, tools, 0)
+                return PreparedTurn(chain + array("i", new_ids), new_ids, False, norm, messages, tools, 0)
         replaces = plan == "replace"
         prompt = self.template.prompt_ids(norm, tools)
         chain = self._chain_before_last() if replaces else self.rows[-1].input_ids if self.rows else None
@@ -208,7 +216,7 @@ class TokenChain:
         if chain is not None:
             common = next((i for i, (a, b) in enumerate(zip(chain, prompt, strict=False)) if a != b), None)
             drift = len(chain) - (min(len(chain), len(prompt)) if common is None else common)
-        return PreparedTurn(prompt, prompt, chain is not None, norm, messages, tools, drift, replaces)
+        return PreparedTurn(array("i", prompt), prompt, chain is not None, norm, messages, tools, drift, replaces)
 
     def renders_whole_history(self, messages: list[Any], tools: list | None = None) -> bool:
         """Whether `prepare` renders the whole conversation (a first turn, a fork, a retry whose prompt
@@ -262,7 +270,7 @@ class TokenChain:
         ids = self.rows[-1].input_ids
         start = 0 if undo.new_row else undo.length
         return PreparedTurn(
-            prompt_ids=ids[: start + last.new_prompt_tokens].tolist(),
+            prompt=ids[: start + last.new_prompt_tokens],
             new_ids=ids[start : start + last.new_prompt_tokens].tolist(),
             fork=last.kind == "fork",
             messages=messages,
@@ -339,7 +347,7 @@ class TokenChain:
             turn=len(self.turns),
             row=len(self.rows) - 1,
             kind="fork" if turn.fork else "clean",
-            prompt_tokens=len(turn.prompt_ids),
+            prompt_tokens=len(turn.prompt),
             new_prompt_tokens=len(turn.new_ids),
             output_tokens=len(output_ids),
             model_version=model_version,
