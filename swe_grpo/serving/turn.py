@@ -131,8 +131,9 @@ class TurnTransaction:
         messages, tools = body.get("messages"), body.get("tools")
         grew, rollout.body_bytes = size - rollout.body_bytes, size
         try:
-            bulk = grew > BULK_BYTES or (size > BULK_BYTES and chain.renders_whole_history(messages, tools))
-            prepare = functools.partial(chain.prepare, messages, tools)
+            plan = chain.plan(messages, tools)  # decided once: normalising and comparing a long history costs
+            bulk = grew > BULK_BYTES or (size > BULK_BYTES and plan.renders_whole_history)
+            prepare = functools.partial(chain.prepare, messages, tools, plan)
             return await asyncio.get_running_loop().run_in_executor(self.bulk, prepare) if bulk else prepare()
         except MessageFormatError as e:
             rollout.record_error("bad_request", str(e), len(chain.turns))

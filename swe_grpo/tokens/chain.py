@@ -46,6 +46,7 @@ __all__ = [
     "TokenChain",
     "TrainingRow",
     "TrainingTemplate",
+    "TurnPlan",
     "TurnRecord",
     "normalize_message",
     "oldest_version",
@@ -153,6 +154,25 @@ class PreparedTurn:
 
 
 @dataclass(frozen=True)
+class TurnPlan:
+    """How `TokenChain.prepare` serves a request (`TokenChain.plan`), decided once: `kind` is "retry", "replace",
+    "extend" or "fresh" (`TokenChain.plan`), `messages` the request's normalised. Good until the chain's next
+    commit (`commits`)."""
+
+    kind: Literal["retry", "replace", "extend", "fresh"]
+    messages: list[Message]
+    raw_messages: list[Any]
+    tools: list | None
+    commits: int
+
+    @property
+    def renders_whole_history(self) -> bool:
+        """Whether `prepare` renders the whole conversation (a first turn, a fork, a retry whose prompt changed)
+        instead of only what is new, so that a caller can run it off its event loop."""
+        return self.kind in ("fresh", "replace")
+
+
+@dataclass(frozen=True)
 class _Undo:
     """How to take the last committed turn back out of its row: the row's length, oldest version and
     turn count before it (`new_row`: the turn started the row, which then goes entirely)."""
@@ -181,6 +201,7 @@ class TokenChain:
         # interstitial starts from; and the latest `reply_message`'s answer, which `commit` then need not redo.
         self._held_text: str | None = None
         self._replied: tuple[PreparedTurn, Message, Message, str] | None = None
+        self._commits = 0  # a `TurnPlan` is good while this is what it was
 
     @property
     def messages(self) -> list[Message]:
@@ -198,18 +219,24 @@ class TokenChain:
                 out.append(normalize_message(message, i))
         return out
 
-    def prepare(self, messages: list[Any], tools: list | None = None) -> PreparedTurn:
+    def prepare(self, messages: list[Any], tools: list | None = None, plan: TurnPlan | None = None) -> PreparedTurn:
         """The prompt ids for a request. Raises MessageFormatError for malformed messages (its subclass
-        TemplateRefusedError when the template refuses the conversation). Changes nothing."""
-        plan, norm = self._plan(messages, tools)
-        if plan == "retry":
+        TemplateRefusedError when the template refuses the conversation). Changes nothing. `plan`: `self.plan` of
+        the same request, when the caller asked for it first (its work is not redone; ValueError when a commit came
+        between)."""
+        if plan is None:
+            plan = self.plan(messages, tools)
+        elif plan.commits != self._commits or plan.raw_messages is not messages or plan.tools is not tools:
+            raise ValueError("the plan is not this chain's plan of this request as it is now")
+        kind, norm = plan.kind, plan.messages
+        if kind == "retry":
             return self._retry(norm, messages)
-        if plan == "extend":
+        if kind == "extend":
             held, chain = self._held, self.rows[-1].input_ids
             new_ids = self.template.interstitial_ids(held[-1], norm[len(held) :], tools, chain[-1], self._held_text)
             if new_ids is not None:
                 return PreparedTurn(chain + array("i", new_ids), new_ids, False, norm, messages, tools, 0)
-        replaces = plan == "replace"
+        replaces = kind == "replace"
         prompt = self.template.prompt_ids(norm, tools)
         chain = self._chain_before_last() if replaces else self.rows[-1].input_ids if self.rows else None
         drift = 0
@@ -218,17 +245,17 @@ class TokenChain:
             drift = len(chain) - (min(len(chain), len(prompt)) if common is None else common)
         return PreparedTurn(array("i", prompt), prompt, chain is not None, norm, messages, tools, drift, replaces)
 
-    def renders_whole_history(self, messages: list[Any], tools: list | None = None) -> bool:
-        """Whether `prepare` renders the whole conversation (a first turn, a fork, a retry whose prompt
-        changed) instead of only what is new, so that a caller can run it off its event loop. Raises as
-        `prepare` does; changes nothing."""
-        return self._plan(messages, tools)[0] in ("fresh", "replace")
-
-    def _plan(self, messages: list[Any], tools: list | None) -> tuple[str, list[Message]]:
-        """How to prepare a request, and its normalised messages: "retry" (it asks again what the last
+    def plan(self, messages: list[Any], tools: list | None = None) -> TurnPlan:
+        """How `prepare` will serve a request, and its normalised messages: "retry" (it asks again what the last
         committed turn asked: the same prompt, replacing that turn), "replace" (it says the same as the last
         turn's request, but with another system prompt or tool list: a fresh render, replacing that turn),
-        "extend" (it extends the chain) or "fresh" (first turn or fork)."""
+        "extend" (it extends the chain) or "fresh" (first turn or fork). Raises as `prepare` does; changes nothing."""
+        kind, norm = self._plan(messages, tools)
+        return TurnPlan(kind, norm, messages, tools, self._commits)
+
+    def _plan(
+        self, messages: list[Any], tools: list | None
+    ) -> tuple[Literal["retry", "replace", "extend", "fresh"], list[Message]]:
         if not isinstance(messages, list) or not messages:
             raise MessageFormatError("messages must be a non-empty list")
         if tools is not None and not isinstance(tools, list):
@@ -337,6 +364,7 @@ class TokenChain:
             row = self.rows[-1]
             self._undo = _Undo(False, len(row.input_ids), row.model_version, row.num_turns)
         row = self.rows[-1]
+        self._commits += 1
         row.extend_prompt(turn.packed_new_ids)
         row.extend_completion(output_ids, log_probs, model_version)
         self._held = [*turn.messages, held]
