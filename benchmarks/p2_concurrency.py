@@ -6,7 +6,8 @@ records every round-trip (sending the body to the last byte of the SSE answer); 
 round-trip - 50 ms, what the host adds to a generation. Reported: errors (non-200, transport errors,
 answers without tool calls, turns the server recorded as errors or forks), added-latency percentiles,
 requests/s, CPU of both sides, the server's resident memory before the traffic (rollouts opened), after
-it (every rollout still holding its chain) and at its peak, and its full garbage collections.
+it (every rollout still holding its chain) and at its peak, and its garbage collections: the full ones, and the
+longest pause in wall time and in the collecting thread's CPU time (the collector's work, which load does not inflate).
 
 Generation (`--generator`): `client` (the default) is the request path of a real rollout host: each
 server generates through the real `VLLMClient` (orjson request with every prompt id, the reply's
