@@ -406,6 +406,23 @@ def test_a_clean_turn_renders_twice_and_stays_exact() -> None:
     assert record.kind == "clean" and renders == 2
 
 
+def test_a_plan_is_good_only_for_its_request_until_the_next_commit() -> None:
+    """`prepare` takes the plan a caller asked for first (`TokenChain.plan`), and refuses one made for another
+    request or before a commit."""
+    d = Driver("qwen3")
+    request = d.convo.request()
+    plan = d.chain.plan(request["messages"], request["tools"])
+    assert plan.kind == "fresh" and plan.renders_whole_history
+    assert d.chain.prepare(request["messages"], request["tools"], plan) == d.chain.prepare(
+        request["messages"], request["tools"]
+    )
+    with pytest.raises(ValueError, match="not this chain's plan"):
+        d.chain.prepare(list(request["messages"]), request["tools"], plan)
+    d.turn(REPLIES[0])
+    with pytest.raises(ValueError, match="not this chain's plan"):
+        d.chain.prepare(request["messages"], request["tools"], plan)
+
+
 def test_an_interstitial_from_a_stale_rendering_of_the_last_reply_is_the_same() -> None:
     """A kept rendering of the last reply that is not a prefix of this turn's (a template that writes today's date,
     rendered on another day) is rendered again: the interstitial is what a fresh render gives."""

@@ -55,7 +55,7 @@ class ScriptedGenerator:
         self.max_model_len = max_model_len
         self.requests = 0
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, model: str | None = None) -> Generation:
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, model: str | None = None) -> Generation:
         ids = self.outputs[min(self.requests, len(self.outputs) - 1)]
         self.requests += 1
         return Generation(list(ids), [0.0] * len(ids), "stop", model or "")
