@@ -109,6 +109,38 @@ os.rename("/tmp/held.part", "/tmp/held")
 time.sleep(280)
 """
 
+# Processes, forked one after another until a fork is refused, that each open eventfds until refused (EMFILE
+# at `open_files`); writes [files taken, processes, errno of the refused fork] to /tmp/held, and holds them (each
+# open file ~460 bytes of kernel memory, in A's memory).
+FILE_ATTACK = r"""
+import json, os, time
+r, w = os.pipe()
+total = children = error = 0
+while True:
+    try:
+        pid = os.fork()
+    except OSError as e:
+        error = e.errno
+        break
+    if pid == 0:
+        os.close(r)
+        taken = 0
+        try:
+            while True:
+                os.eventfd(0)
+                taken += 1
+        except OSError:
+            os.write(w, b"%d\n" % taken)
+        time.sleep(280)
+        os._exit(0)
+    children += 1
+    total += int(os.read(r, 100))
+with open("/tmp/held.part", "w") as f:
+    json.dump([total, children, error], f)
+os.rename("/tmp/held.part", "/tmp/held")
+time.sleep(280)
+"""
+
 # A rollout's work behind the door: requests through the forwarder, and one of each thing the attack takes:
 # an inotify instance, a pipe (its buffer size, and grown to 1 MiB), an epoll watch, an AIO context (its errno).
 WORKLOAD = r"""
@@ -225,6 +257,23 @@ async def test_an_attacker_takes_every_epoll_watch_of_its_own_only(
     alone, during, held, _ = await beside(local_backend, task, EPOLL_ATTACK.replace("PROCESSES", str(processes)))
     assert alone == during == ALONE
     assert isinstance(held, list) and held[2] and (held[1] == errno.ENOSPC or held[0] > limit), (held, limit)
+    assert_no_local_sandbox_left(run_dir)
+
+
+async def test_an_attacker_holds_at_most_its_share_of_the_host_file_table(
+    local_backend: LocalBackend, task: Task, run_dir: Path
+) -> None:
+    """A opens every file it can (processes until a fork is refused, each at its open-files limit) while B works
+    through its door: B's results are as alone, and A held at most `pids` x `open_files` files, 262,144 with the
+    defaults (10.6 % of this box's `fs.file-max`, 2,466,177). The table is the host's, and the kernel refuses
+    unprivileged processes past it: before, the defaults let one sandbox hold 1,048,576 (42 %), so three took it
+    all (issue 35: 1,000 processes x 1,020 files from one sandbox)."""
+    limits = local_backend.limits
+    assert limits.pids is not None and limits.open_files is not None
+    alone, during, held, _ = await beside(local_backend, task, FILE_ATTACK)
+    assert alone == during == ALONE
+    assert isinstance(held, list) and held[2] == errno.EAGAIN, held  # stopped by its pids limit
+    assert held[0] <= limits.pids * limits.open_files <= 1 << 18, held
     assert_no_local_sandbox_left(run_dir)
 
 

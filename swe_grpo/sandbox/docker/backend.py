@@ -100,7 +100,7 @@ class DockerLimits:
 
     memory: str = "4g"
     cpus: float = 2.0
-    pids: int = 1024
+    pids: int = 256  # with `open_files`, at most 262,144 of the host's file table (see `sandbox.local.limits`)
     disk: str | None = "2g"
     open_files: int = 1024  # RLIMIT_NOFILE of every process (soft and hard): at it, EMFILE
     output_bytes: int = 4 << 20
