@@ -261,20 +261,20 @@ async def test_an_attacker_takes_every_epoll_watch_of_its_own_only(
 
 
 async def test_an_attacker_holds_at_most_its_share_of_the_host_file_table(
-    local_backend: LocalBackend, task: Task, run_dir: Path
+    backend: SandboxBackend, task: Task, run_dir: Path
 ) -> None:
     """A opens every file it can (processes until a fork is refused, each at its open-files limit) while B works
     through its door: B's results are as alone, and A held at most `pids` x `open_files` files, 262,144 with the
     defaults (10.6 % of this box's `fs.file-max`, 2,466,177). The table is the host's, and the kernel refuses
     unprivileged processes past it: before, the defaults let one sandbox hold 1,048,576 (42 %), so three took it
     all (issue 35: 1,000 processes x 1,020 files from one sandbox)."""
-    limits = local_backend.limits
+    limits = backend.limits  # type: ignore[attr-defined]
     assert limits.pids is not None and limits.open_files is not None
-    alone, during, held, _ = await beside(local_backend, task, FILE_ATTACK)
+    alone, during, held, _ = await beside(backend, task, FILE_ATTACK)
     assert alone == during == ALONE
     assert isinstance(held, list) and held[2] == errno.EAGAIN, held  # stopped by its pids limit
     assert held[0] <= limits.pids * limits.open_files <= 1 << 18, held
-    assert_no_local_sandbox_left(run_dir)
+    assert_nothing_left(backend, run_dir)
 
 
 # Leases a uid from the pool given as argv (first uid, count, lease dir), starts a process as that uid that
