@@ -10,13 +10,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import fcntl
 import json
 import os
 import sys
 import time
 from collections import Counter
 
-ATTACKS = ("idle_flood", "slowloris", "big_bodies", "churn", "request_flood", "keepalive_flood")
+ATTACKS = (
+    "idle_flood",
+    "slowloris",
+    "big_bodies",
+    "churn",
+    "request_flood",
+    "keepalive_flood",
+    "get_flood",
+    "fork_flood",
+    "file_flood",
+    "kernel_counters",
+)
+# The most processes the process attacks start (each within the sandbox's pids limit anyway).
+_MOST_CHILDREN = 2000
 
 
 def _head(rollout_id: str, token: str, chunked: bool = False, length: int = 0) -> bytes:
@@ -25,6 +40,49 @@ def _head(rollout_id: str, token: str, chunked: bool = False, length: int = 0) -
         f"POST /rollout/{rollout_id}/v1/chat/completions HTTP/1.1\r\nHost: door\r\n"
         f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n{size}\r\n\r\n"
     ).encode()
+
+
+def _children(seconds: float, work: str = "") -> dict[str, int]:
+    """Fork children (at most `_MOST_CHILDREN`) until a fork is refused; each does `work` ("files": eventfds until
+    refused) and sleeps out `seconds`. Returns how many started, the files they hold, and the refused fork's errno."""
+    read, write = os.pipe()
+    started = files = error = 0
+    while started < _MOST_CHILDREN:
+        try:
+            pid = os.fork()
+        except OSError as e:
+            error = e.errno
+            break
+        if pid == 0:
+            taken = 0
+            with contextlib.suppress(OSError):
+                while work == "files":
+                    os.eventfd(0)
+                    taken += 1
+            os.write(write, b"%d\n" % taken)
+            time.sleep(seconds)
+            os._exit(0)
+        started += 1
+        files += int(os.read(read, 100))
+    return {"processes": started, "files": files, "fork_errno": error}
+
+
+def _kernel_counters() -> dict[str, int]:
+    """Take what the kernel counts per user: inotify instances (at most 1,000) and pipe buffers (at most 200 pipes
+    grown to 1 MiB), holding them (the descriptors stay open until the process exits)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    inotify = 0
+    while inotify < 1000 and libc.inotify_init1(0) >= 0:
+        inotify += 1
+    pipes = 0
+    for _ in range(200):
+        _, w = os.pipe()
+        try:
+            fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ
+        except OSError:
+            break
+        pipes += 1
+    return {"inotify": inotify, "pipes_grown": pipes}
 
 
 async def attack(name: str, path: str, rollout_id: str, token: str, seconds: float) -> dict[str, object]:
@@ -102,10 +160,8 @@ async def attack(name: str, path: str, rollout_id: str, token: str, seconds: flo
             await answer(reader, 1.0)
             writer.close()
 
-    async def keepalive_flood() -> None:
-        """Valid requests back to back on one kept-alive connection: no new connection, so no accept rate holds it."""
-        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": False}).encode()
-        request = _head(rollout_id, token, length=len(body)) + body
+    async def keepalive_flood(request: bytes) -> None:
+        """`request` back to back on one kept-alive connection: no new connection, so no accept rate holds it."""
         while time.monotonic() < deadline:
             opened = await connect()
             if opened is None:
@@ -135,7 +191,18 @@ async def attack(name: str, path: str, rollout_id: str, token: str, seconds: flo
     elif name == "request_flood":
         await asyncio.gather(*(request_flood() for _ in range(16)))
     elif name == "keepalive_flood":
-        await asyncio.gather(*(keepalive_flood() for _ in range(8)))
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": False}).encode()
+        request = _head(rollout_id, token, length=len(body)) + body
+        await asyncio.gather(*(keepalive_flood(request) for _ in range(8)))
+    elif name == "get_flood":  # GET /models, answered without a generation: the cheapest request to ask for
+        request = f"GET /rollout/{rollout_id}/v1/models HTTP/1.1\r\nHost: door\r\nAuthorization: Bearer {token}\r\n\r\n"
+        await asyncio.gather(*(keepalive_flood(request.encode()) for _ in range(8)))
+    elif name in ("fork_flood", "file_flood"):  # the sandbox's own limits; what matters is what the others see
+        counts.update(_children(seconds, "files" if name == "file_flood" else ""))
+        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+    elif name == "kernel_counters":
+        counts.update(_kernel_counters())
+        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
     else:
         raise ValueError(f"unknown attack {name!r}: one of {ATTACKS}")
     for writer in held:

@@ -13,7 +13,13 @@ own rollout's door (the unix socket a sandbox reaches the server by), with that 
   over and over (three raised the server's RSS by 450 MiB before);
 - churn: connections opened and closed as fast as one process can;
 - request_flood: 16 valid requests at once, over and over, each on a new connection (each supersedes the one before);
-- keepalive_flood: valid requests back to back on 8 kept-alive connections (no accept rate holds them).
+- keepalive_flood: valid requests back to back on 8 kept-alive connections (no accept rate holds them);
+- get_flood: `GET /models` back to back on 8 kept-alive connections (issue 35: 197,154 answers in 12 s before
+  every route had a rate);
+- fork_flood: processes until a fork is refused (the sandbox's pids limit), held;
+- file_flood: processes until a fork is refused, each holding eventfds until refused (its open-files limit): at
+  most `pids` x `open_files` of the host's file table;
+- kernel_counters: what the kernel counts per user (inotify instances, pipe buffers), taken and held.
 
 Reported per phase: the others' added latency (round-trip - 50 ms) p50 / p99 / max, their errors (non-200,
 transport errors, answers without tool calls), the server's RSS peak over its RSS before the attacks, its open

@@ -61,7 +61,8 @@ def _docker(request: pytest.FixtureRequest) -> Target:
     return Target(
         name="docker",
         backend=backend,
-        uid=1000,
+        uid=None,  # each container runs as a uid leased for it
+        host_uids=backend.uid_pool.uids if backend.uid_pool else None,
         put_through_symlink_refused=False,  # it resolves inside the container
         has_curl=False,
         exec_may_raise_on_destroy=True,  # racing the removal of its sandbox

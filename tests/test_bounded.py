@@ -46,6 +46,23 @@ async def test_the_result_comes_back_and_each_bound_is_named() -> None:
     assert over.value.bound == "error"
 
 
+def many_names(count: int) -> dict[str, str]:
+    """What a parse of a report naming `count` distinct tests returns (issue 35: a million of them was a dict of
+    a few hundred MiB brought back into the serving process)."""
+    return {f"tests/test_x.py::test_{i:09d}": "PASSED" for i in range(count)}
+
+
+async def test_the_result_is_capped_in_size() -> None:
+    """A result over `result_bytes` (16 MiB pickled by default) is a "memory" bound, read no further; within
+    it, the result comes back whole."""
+    assert len(await run_bounded(many_names, 1000, timeout_s=60, memory_bytes=1 << 30)) == 1000
+    with pytest.raises(BoundExceeded, match="its result is over 16777216 bytes") as over:
+        await run_bounded(many_names, 1_000_000, timeout_s=120, memory_bytes=1 << 30)
+    assert over.value.bound == "memory"
+    with pytest.raises(BoundExceeded, match="its result is over 1000 bytes"):
+        await run_bounded(many_names, 1000, timeout_s=60, memory_bytes=1 << 30, result_bytes=1000)
+
+
 async def test_a_cancelled_callers_child_is_killed() -> None:
     call = asyncio.ensure_future(run_bounded(spin, timeout_s=600, memory_bytes=256 << 20))
     await asyncio.sleep(1)

@@ -45,9 +45,10 @@ from swe_grpo.sandbox.docker.engine import reap
 from swe_grpo.sandbox.docker.seccomp import MOUNT as SECCOMP_MOUNT
 from swe_grpo.sandbox.docker.seccomp import mount_dir
 from swe_grpo.sandbox.process import export_repo
+from swe_grpo.sandbox.uids import SANDBOX_UIDS
 from swe_grpo.tasks import Task, swe_gym_image
 
-UID = 1000
+UID = 1000  # the sandbox user's: owns the prepared image's /testbed; each sandbox runs as a uid of its own
 # io_uring_setup(1, NULL) (x86-64's number): EFAULT from the kernel, EPERM from a filter; prints the errno.
 IO_URING_SETUP = "import ctypes; c = ctypes.CDLL(None, use_errno=True); c.syscall(425, 1, 0); print(ctypes.get_errno())"
 
@@ -119,10 +120,11 @@ async def test_the_prepared_testbed_is_the_sandbox_users_and_its_index_fresh(
     # rewrite the index (otherwise every sandbox's first git command re-reads the whole tree).
     index_before = await run_ok(sandbox, "stat -c %y .git/index")
     out = await run_ok(sandbox, "pwd; id -u; git rev-parse HEAD; git status --porcelain; git log --all --format=%H")
-    assert out == f"/testbed\n{UID}\n{task.base_commit}\n{task.base_commit}\n"
+    assert out == f"/testbed\n{sandbox.uid}\n{task.base_commit}\n{task.base_commit}\n"
+    assert sandbox.uid in SANDBOX_UIDS  # leased: its copy of /testbed and its home are its own
     assert await run_ok(sandbox, "stat -c %y .git/index") == index_before
-    out = await run_ok(sandbox, "cat calc.py; stat -c %u calc.py .git; echo $HOME")
-    assert out == f"{CALC}{UID}\n{UID}\n/home/sandbox\n"
+    out = await run_ok(sandbox, "cat calc.py; stat -c %u calc.py .git /home/sandbox; echo $HOME")
+    assert out == f"{CALC}{sandbox.uid}\n{sandbox.uid}\n{sandbox.uid}\n/home/sandbox\n"
     await run_ok(sandbox, ["python3", "-m", "pytest", "--version"])
 
 
@@ -171,7 +173,7 @@ async def test_limits_labels_and_hardening(docker_url: str, task: Task, engine: 
         assert sizes.splitlines() == [f"tmpfs {(2 << 30) // 4096} 4096"] * 4
         result = await sandbox.exec("touch /etc/x /usr/x; echo > /testbed/ok", timeout_s=30)
         assert result.stderr.count("Read-only file system") == 2 and result.exit_code == 0, result
-        assert attrs["Config"]["User"] == f"{UID}:{UID}"
+        assert attrs["Config"]["User"] == f"{sandbox.uid}:{sandbox.uid}" and sandbox.uid in SANDBOX_UIDS
         labels = attrs["Config"]["Labels"]
         assert labels[SANDBOX_LABEL] == "1" and labels["swe_grpo.task"] == task.instance_id
         assert labels[OWNER_LABEL].startswith(f"{socket.gethostname()}/{os.getpid()}/")
@@ -414,7 +416,7 @@ async def test_swe_gym_image_is_used_as_is(
     sandbox = await backend.create(gym_task)
     try:
         out = await run_ok(sandbox, "git rev-parse HEAD; git status --porcelain; id -u; stat -c %u calc.py")
-        assert out == f"{task.base_commit}\n{UID}\n{UID}\n"
+        assert out == f"{task.base_commit}\n{sandbox.uid}\n{sandbox.uid}\n"
     finally:
         await sandbox.destroy()
     with pytest.raises(SandboxError, match="not at the base commit"):

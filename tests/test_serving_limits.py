@@ -561,3 +561,31 @@ async def test_big_bodies_from_many_rollouts_at_once_hold_the_servers_share(http
     assert [r[:12] for r in replies] == [b"HTTP/1.1 413"] * 6, replies
     assert peak - before < 3 * limits.shared_body_bytes, (peak - before) / MIB
     assert victim_s < 1.0
+
+
+async def test_a_big_bodys_wait_for_the_share_counts_against_its_own_timeout() -> None:
+    """A body that waits for the server's share of big bodies waits within its own `body_timeout_s`, not before
+    it: behind a rollout that holds the share with a body it never sends, another's stalled body is answered 408
+    within one body timeout of its head (before: the wait, up to the other's whole timeout, came first, and then
+    a timeout of its own, nearly twice as long)."""
+    limits = replace(LIMITS, shared_body_bytes=LIMITS.max_request_bytes, body_timeout_s=3.0)
+    async with contextlib.AsyncExitStack() as stack:
+        srv = await stack.enter_async_context(limited_server(limits))
+        holder, waiter = [(await stack.enter_async_context(srv.rollout())).endpoint for _ in range(2)]
+
+        async def stalled(endpoint: RolloutEndpoint) -> tuple[bytes, float]:
+            """A big announced body of which nothing is sent: the server's answer and its seconds from the head."""
+            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            started = time.monotonic()
+            writer.write(head(endpoint, 6 * MIB))
+            try:
+                return await reader.read(100), time.monotonic() - started
+            finally:
+                writer.close()
+
+        holding = asyncio.create_task(stalled(holder))
+        await asyncio.sleep(0.5)  # its body is being read: it holds the whole share
+        reply, waited = await stalled(waiter)
+        assert (await holding)[0][:12] == b"HTTP/1.1 408"
+    assert reply[:12] == b"HTTP/1.1 408", reply
+    assert limits.body_timeout_s - 0.1 < waited < limits.body_timeout_s + 1.5, waited

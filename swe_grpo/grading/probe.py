@@ -166,8 +166,9 @@ REPORT_MEMORY_BYTES = 1 << 30
 async def parse_report(parse: Callable[..., T], *args: object) -> T | None:
     """`parse(*args)` on a report of the graded run (the patch's code wrote it, or could have) in a process of its
     own (`run_bounded`: a parser holds the GIL for its whole input, and would stall every rollout served
-    beside this grade), within `REPORT_TIMEOUT_S` and `REPORT_MEMORY_BYTES`; None, logged, when it does not
-    finish in them: the caller reads that report as missing."""
+    beside this grade), within `REPORT_TIMEOUT_S` and `REPORT_MEMORY_BYTES`, its result within `run_bounded`'s
+    default size (16 MiB pickled: a million distinct test names is over it); None, logged, when it is over one
+    of them: the caller reads that report as missing."""
     try:
         return await run_bounded(parse, *args, timeout_s=REPORT_TIMEOUT_S, memory_bytes=REPORT_MEMORY_BYTES)
     except BoundExceeded as e:

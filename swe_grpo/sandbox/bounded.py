@@ -1,6 +1,8 @@
 """Host-side work on what a sandbox gave back (an agent's patch, the files it touched, a test report), bounded
 in time and memory and off the event loop that serves every rollout: `run_bounded(fn, *args, timeout_s=...,
-memory_bytes=...)` returns `fn(*args)` or raises `BoundExceeded` naming the bound.
+memory_bytes=...)` returns `fn(*args)` or raises `BoundExceeded` naming the bound. What comes back is bounded
+too (`result_bytes`, pickled): a parse within its own bounds can still build a result that is large in the
+serving process (a report naming a million distinct tests is a dict of hundreds of MiB there).
 
 Why a process, not a thread: such work is mostly parsing, and a parser written in C (`ast.parse`, `re`,
 ElementTree) holds the GIL for its whole input, so a thread stalls the serving loop as surely as running it
@@ -25,6 +27,9 @@ from typing import Any, Literal, TypeVar
 
 T = TypeVar("T")
 
+#: The default cap on a result, pickled (real reports of the largest suites pickle to a few MiB).
+RESULT_BYTES = 16 << 20
+
 
 class BoundExceeded(Exception):
     """`fn` did not return within its bounds: `bound` is "time", "memory", or "error" (it raised, or its
@@ -35,19 +40,24 @@ class BoundExceeded(Exception):
         self.bound = bound
 
 
-async def run_bounded(fn: Callable[..., T], *args: Any, timeout_s: float, memory_bytes: int) -> T:
+async def run_bounded(
+    fn: Callable[..., T], *args: Any, timeout_s: float, memory_bytes: int, result_bytes: int = RESULT_BYTES
+) -> T:
     """`fn(*args)` in a child process of its own, within `timeout_s` seconds and `memory_bytes` more address
-    space than the child starts with. Raises `BoundExceeded`; a cancelled caller's child is killed."""
+    space than the child starts with, its result within `result_bytes` pickled (over it: a "memory" bound,
+    read no further). Raises `BoundExceeded`; a cancelled caller's child is killed."""
     started: list[int] = []
     try:
-        return await asyncio.to_thread(_run, fn, args, timeout_s, memory_bytes, started)
+        return await asyncio.to_thread(_run, fn, args, timeout_s, memory_bytes, result_bytes, started)
     except asyncio.CancelledError:
         for pid in started:  # the thread then sees EOF at once and reaps it
             _kill(pid)
         raise
 
 
-def _run(fn: Callable[..., T], args: tuple[Any, ...], timeout_s: float, memory_bytes: int, started: list) -> T:
+def _run(
+    fn: Callable[..., T], args: tuple[Any, ...], timeout_s: float, memory_bytes: int, result_bytes: int, started: list
+) -> T:
     # A bare fork, not multiprocessing's: a rollout host is a daemonic multiprocessing child, and
     # multiprocessing refuses a daemon children of its own.
     receive, send = os.pipe()
@@ -61,9 +71,11 @@ def _run(fn: Callable[..., T], args: tuple[Any, ...], timeout_s: float, memory_b
     started.append(pid)
     os.close(send)
     try:
-        data = _read_until_eof(receive, time.monotonic() + timeout_s)
+        data = _read_until_eof(receive, time.monotonic() + timeout_s, result_bytes)
         if data is None:
             raise BoundExceeded("time", f"{fn.__name__} took longer than {timeout_s:g}s")
+        if len(data) > result_bytes:
+            raise BoundExceeded("memory", f"{fn.__name__}: its result is over {result_bytes} bytes")
     finally:
         os.close(receive)
         _kill(pid)
@@ -75,14 +87,17 @@ def _run(fn: Callable[..., T], args: tuple[Any, ...], timeout_s: float, memory_b
     raise BoundExceeded(status, f"{fn.__name__}: {value}")
 
 
-def _read_until_eof(fd: int, deadline: float) -> bytes | None:
-    """All the child wrote, once it closed its end; None when `deadline` passed first."""
-    chunks: list[bytes] = []
+def _read_until_eof(fd: int, deadline: float, most: int) -> bytes | None:
+    """All the child wrote, once it closed its end, or the first bytes past `most` of it (no more is read);
+    None when `deadline` passed first."""
+    data = bytearray()
     while (left := deadline - time.monotonic()) > 0:
         if select.select([fd], [], [], left)[0]:
             if not (chunk := os.read(fd, 1 << 20)):
-                return b"".join(chunks)
-            chunks.append(chunk)
+                return bytes(data)
+            data += chunk
+            if len(data) > most:
+                return bytes(data)
     return None
 
 

@@ -398,6 +398,19 @@ class InterceptionServer:
             listed = {"object": "list", "data": [model]}
         return json_response(model if "model" in request.match_info else listed)
 
+    async def _read_body(self, request: web.Request) -> tuple[dict[str, Any], int]:
+        """`read_body` within the server's share of big bodies (`BodyShare`): the wait for its turn there and the
+        reading together within one `body_timeout_s` (408 past it), so a waiting body takes no more time than any
+        other."""
+        limits = self.limits
+        try:
+            async with asyncio.timeout(limits.body_timeout_s), self._bodies.reading(request.content_length):
+                return await read_body(request, limits.max_request_bytes, limits.body_timeout_s)
+        except TimeoutError:
+            pass
+        # Raised out here, as `read_body` does, so the refusal does not chain the reader's frames.
+        raise APIError(408, f"request body not received within {limits.body_timeout_s:g} s")
+
     async def _count_tokens(self, request: web.Request) -> web.Response:
         """Anthropic's `count_tokens`: the prompt tokens the messages would be sent as, counted by the rollout's
         chain with the training template. Not a turn: it supersedes nothing and changes nothing, but is paced,
@@ -411,8 +424,7 @@ class InterceptionServer:
             rollout.last_activity = self.last_request_at = time.monotonic()
             turn_index = len(rollout.chain.turns)
             try:
-                async with self._bodies.reading(request.content_length):
-                    body, _ = await read_body(request, self.limits.max_request_bytes, self.limits.body_timeout_s)
+                body, _ = await self._read_body(request)
                 chat = dialects.MESSAGES.to_chat(body)
                 prepare = functools.partial(rollout.chain.prepare, chat["messages"], chat.get("tools"))
                 turn = await asyncio.get_running_loop().run_in_executor(self._bulk, prepare)
@@ -441,8 +453,7 @@ class InterceptionServer:
                 rollout.serving = me
                 turn_index = len(rollout.chain.turns)
                 try:
-                    async with self._bodies.reading(request.content_length):
-                        body, size = await read_body(request, self.limits.max_request_bytes, self.limits.body_timeout_s)
+                    body, size = await self._read_body(request)
                     body = dialect.to_chat(body)
                     stream, include_usage = stream_mode(body)
                     params = requested_sampling(body, rollout.sampling)

@@ -31,7 +31,8 @@ brackets):
   requests bring] is read at once; any other (bigger, or chunked: counted as `max_request_bytes`) is read only
   within `shared_body_bytes` [64 MiB] for all such bodies being read together (`BodyShare`), and waits, unread in
   its connection, for its turn: six rollouts each streaming a 31 MiB body at once moved the server's RSS by +292
-  MiB, each rollout within its own bound. A big body waits at most for the others' `body_timeout_s`.
+  MiB, each rollout within its own bound. Its wait counts against its own `body_timeout_s`: waiting and reading
+  take at most that together (before, a body waited up to the others' timeouts and then had a whole one of its own).
 - training data: a rollout holds at most `rollout_rows` [64] training rows and `rollout_tokens` [2 Mi] tokens in
   them (13 bytes a token, held until the rollout is trained on). A request that would take it past either (counting
   the reply's `max_tokens`) is refused, 400 `rollout_budget_exceeded`, before any generation, and recorded

@@ -54,7 +54,9 @@ class Target:
 
     name: str
     backend: SandboxBackend
-    uid: int  # whom commands run as (and who owns the files `put_file` writes), as seen inside
+    # Whom commands run as (and who owns the files `put_file` writes), as seen inside; None: a uid of each
+    # sandbox's own, its `uid` attribute (in `host_uids`: `docker`, whose containers run as host uids)
+    uid: int | None
     put_through_symlink_refused: bool  # `put_file` onto a planted symlink: refused (`SandboxError`), or written inside
     exec_may_raise_on_destroy: bool  # an exec that its sandbox's destroy ends may raise `SandboxError`
     gone: Callable[[Sandbox], None]  # asserts that nothing is left of this (destroyed) sandbox
@@ -67,7 +69,7 @@ class Target:
     cuts_network: bool = True  # a sandbox created without `network=True` has no route out
     reaches_host_loopback: bool = True  # with `network=True`, a server on the host's 127.0.0.1 is reachable
     close_destroys_live: bool = True  # `close()` destroys its sandboxes still alive (its set `live` is then empty)
-    # The host uids its commands run as, when not `uid`: a uid of its own per sandbox (`local`)
+    # The host uids its commands run as, when not `uid`: a uid of its own per sandbox (`local`, `docker`)
     host_uids: range | None = None
 
 
@@ -229,7 +231,7 @@ class BackendContract:
         assert await sandbox.get_file("/testbed/deep/new/blob.bin") == blob
         assert await sandbox.get_file("/tmp/note.txt") == b"hello\n"
         stat = await run_ok(sandbox, "stat -c '%u %a' /testbed/deep /testbed/deep/new/blob.bin /tmp/note.txt")
-        uid = target.uid
+        uid = target.uid if target.uid is not None else sandbox.uid  # type: ignore[attr-defined]
         assert stat == f"{uid} 755\n{uid} 755\n{uid} 644\n"
         await sandbox.put_file("/testbed/calc.py", b"x = 1\n")  # overwrite a tracked file
         assert await run_ok(sandbox, "cat calc.py") == "x = 1\n"
@@ -255,7 +257,10 @@ class BackendContract:
             (host / "ro").mkdir()
             (host / "ro" / "agent.js").write_text("console.log(1)\n")
             (host / "rw").mkdir()
-            os.chown(host / "rw", target.uid, target.uid)
+            if target.uid is not None:
+                os.chown(host / "rw", target.uid, target.uid)
+            else:  # whose it is is known only once created: the uid leased for it
+                (host / "rw").chmod(0o777)
             ro, rw = Mount(host / "ro", "/opt/agent"), Mount(host / "rw", "/opt/out", writable=True)
             if not target.writable_mounts:
                 before = target.leftovers()

@@ -1,10 +1,20 @@
 """`DockerBackend`: one container per sandbox (`DockerSandbox`), through the Docker SDK, from the task's
 prepared image (`images.py`).
 
-Containers run `sleep infinity` under `--init`, as an unprivileged user (uid 1000 by default, all
-capabilities dropped, no-new-privileges), every exec under our seccomp filter stacked on the engine's
-default profile (`seccomp.py`), with per-container limits (`DockerLimits`) and owner labels
-(`engine.py`: `start()` removes the containers of dead owners, never a live process's).
+Containers run `sleep infinity` under `--init`, as an unprivileged user (all capabilities dropped,
+no-new-privileges), every exec under our seccomp filter stacked on the engine's default profile
+(`seccomp.py`), with per-container limits (`DockerLimits`) and owner labels (`engine.py`: `start()` removes
+the containers of dead owners, never a live process's).
+
+Each container runs as a host uid of its own, leased for its life from the pool the `local` backend leases
+from (`swe_grpo.sandbox.uids`: host-wide, crash-safe), because the kernel counts epoll watches, inotify
+instances, pipe buffers and processes per host uid: containers that shared one (the sandbox user's, 1000)
+shared those, and one could take them all from its neighbours. The prepared image's /testbed stays the
+sandbox user's (`uid`); each sandbox's copy of it in its /testbed tmpfs is made by the leased uid, so it owns
+it. Without a disk limit there is no copy (the container writes the image's /testbed in place), so every
+container runs as `uid` and shares its counters; the same on an engine with `userns-remap` (it maps only
+65,536 uids, far below the pool's), with a warning at `start()`. On a remote engine the uids are the remote
+kernel's and the leases coordinate only this host's backends.
 
 Limits, per container, so that a sandbox that exhausts its own cannot make another fail: memory (the
 container's cgroup; memory+swap equal, so no swap; at the limit the OOM killer kills a process of that
@@ -61,6 +71,7 @@ from swe_grpo.sandbox.docker.seccomp import mount_dir, wrap
 from swe_grpo.sandbox.docker.volumes import MountVolumes
 from swe_grpo.sandbox.native import NativeBuildError
 from swe_grpo.sandbox.process import CgroupLayout
+from swe_grpo.sandbox.uids import SANDBOX_UIDS, UidLease, UidPool
 
 if TYPE_CHECKING:
     from swe_grpo.tasks import Task
@@ -89,7 +100,7 @@ class DockerLimits:
 
     memory: str = "4g"
     cpus: float = 2.0
-    pids: int = 1024
+    pids: int = 256  # with `open_files`, at most 262,144 of the host's file table (see `sandbox.local.limits`)
     disk: str | None = "2g"
     open_files: int = 1024  # RLIMIT_NOFILE of every process (soft and hard): at it, EMFILE
     output_bytes: int = 4 << 20
@@ -98,7 +109,8 @@ class DockerLimits:
 class DockerBackend(SandboxBackend):
     """Docker sandboxes (see the module docstring). `base_url` defaults to `DOCKER_HOST`, else the
     local socket; `uid=None` runs as the image's own user (root for SWE-bench images) with Docker's
-    default capabilities; `network` is what a sandbox created with `network=True` gets: `host`, `none` or a
+    default capabilities; `uids` the host uids containers run as, one leased per sandbox (module docstring;
+    None: each runs as `uid`); `network` is what a sandbox created with `network=True` gets: `host`, `none` or a
     network name (e.g. `bridge`, which isolates it: the host is then `host.docker.internal`, `host_address`,
     and the InterceptionServer must listen on the bridge address). `host` reaches the host's 127.0.0.1 with
     no set-up, but also every other service listening on the host (vLLM itself included) and whatever
@@ -114,12 +126,15 @@ class DockerBackend(SandboxBackend):
         limits: DockerLimits = DockerLimits(),
         network: str = "host",
         uid: int | None = 1000,
+        uids: range | None = SANDBOX_UIDS,
         base_url: str | None = None,
         max_concurrency: int = 256,
     ) -> None:
         self.limits = limits
         self.network = network
         self.uid = uid
+        #: Where each sandbox's uid is leased from (None: every container runs as `uid`).
+        self.uid_pool = UidPool(uids) if uids is not None and uid is not None and limits.disk is not None else None
         self.base_url = base_url
         #: Whether the engine is reached other than by a unix socket, and so may be on another machine.
         self.remote = not (base_url or os.environ.get("DOCKER_HOST") or "unix://").startswith("unix://")
@@ -149,11 +164,12 @@ class DockerBackend(SandboxBackend):
             return []
         return [WORKDIR, "/tmp", "/var/tmp", *([HOME] if self.uid is not None else [])]
 
-    def _tmpfs_volumes(self, size: str) -> list[docker.types.Mount]:
-        """The writable paths as anonymous tmpfs volumes of `size` (removed with their container). Volumes,
-        not Docker's `--tmpfs`: the engine mounts them itself, so `put_archive`/`get_archive` reach them."""
+    def _tmpfs_volumes(self, size: str, uid: int | None) -> list[docker.types.Mount]:
+        """The writable paths as anonymous tmpfs volumes of `size` (removed with their container), owned by
+        `uid` (None: root). Volumes, not Docker's `--tmpfs`: the engine mounts them itself, so
+        `put_archive`/`get_archive` reach them."""
         common = f"size={size},nr_inodes={docker.utils.parse_bytes(size) // 4096}"
-        owned = "mode=755" if self.uid is None else f"mode=755,uid={self.uid},gid={self.uid}"
+        owned = "mode=755" if uid is None else f"mode=755,uid={uid},gid={uid}"
         return [
             docker.types.Mount(
                 path,
@@ -189,6 +205,13 @@ class DockerBackend(SandboxBackend):
             log.info("removed %d leftover sandbox containers: %s", len(reaped), ", ".join(reaped))
         try:
             info = await self.submit(self.client.info)
+            if self.uid_pool is not None and any("name=userns" in o for o in info.get("SecurityOptions") or []):
+                log.warning(
+                    "the Docker engine remaps users (userns-remap): every sandbox runs as uid %s and they share "
+                    "its per-user kernel counters (epoll watches, inotify, pipe buffers, processes)",
+                    self.uid,
+                )
+                self.uid_pool = None
             self.seccomp_dir = await self.submit(mount_dir, info.get("Architecture", ""))
         except ENGINE_ERRORS as e:
             raise SandboxError(f"cannot ask the Docker engine its architecture: {e}") from e
@@ -198,6 +221,19 @@ class DockerBackend(SandboxBackend):
     async def create(self, task: Task, mounts: Sequence[Mount] = (), *, network: bool = False) -> DockerSandbox:
         """See `SandboxBackend.create`; `network=True` gives the sandbox the backend's `network`."""
         image = await self.images.get(task)
+        lease = await asyncio.to_thread(self.uid_pool.lease) if self.uid_pool is not None else None
+        try:
+            return await self._create(task, image, mounts, network, lease)
+        except BaseException:
+            if lease is not None:  # a container whose removal failed may still run as it: swept before reuse
+                lease.release(ended=False)
+            raise
+
+    async def _create(
+        self, task: Task, image: str, mounts: Sequence[Mount], network: bool, lease: UidLease | None
+    ) -> DockerSandbox:
+        """`create` once the image is ready, running as `lease`'s uid (None: as `uid`)."""
+        uid = lease.uid if lease is not None else self.uid
         if self.seccomp_dir is not None:
             mounts = [*mounts, Mount(self.seccomp_dir, SECCOMP_MOUNT)]
         slug = re.sub(r"[^a-zA-Z0-9_.-]", "-", task.instance_id)[:40]
@@ -223,10 +259,10 @@ class DockerBackend(SandboxBackend):
                 str(m.host_path): {"bind": m.sandbox_path, "mode": "rw" if m.writable else "ro"} for m in mounts
             }
         if disk := self.limits.disk:
-            kwargs |= {"read_only": True, "mounts": kwargs.get("mounts", []) + self._tmpfs_volumes(disk)}
+            kwargs |= {"read_only": True, "mounts": kwargs.get("mounts", []) + self._tmpfs_volumes(disk, uid)}
             kwargs["environment"] |= _GIT_STAT_ENV
-        if self.uid is not None:
-            kwargs |= {"user": f"{self.uid}:{self.uid}", "cap_drop": ["ALL"]}
+        if uid is not None:
+            kwargs |= {"user": f"{uid}:{uid}", "cap_drop": ["ALL"]}
             kwargs["environment"]["HOME"] = HOME
         if not network:
             kwargs["network_mode"] = "none"
@@ -251,7 +287,8 @@ class DockerBackend(SandboxBackend):
         sandbox = DockerSandbox(
             self.engine,
             container,
-            uid=self.uid,
+            uid=uid,
+            lease=lease,
             output_bytes=self.limits.output_bytes,
             writable_paths=self.writable_paths(),
             cgroups=None if self.remote else self.cgroups,
@@ -262,7 +299,8 @@ class DockerBackend(SandboxBackend):
         return sandbox
 
     def _run_container(self, kwargs: dict[str, Any]) -> Container:
-        """Blocking: create and start the container; with a disk limit, copy the repository into its tmpfs."""
+        """Blocking: create and start the container; with a disk limit, copy the repository into its tmpfs
+        (as the container's user, who then owns the copy)."""
         container = self.client.containers.create(**kwargs)
         try:
             container.start()

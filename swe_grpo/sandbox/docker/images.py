@@ -48,10 +48,11 @@ PREPARED_REPOSITORY = "swe-grpo-sandbox"
 #: A hard-linked twin of /testbed in every prepared image: what a disk-limited sandbox copies into its tmpfs.
 TWIN = "/var/lib/swe-grpo/testbed"
 # Part of every prepared image's key: bump it when `PREPARE_TESTBED`, `_MAKE_TWIN` or the export changes.
-_PREPARE_VERSION = "3"
-# Run as root after `PREPARE_TESTBED` (same arguments), in the same layer, so the links share its files.
+_PREPARE_VERSION = "4"
+# Run as root after `PREPARE_TESTBED` (same arguments), in the same layer, so the links share its files. Every
+# file readable by all: a sandbox's copy is made by the uid leased for it (`backend.py`), not the owner.
 _MAKE_TWIN = f"""
-rm -rf {TWIN} && mkdir -p {posixpath.dirname(TWIN)} && cp -al /testbed {TWIN}
+rm -rf {TWIN} && mkdir -p {posixpath.dirname(TWIN)} && cp -al /testbed {TWIN} && chmod -R a+rX {TWIN}
 """
 # Run as the sandbox user after git's index is refreshed: the twin gets the refreshed index (a new file).
 _TWIN_INDEX = f"cp /testbed/.git/index {TWIN}/.git/index.new && mv {TWIN}/.git/index.new {TWIN}/.git/index"

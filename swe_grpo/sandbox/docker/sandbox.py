@@ -37,6 +37,7 @@ from docker.models.containers import Container
 from swe_grpo.sandbox.base import ExecResult, Exhaustion, FileTooLarge, Sandbox, SandboxError
 from swe_grpo.sandbox.docker.engine import ENGINE_ERRORS, Engine, text
 from swe_grpo.sandbox.process import EXEC_MARKER_VAR, CgroupLayout, OutputTail, kill_tree_argv
+from swe_grpo.sandbox.uids import UidLease
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,9 @@ exit 0
 
 
 class DockerSandbox(Sandbox):
-    """One running container, made by `DockerBackend.create`: its calls go through `engine`; `output_bytes`
+    """One running container, made by `DockerBackend.create`: its calls go through `engine`; `uid` is the host
+    uid its processes run as (None: the image's user), leased for it alone when `lease` is set (released once
+    the container is removed); `output_bytes`
     caps what `exec` keeps of each stream; `writable_paths` are its tmpfs mounts; `cgroups` is this host's
     cgroup layout where the engine runs here (None: read the counters from inside); every exec's command
     runs under `exec_prefix` (the seccomp wrapper, `seccomp.py`); `on_removed` is told once the container
@@ -67,6 +70,7 @@ class DockerSandbox(Sandbox):
         container: Container,
         *,
         uid: int | None,
+        lease: UidLease | None,
         output_bytes: int,
         writable_paths: Sequence[str],
         cgroups: CgroupLayout | None,
@@ -75,7 +79,8 @@ class DockerSandbox(Sandbox):
     ) -> None:
         self._engine = engine
         self._container = container
-        self._uid = uid
+        self.uid = uid
+        self._lease = lease
         self._output_bytes = output_bytes
         self._writable_paths = list(writable_paths)
         self._cgroups = cgroups
@@ -158,7 +163,7 @@ class DockerSandbox(Sandbox):
         with tarfile.open(fileobj=buffer, mode="w") as tar:
             info = tarfile.TarInfo(name)
             info.size, info.mode, info.mtime = len(data), mode, int(time.time())
-            info.uid = info.gid = self._uid or 0
+            info.uid = info.gid = self.uid or 0
             tar.addfile(info, io.BytesIO(data))
         try:
             await self._engine.submit(self._container.put_archive, parent, buffer.getvalue())
@@ -262,4 +267,6 @@ class DockerSandbox(Sandbox):
             pass
         except ENGINE_ERRORS as e:
             raise SandboxError(f"cannot remove sandbox {self.name}: {e}") from e
+        if self._lease is not None:
+            self._lease.release()  # nothing runs as it any more: the container is gone
         self._on_removed(self)

@@ -29,8 +29,8 @@ from swe_grpo.sandbox.local.cow import CowMethod, detect_cow_method, mount_cow
 from swe_grpo.sandbox.local.host import PREFIX, bind_idmapped, mount, mounts_under, remove_tree
 from swe_grpo.sandbox.local.limits import CGROUP_PARENT, Cgroup, LocalLimits, parent_cgroups
 from swe_grpo.sandbox.local.sandbox import LocalSandbox
-from swe_grpo.sandbox.local.uids import SANDBOX_UIDS, UidLease, UidPool, idmap_userns
 from swe_grpo.sandbox.process import CgroupLayout
+from swe_grpo.sandbox.uids import SANDBOX_UIDS, UidLease, UidPool, idmap_userns
 
 if TYPE_CHECKING:
     from swe_grpo.tasks import Task

@@ -25,8 +25,13 @@ limits cannot make another fail:
   new process is OOM-killed): it has exhausted its memory, and only `destroy()` frees it.
 - per process (rlimits, set by `prlimit` in `bwrap.bwrap_argv`): CPU seconds, file size and open files (a
   process at `open_files` gets EMFILE). The host's file table (`fs.file-max`, which the kernel enforces on
-  unprivileged processes only) is shared: a sandbox holds at most `pids` x `open_files` of it (1,048,576
-  with the defaults), a bound of these two limits, not one of its own.
+  unprivileged processes only: a sandbox's neighbours, not the server) is shared, and the kernel has no
+  per-user or per-cgroup count of open files: a sandbox holds at most `pids` x `open_files` of it, 262,144
+  with the defaults (10.6 % of a 24 GiB host's 2,466,177; `fs.file-max` grows with RAM), so that many
+  sandboxes at once, not one, could fill it. Real rollouts need far less: over 106 sandboxes of Pi rollouts
+  and their grades (the demo tasks), at most 20 tasks (processes and threads), 11 processes and 209 open files
+  per sandbox, 134 in one process. (Each open file is also ~460 bytes of kernel memory charged to the
+  sandbox's memory limit: 4 GiB of it would be ~9 M files, more than the table.)
 - what the kernel counts per host user (epoll watches, inotify, pipe buffers): per sandbox, which runs as
   a uid of its own (`uids.py`); its limits are the host's per-user ones.
 """
@@ -57,7 +62,7 @@ class LocalLimits:
     and stderr (the end is kept)."""
 
     memory_bytes: int | None = 4 << 30
-    pids: int | None = 1024
+    pids: int | None = 256
     cpus: float | None = 2.0
     disk_bytes: int | None = 2 << 30
     cpu_s: int | None = 3600

@@ -23,9 +23,9 @@ from swe_grpo.sandbox.base import WORKDIR, ExecResult, Exhaustion, FileTooLarge,
 from swe_grpo.sandbox.local.bwrap import REAPER, BwrapRun
 from swe_grpo.sandbox.local.host import mounts_under, remove_tree, umount, wait_or_kill
 from swe_grpo.sandbox.local.limits import Cgroup, LocalLimits
-from swe_grpo.sandbox.local.uids import UidLease
 from swe_grpo.sandbox.process import OutputTail
 from swe_grpo.sandbox.seccomp import filter_fd
+from swe_grpo.sandbox.uids import UidLease
 
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _HOME = "/tmp/home"

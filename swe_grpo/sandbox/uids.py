@@ -1,12 +1,15 @@
-"""The host uids `local` sandboxes run as: one per live sandbox, leased from a reserved range (`UidPool`).
+"""The host uids sandboxes run as: one per live sandbox, leased from a reserved range (`UidPool`), shared by
+the `local` and `docker` backends.
 
 Why: the kernel counts some resources per host user (its `user_struct` and ucounts: epoll watches, inotify
 instances and watches, pipe buffers, processes, pending signals, message queues). A user namespace does not
-change that: bwrap's `--uid` only renames the user inside, the counters follow the real uid. Sandboxes that
-ran as one host user shared those counters, so one could take them all and make its neighbour fail. Each
-sandbox's processes therefore run as a host uid no other live sandbox has (`bwrap.bwrap_argv` starts them
-with it); inside they are still the sandbox user (`swe-sandbox`), and what that user owns on the host (the
-cached checkout, mounts) is seen through an idmapped mount as the leased uid's (`idmap_userns`, `host.bind_idmapped`).
+change that: bwrap's `--uid` only renames the user inside, the counters follow the real uid; a container's
+uid is the host's (without the engine's `userns-remap`). Sandboxes that ran as one host user shared those
+counters, so one could take them all and make its neighbour fail. Each sandbox's processes therefore run as a
+host uid no other live sandbox has. `local` (`bwrap.bwrap_argv` starts them with it): inside they are still
+the sandbox user (`swe-sandbox`), and what that user owns on the host (the cached checkout, mounts) is seen
+through an idmapped mount as the leased uid's (`idmap_userns`, `host.bind_idmapped`). `docker`: the container
+runs as the leased uid, and its /testbed is copied as that uid (`docker/backend.py`).
 
 Leases are host-wide and crash-safe: a lease is an exclusive `flock` on `LEASE_DIR/<uid>`, held by an open
 descriptor of the leasing process, so two live sandboxes (of this process or any other) never hold one uid,
