@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SERVED_NAME
+from parallel import the_run_alone
 from pi_shapes import make_repo
 from pi_shapes import tool_call as scripted_call
 from sandbox_helpers import assert_no_local_sandbox_left, host_pids
@@ -178,7 +179,9 @@ async def test_a_guided_fix_is_graded_resolved(long_vllm, tokenizer, opencode, b
     assert trajectory.turns[0].finish_reason == "tool_calls"
     assert all(t.kind == "clean" for t in trajectory.turns) and len(trajectory.rows) == 1
     assert_rows_are_exactly_what_vllm_saw(trajectory, client.exchanges)
-    assert host_pids(OPENCODE_PROCESS) == [] and server.open_rollouts == 0
+    assert server.open_rollouts == 0
+    with the_run_alone():
+        assert host_pids(OPENCODE_PROCESS) == []
     assert_no_local_sandbox_left(backend.run_dir)
 
 

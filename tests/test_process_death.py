@@ -31,7 +31,8 @@ from swe_grpo.sandbox.door import remove_orphaned_doors
 from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend
 from swe_grpo.sandbox.process import CgroupLayout
 
-pytestmark = pytest.mark.integration
+# Alone under xdist: the next start's door reaping, with a 3 s grace, must meet no door another test is opening.
+pytestmark = [pytest.mark.integration, pytest.mark.alone]
 
 # Run as `python -c CHILD <backend> <run_dir> <docker_url> <marker>`; prints READY once both agents wait on
 # their first generation and the bare sandbox runs `sleep <marker>`.
@@ -90,7 +91,7 @@ def existing(paths: list[Path]) -> list[Path]:
 
 # The reaper's grace for a door that may be being opened (no listening socket yet): 10 s by default; here
 # 3 s, so that the test waits out ~4 s, not 11, for the killed child's doors to be older than it. The
-# reaping is the same; the serial suite opens no other door meanwhile.
+# reaping is the same; no other test opens a door meanwhile (the module runs alone under xdist).
 GRACE_S = 3.0
 
 
