@@ -9,8 +9,9 @@ or overlapped is said here, and nothing changes in a run without xdist:
   own `loadgroup` does not group under pytest 9.2: it renames `item._nodeid`, which pytest no longer reads.)
 - `with the_run_alone():` around a check of the whole host (no Pi process left anywhere on it): while it runs, no
   other worker is inside a test, as in a serial run. A test marked `alone` runs entirely so (it reaps what other
-  processes left on the host). Every other test holds the run's lock shared; a turnstile keeps one that waits for
-  the lock alone from being starved by the others' next tests.
+  processes left on the host). Every other test holds the run's lock shared, except those marked `lockfree` (they
+  start no agent and open no door: test_real_projects, whose grades take minutes); a turnstile keeps one that waits
+  for the lock alone from being starved by the others' next tests.
 
 The controller makes a directory for the run (`SWE_GRPO_XDIST_DIR`, inherited by the workers): the workers write the
 groups there when they collect, the scheduler reads them, and the locks live there."""
@@ -141,10 +142,10 @@ def _run_lock() -> _RunLock | None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """Each test (its setup, call and teardown: module fixtures too) holds the run's lock: shared, or alone if
-    marked so."""
+    """Each test (its setup, call and teardown: module fixtures too) holds the run's lock: shared, alone if marked
+    so, not at all if marked `lockfree`."""
     lock = _run_lock()
-    if lock is None:
+    if lock is None or item.get_closest_marker("lockfree"):
         yield
         return
     lock.take(fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)

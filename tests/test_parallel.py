@@ -46,10 +46,11 @@ MODULE_C = RECORD + textwrap.dedent("""
     """)
 
 
-def test_groups_and_the_alone_lock_under_two_workers(tmp_path: Path) -> None:
+def run_under_two_workers(tmp_path: Path, modules: dict[str, str]) -> dict[str, tuple[str, float, float]]:
+    """Run `modules` (file name -> text) with `-n 2` and the suite's hooks: each test's worker, start and end."""
     (tmp_path / "conftest.py").write_text(CONFTEST)
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    alone: alone\n")
-    for name, text in {"test_a.py": MODULE_A, "test_b.py": MODULE_B, "test_c.py": MODULE_C}.items():
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    alone: alone\n    lockfree: lockfree\n")
+    for name, text in modules.items():
         (tmp_path / name).write_text(text)
     record = tmp_path / "record.txt"
     env = {**os.environ, "PYTHONPATH": str(TESTS), "RECORD": str(record)}
@@ -57,15 +58,45 @@ def test_groups_and_the_alone_lock_under_two_workers(tmp_path: Path) -> None:
     done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line.split() for line in record.read_text().splitlines()]
-    runs = {name: (worker, float(start), float(end)) for name, worker, start, end in rows}
+    return {name: (worker, float(start), float(end)) for name, worker, start, end in rows}
+
+
+def overlap(runs: dict[str, tuple[str, float, float]], x: str, y: str) -> bool:
+    return runs[x][1] < runs[y][2] and runs[y][1] < runs[x][2]
+
+
+def test_groups_and_the_alone_lock_under_two_workers(tmp_path: Path) -> None:
+    runs = run_under_two_workers(tmp_path, {"test_a.py": MODULE_A, "test_b.py": MODULE_B, "test_c.py": MODULE_C})
     assert len(runs) == 14
-
-    def overlap(x: str, y: str) -> bool:
-        return runs[x][1] < runs[y][2] and runs[y][1] < runs[x][2]
-
     for module in "ab":
         assert len({runs[f"{module}{i}"][0] for i in range(6)}) == 1  # one worker per module
     for lone in ("alone", "block"):
-        assert [name for name in runs if name != lone and overlap(lone, name)] == []
+        assert [name for name in runs if name != lone and overlap(runs, lone, name)] == []
     # The premise: the shared tests of the two modules ran at the same time.
-    assert any(overlap(f"a{i}", f"b{j}") for i in range(6) for j in range(6))
+    assert any(overlap(runs, f"a{i}", f"b{j}") for i in range(6) for j in range(6))
+
+
+# A lockfree test (5 s) and an alone test that starts its timed part once the lockfree one has begun: the alone one
+# must not wait for it (had it taken the lock, the alone test would run only after it, or wait 60 s for it).
+MODULE_FREE = RECORD + textwrap.dedent("""
+    @pytest.mark.lockfree
+    def test_free():
+        start = time.time()
+        Path(os.environ["RECORD"] + ".started").touch()
+        time.sleep(5)
+        record("free", start, time.time())
+    """)
+MODULE_ALONE = RECORD + textwrap.dedent("""
+    @pytest.mark.alone
+    def test_alone():
+        deadline = time.time() + 60
+        while not Path(os.environ["RECORD"] + ".started").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        shared("alone")
+    """)
+
+
+def test_an_alone_test_does_not_wait_for_a_lockfree_one(tmp_path: Path) -> None:
+    runs = run_under_two_workers(tmp_path, {"test_free.py": MODULE_FREE, "test_lone.py": MODULE_ALONE})
+    assert runs["free"][0] != runs["alone"][0]  # the premise: one worker each
+    assert overlap(runs, "alone", "free")

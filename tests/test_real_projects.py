@@ -27,6 +27,9 @@ from swe_grpo.tasks import Task
 TASK_IDS = [f"{project.dist}__{bug.name}" for project in PROJECTS for bug in project.bugs]
 MOCKER_TASKS = [task_id for task_id in TASK_IDS if task_id.startswith("platformdirs")]
 _TIMEOUT_S = 120
+# Grades only: no agent, no door. Under xdist a check of the whole host need not wait for these tests (the grades
+# fixture runs for minutes), so they do not hold the run's lock (tests/parallel.py).
+pytestmark = pytest.mark.lockfree
 _AT_ONCE = 4  # grades in flight; each is mostly one pytest process
 
 
