@@ -53,7 +53,11 @@ def run_under_two_workers(tmp_path: Path, modules: dict[str, str]) -> dict[str, 
     for name, text in modules.items():
         (tmp_path / name).write_text(text)
     record = tmp_path / "record.txt"
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "RECORD": str(record)}
+    outer = ("PYTEST_XDIST", "SWE_GRPO_XDIST")  # this run's own, when it runs under xdist itself
+    env = {k: v for k, v in os.environ.items() if not k.startswith(outer)} | {
+        "PYTHONPATH": str(TESTS),
+        "RECORD": str(record),
+    }
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2"]
     done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
