@@ -15,7 +15,7 @@ demo:
 # ends with its 30 slowest tests and fixtures (--durations), so a run that grows shows where.
 test: setup
 	.venv/bin/ruff check swe_grpo tests benchmarks examples space_app
-	bash scripts/as_ci.sh .venv/bin/python -m pytest -v -rs --durations=30
+	bash scripts/as_ci.sh .venv/bin/python -m pytest -v -rs --durations=30 -n 2
 
 lint: setup
 	.venv/bin/ruff check swe_grpo tests benchmarks examples space_app

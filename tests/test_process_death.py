@@ -23,6 +23,7 @@ from pathlib import Path
 import docker
 import psutil
 import pytest
+from child_lines import first_line
 from sandbox_helpers import marker
 
 from swe_grpo.sandbox.docker import OWNER_LABEL, SANDBOX_LABEL, DockerBackend
@@ -30,7 +31,8 @@ from swe_grpo.sandbox.door import remove_orphaned_doors
 from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend
 from swe_grpo.sandbox.process import CgroupLayout
 
-pytestmark = pytest.mark.integration
+# Alone under xdist: the next start's door reaping, with a 3 s grace, must meet no door another test is opening.
+pytestmark = [pytest.mark.integration, pytest.mark.alone]
 
 # Run as `python -c CHILD <backend> <run_dir> <docker_url> <marker>`; prints READY once both agents wait on
 # their first generation and the bare sandbox runs `sleep <marker>`.
@@ -89,7 +91,7 @@ def existing(paths: list[Path]) -> list[Path]:
 
 # The reaper's grace for a door that may be being opened (no listening socket yet): 10 s by default; here
 # 3 s, so that the test waits out ~4 s, not 11, for the killed child's doors to be older than it. The
-# reaping is the same; the serial suite opens no other door meanwhile.
+# reaping is the same; no other test opens a door meanwhile (the module runs alone under xdist).
 GRACE_S = 3.0
 
 
@@ -142,20 +144,14 @@ class Killed:
 
 
 @contextlib.contextmanager
-def killed_mid_run(kind: str, run_dir: Path, docker_url: str = "") -> Iterator[Killed]:
-    """Start the child, wait until its rollouts are live, SIGKILL it."""
+def killed_mid_run(kind: str, run_dir: Path, stderr: Path, docker_url: str = "") -> Iterator[Killed]:
+    """Start the child (its stderr to the file `stderr`), wait until its rollouts are live, SIGKILL it."""
     mark = marker()
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, kind, str(run_dir), docker_url, mark],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    with stderr.open("wb") as err:
+        argv = [sys.executable, "-c", CHILD, kind, str(run_dir), docker_url, mark]
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 300
-        assert child.stdout is not None
-        line = child.stdout.readline()  # blocks until READY or the child's exit
-        assert line.strip() == "READY" and time.monotonic() < deadline, child.stderr.read() if child.stderr else ""
+        assert first_line(child, 300, stderr) == "READY"
         killed = Killed(child.pid, [p.pid for p in psutil.Process(child.pid).children(recursive=True)], [], mark)
         killed.doors = door_dirs(child.pid)
         child.send_signal(signal.SIGKILL)
@@ -166,8 +162,8 @@ def killed_mid_run(kind: str, run_dir: Path, docker_url: str = "") -> Iterator[K
         child.wait()
 
 
-def test_a_sigkilled_run_leaves_local_sandboxes_that_the_next_start_removes(run_dir: Path) -> None:
-    with killed_mid_run("local", run_dir) as killed:
+def test_a_sigkilled_run_leaves_local_sandboxes_that_the_next_start_removes(run_dir: Path, tmp_path: Path) -> None:
+    with killed_mid_run("local", run_dir, tmp_path / "child.err") as killed:
         time.sleep(1)  # what dies with its parent has died
         left = local_leftovers(run_dir, killed.pid)
         assert left["directories"] and left["mounts"] and left["cgroups"]  # the test's premise
@@ -185,14 +181,16 @@ def test_a_sigkilled_run_leaves_local_sandboxes_that_the_next_start_removes(run_
         assert not any(killed.mark in (command_line(p) or "") for p in psutil.process_iter() if p.pid != os.getpid())
 
 
-def test_a_sigkilled_run_leaves_docker_sandboxes_that_the_next_start_removes(docker_url: str, run_dir: Path) -> None:
+def test_a_sigkilled_run_leaves_docker_sandboxes_that_the_next_start_removes(
+    docker_url: str, run_dir: Path, tmp_path: Path
+) -> None:
     client = docker.DockerClient(base_url=docker_url)
 
     def containers(pid: int) -> list[str]:
         found = client.containers.list(all=True, filters={"label": f"{SANDBOX_LABEL}=1"})
         return [c.name for c in found if c.labels.get(OWNER_LABEL, "").split("/")[1:2] == [str(pid)]]
 
-    with killed_mid_run("docker", run_dir, docker_url) as killed:
+    with killed_mid_run("docker", run_dir, tmp_path / "child.err", docker_url) as killed:
         assert len(containers(killed.pid)) == 3  # the test's premise: both agents' and the bare one
         assert len(existing(killed.doors)) == 2
         past_the_grace(killed.doors)

@@ -27,6 +27,10 @@ from swe_grpo.tasks import Task
 TASK_IDS = [f"{project.dist}__{bug.name}" for project in PROJECTS for bug in project.bugs]
 MOCKER_TASKS = [task_id for task_id in TASK_IDS if task_id.startswith("platformdirs")]
 _TIMEOUT_S = 120
+# Grades only: no agent, no door. Under xdist a check of the whole host need not wait for these tests (the grades
+# fixture runs for minutes), so they do not hold the run's lock (tests/parallel.py). The first test's setup runs all
+# 228 grades: 337 s in a quiet serial run, past the suite's 900 s timeout at load 18 beside another xdist worker.
+pytestmark = [pytest.mark.lockfree, pytest.mark.timeout(2400)]
 _AT_ONCE = 4  # grades in flight; each is mostly one pytest process
 
 

@@ -15,10 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from conftest import SERVED_NAME
-from sandbox_helpers import PI_PROCESS, assert_no_agent_or_sandbox_left, host_pids
+from parallel import the_run_alone
+from sandbox_helpers import PI_PROCESS, assert_no_agent_or_sandbox_left, host_pids, own_pids
 from test_pi_integration import RecordingClient
 
 from swe_grpo.agents.base import AgentConfig
@@ -123,7 +123,8 @@ async def test_guided_rollout_in_docker_sandboxes(vllm_server, tokenizer, pi_bun
     assert trajectory.outcome == "resolved", trajectory.error
     assert trajectory.reward == 1.0 and all(t.kind == "clean" for t in trajectory.turns)
     assert backend.live == set() and server.open_rollouts == 0
-    assert host_pids(PI_PROCESS) == []
+    with the_run_alone():
+        assert host_pids(PI_PROCESS) == []
 
 
 async def test_sandbox_that_cannot_be_created(vllm_client, tokenizer, pi_bundle, backend, strutil) -> None:
@@ -151,21 +152,6 @@ async def test_stalled_agent_is_killed_and_named(vllm_server, tokenizer, pi_bund
     assert (trajectory.outcome, trajectory.reward) == ("agent_stalled", 0.0), trajectory.error
     assert "stalled" in trajectory.error and trajectory.agent.stalled
     assert_nothing_left(backend, server)
-
-
-def own_pids(needle: str, root: int | None = None) -> list[int]:
-    """The descendants of `root` (default: this process) whose command line contains `needle`: this test's own
-    agents, not those of other test runs on the host."""
-    try:
-        children = psutil.Process(root or os.getpid()).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    pids = []
-    for child in children:
-        with contextlib.suppress(psutil.Error):
-            if needle in " ".join(child.cmdline()):
-                pids.append(child.pid)
-    return pids
 
 
 class KillsPi:

@@ -25,6 +25,7 @@ import traceback
 from pathlib import Path
 
 import pytest
+from child_lines import first_line
 from conftest import SERVED_NAME
 from host_hooks import exit_leaving_a_process_behind, fail_to_start, refuse_training_imports
 from sandbox_helpers import PI_PROCESS
@@ -242,10 +243,11 @@ def test_a_trainer_killed_with_sigkill_leaves_nothing_behind(
     script.write_text(TRAINER)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     command = [sys.executable, str(script), str(tiny_model_dir), vllm_server.url, str(run_dir), str(tmp_path / "co")]
-    trainer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    with (tmp_path / "trainer.err").open("wb") as err:
+        trainer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env)
     try:
-        line = trainer.stdout.readline()  # type: ignore[union-attr]
-        assert line.startswith("hosts "), f"the trainer did not start its hosts (exit code {trainer.poll()})"
+        line = first_line(trainer, 300, tmp_path / "trainer.err")
+        assert line.startswith("hosts "), f"the trainer did not start its hosts: {line!r}"
         hosts = [int(pid) for pid in line.split()[1:]]
         seen: set[int] = set()
         deadline = time.monotonic() + 300

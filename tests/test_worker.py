@@ -30,7 +30,7 @@ import pytest
 import requests
 from conftest import LORA_RANK, SERVED_NAME
 from host_hooks import block_launches, break_group_assembly, record_vllm_requests, recorded_vllm_requests
-from sandbox_helpers import PI_PROCESS, assert_no_agent_or_sandbox_left, host_pids
+from sandbox_helpers import PI_PROCESS, assert_no_agent_or_sandbox_left, own_pids
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
 from swe_grpo.demo.tasks import demo_tasks
@@ -271,9 +271,9 @@ def test_a_host_killed_or_frozen_mid_rollout_is_reported_and_stop_leaves_nothing
     worker = make_worker(demo_tasks())
     worker.start()
     drain = Drain(worker)
-    drain.until(lambda: host_pids(PI_PROCESS) != [], timeout_s=120)  # agents at work in the host's sandboxes
+    drain.until(lambda: own_pids(PI_PROCESS) != [], timeout_s=120)  # agents at work in the host's sandboxes
     (host,) = [p for p in multiprocessing.active_children() if p.name.startswith("swe-grpo-rollout-host")]
-    doors = list(Path(tempfile.gettempdir()).glob("swe-grpo-door-*"))
+    doors = list(Path(tempfile.gettempdir()).glob(f"swe-grpo-door-{host.pid}-*"))
     assert doors  # each agent's door to its endpoint, served by the host
     os.kill(host.pid, signum)
     expected = "was killed by SIGKILL" if signum == signal.SIGKILL else "did not answer 'health' within 5s"
@@ -513,7 +513,7 @@ def test_vllm_killed_mid_run_ends_rollouts_as_infra_and_the_worker_recovers(make
     worker.start()
     drain = Drain(worker)
     drain.until(lambda: drain.total("groups/pushed_total") >= 1, timeout_s=300)
-    drain.until(lambda: host_pids(PI_PROCESS) != [], timeout_s=60)  # agents at work
+    drain.until(lambda: own_pids(PI_PROCESS) != [], timeout_s=60)  # agents at work
     vllm_server.stop()
     try:
         drain.until(lambda: drain.total("rollout/outcome_infra_error_total") >= 1, timeout_s=300, health=False)
