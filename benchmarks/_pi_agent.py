@@ -208,7 +208,7 @@ class StubGenerator:
         self.ids = tokenizer.encode(_STUB_ANSWERS[calls], add_special_tokens=False)
         self.latency_s = latency_s
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, model: str | None = None) -> Generation:
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, model: str | None = None) -> Generation:
         if self.latency_s > 0:
             await asyncio.sleep(self.latency_s)
         return Generation(list(self.ids), [-0.5] * len(self.ids), "stop", model or "stub")

@@ -1,13 +1,14 @@
 """P8: how many real rollouts this box holds: ramp the concurrency until errors, latency or memory stop it.
 
 What. The real `SWERolloutWorker` with one rollout host (`rollout_hosts=1`: the InterceptionServer, the
-real `VLLMClient` and the rollout engine in a child process), real Pi agents (or mini-swe-agent,
-`--agent mini-swe-agent`) in real `local` sandboxes behind their doors, graded in fresh sandboxes by the bundled
-demo tasks' tests. Only generation is a STUB (`scripted_vllm`, no model: the box has no GPU): vLLM's
-`/v1/completions` answering after `--latency` seconds with the token ids of a Qwen3 tool call (the tiny
-model's chat template, so the InterceptionServer parses it into a real tool call of Pi's `bash` tool):
+real `VLLMClient` and the rollout engine in a child process), real Pi agents (or another harness: `--agent
+mini-swe-agent|opencode|codex|claude-code`, each in its own wire dialect) in real `local` sandboxes behind their
+doors, graded in fresh sandboxes by the bundled demo tasks' tests. Only generation is a STUB (`scripted_vllm`, no
+model: the box has no GPU): vLLM's `/v1/completions` answering after `--latency` seconds with the token ids of a
+Qwen3 tool call (the tiny model's chat template, so the InterceptionServer parses it into a real call of the
+agent's shell tool, `AGENTS`):
 `sleep S` with S uniform in `--sleep` (2-5 s: tools that take seconds), `--turns` times per rollout,
-then a last answer (Pi: no tool call; mini-swe-agent: its submit command) that ends the agent's run; the
+then a last answer (no tool call; mini-swe-agent: its submit command) that ends the agent's run; the
 rollout is graded and the worker starts the next. The stub knows each rollout by a marker in its tool calls
 (`# p8 s<session>`), which it finds in the next prompt.
 
@@ -79,7 +80,10 @@ from _provenance import machine as provenance_machine
 
 # Only what a rollout host imports anyway: the host and the stub are spawned, and a spawned child imports this
 # module again, so what is imported here (the worker's TRL and torch, by `run_step`) would count as theirs.
+from swe_grpo.agents.claude_code import CLAUDE_CODE_MOUNT
+from swe_grpo.agents.codex import CODEX_MOUNT
 from swe_grpo.agents.mini_swe import MINI_MOUNT
+from swe_grpo.agents.opencode import OPENCODE_MOUNT
 from swe_grpo.agents.pi import PI_MOUNT
 from swe_grpo.sandbox.door import DOOR_MOUNT
 from swe_grpo.sandbox.local import CGROUP_PARENT, LocalBackend
@@ -100,17 +104,38 @@ HOST_SIDE = ("door", "sandbox", "commands", "host", "trainer")  # per rollout, w
 HOST_NAME = "swe-grpo-rollout-host"  # what swe_grpo.worker.hosts names its processes
 _MARKER = re.compile(r"# p8 s(\d+)")
 
+
+@dataclass(frozen=True)
+class AgentShape:
+    """What the stub must write for one agent: its shell tool and that tool's command argument, whether a run ends
+    on a submit command (mini-swe-agent) rather than on an answer without tool calls, and where its bundle is
+    mounted (an argv under it is the agent's)."""
+
+    tool: str
+    argument: str
+    mount: str
+    submit: bool = False
+
+
+AGENTS = {
+    "pi": AgentShape("bash", "command", PI_MOUNT),
+    "mini-swe-agent": AgentShape("bash", "command", MINI_MOUNT, submit=True),
+    "opencode": AgentShape("bash", "command", OPENCODE_MOUNT),
+    "codex": AgentShape("exec_command", "cmd", CODEX_MOUNT),
+    "claude-code": AgentShape("Bash", "command", CLAUDE_CODE_MOUNT),
+}
+
 # --------------------------------------------------------------------------- the stub vLLM
 
 
-def _answer(session: int | None, sleep_s: float | None, submit: bool) -> str:
-    """A Qwen3 answer in thinking mode: one `bash` call running `sleep`, or (sleep_s None) the last answer:
-    plain text (Pi ends its run on an answer without tool calls) or, with `submit`, mini-swe-agent's
-    submit command (mini ends its run on it)."""
-    if sleep_s is None and not submit:
+def _answer(session: int | None, sleep_s: float | None, shape: AgentShape) -> str:
+    """A Qwen3 answer in thinking mode: one call of the agent's shell tool running `sleep`, or (sleep_s None) the
+    last answer: plain text (Pi and the others end their run on an answer without tool calls) or, for an agent
+    that `submit`s, mini-swe-agent's submit command (mini ends its run on it)."""
+    if sleep_s is None and not shape.submit:
         return "<think>\nThe change is in place.\n</think>\n\nI made the change and the tests pass.<|im_end|>"
     command = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" if sleep_s is None else f"sleep {sleep_s:.1f}"
-    call = {"name": "bash", "arguments": {"command": f"{command} # p8 s{session}"}}
+    call = {"name": shape.tool, "arguments": {shape.argument: f"{command} # p8 s{session}"}}
     return f"<think>\nRun the next check.\n</think>\n\n<tool_call>\n{json.dumps(call)}\n</tool_call><|im_end|>"
 
 
@@ -120,7 +145,7 @@ def scripted_vllm(
     turns: int,
     latency: tuple[float, float],
     sleep: tuple[float, float],
-    submit: bool,
+    shape: AgentShape,
 ) -> None:
     """Process entry: a STUB of vLLM's OpenAI server scripted as above, until `conn` receives anything.
     `GET /stats` returns (and with `?reset=1` clears) the completions served, the added latency of each
@@ -156,7 +181,7 @@ def scripted_vllm(
             turn = state["turns"][session] = state["turns"].get(session, 0) + 1
             sleep_s = round(rng.uniform(*sleep), 1) if turn <= turns else None
             await asyncio.sleep(rng.uniform(*latency))
-            ids = tokenizer.encode(_answer(session, sleep_s, submit), add_special_tokens=False)
+            ids = tokenizer.encode(_answer(session, sleep_s, shape), add_special_tokens=False)
             if sleep_s is None:
                 stats["finished"] += 1
                 state["turns"].pop(session, None)
@@ -657,7 +682,7 @@ def _pair(text: str) -> tuple[float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--agent", default="pi", choices=("pi", "mini-swe-agent"))
+    parser.add_argument("--agent", default="pi", choices=tuple(AGENTS))
     parser.add_argument("--steps", default="4,8,16,32,64,128")
     parser.add_argument("--turns", type=int, default=15, help="tool calls per rollout before the final answer")
     parser.add_argument("--latency", type=_pair, default=(1.0, 3.0), help="stub generation time, s (low,high)")
@@ -684,12 +709,11 @@ def main() -> int:
     cpus = set(os.sched_getaffinity(0))
     steps: list[Step] = []
     stopped = "all steps ran"
-    marks = (f"{PI_MOUNT}/",) if args.agent == "pi" else (f"{MINI_MOUNT}/",)
-    submit = args.agent == "mini-swe-agent"
+    shape = AGENTS[args.agent]
     from _agent_farm import serving_process
 
-    with serving_process(scripted_vllm, cpus, args.turns, args.latency, args.sleep, submit) as (stub, stub_pid):
-        sampler = Sampler(Census(os.getpid(), stub_pid, marks))
+    with serving_process(scripted_vllm, cpus, args.turns, args.latency, args.sleep, shape) as (stub, stub_pid):
+        sampler = Sampler(Census(os.getpid(), stub_pid, (f"{shape.mount}/",)))
         sampler.start()
         try:
             levels = [int(x) for x in args.steps.split(",")]

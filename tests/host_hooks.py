@@ -9,6 +9,8 @@ import asyncio
 import json
 from typing import Any
 
+import orjson
+
 from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient
 from swe_grpo.worker.engine import RolloutEngine
 from swe_grpo.worker.groups import GroupAssembler
@@ -36,10 +38,10 @@ def record_vllm_requests(path: str) -> None:
     """Append every request body the host sends to vLLM to `path`, one JSON object a line."""
     request_body = VLLMClient.request_body
 
-    def spy(self: VLLMClient, prompt_ids: list[int], params: SamplingParams, model: str | None, max_tokens: int):
-        body = request_body(self, prompt_ids, params, model, max_tokens)
+    def spy(self: VLLMClient, prompt: Any, params: SamplingParams, model: str | None, max_tokens: int):
+        body = request_body(self, prompt, params, model, max_tokens)
         with open(path, "a") as f:
-            f.write(json.dumps(body) + "\n")
+            f.write(orjson.dumps(body).decode() + "\n")  # orjson: the prompt is an orjson.Fragment
         return body
 
     VLLMClient.request_body = spy  # type: ignore[method-assign]

@@ -48,6 +48,7 @@ def test_truncated_history_forks_into_a_new_row() -> None:
     prepared, record, _ = d.turn(REPLIES[3])
     assert record.kind == "fork" and prepared.fork
     assert record.drift_tokens > 0
+    assert record.fork_cause == "message_replaced at messages[2]"  # the first reply's place holds a user message
     assert d.template.tokenizer.decode(prepared.prompt_ids) == expected_text
     assert len(d.chain.rows) == 2
     assert d.chain.rows[0] == first_row  # the closed row is untouched
@@ -61,24 +62,46 @@ def test_truncated_history_forks_into_a_new_row() -> None:
 
 
 @pytest.mark.parametrize(
-    "edit",
+    ("edit", "cause"),
     [
-        pytest.param(lambda msgs: msgs[3].update(content="edited tool output"), id="edited-tool-result"),
-        pytest.param(lambda msgs: msgs[2].pop("reasoning_content"), id="reasoning-dropped"),
+        pytest.param(
+            lambda msgs: msgs[3].update(content="edited tool output"),
+            "tool_output_changed at messages[3]",
+            id="edited-tool-result",
+        ),
+        pytest.param(
+            lambda msgs: msgs[3].update(content="out"), "tool_output_cut at messages[3]", id="cut-tool-result"
+        ),
+        pytest.param(lambda msgs: msgs[2].pop("reasoning_content"), "reasoning_dropped at messages[2]", id="reasoning"),
         pytest.param(
             lambda msgs: msgs[2]["tool_calls"][0]["function"].update(arguments='{"command":"pwd"}'),
+            "tool_calls_changed at messages[2]",
             id="changed-arguments",
+        ),
+        pytest.param(
+            lambda msgs: msgs[0].update(content="Another system prompt."),
+            "system_prompt_changed at messages[0]",
+            id="system-prompt",
+        ),
+        pytest.param(
+            lambda msgs: msgs[1]["content"].append({"type": "text", "text": "!"}),
+            "user_message_changed at messages[1]",
+            id="user",
+        ),
+        pytest.param(
+            lambda msgs: msgs.__delitem__(slice(3, None)), "history_dropped: 3 of 5 held messages re-sent", id="dropped"
         ),
     ],
 )
-def test_edited_history_forks(edit) -> None:
+def test_edited_history_forks_with_its_cause_named(edit, cause: str) -> None:
     d = Driver("qwen3")
     d.turn(REPLIES[0])
     d.turn(REPLIES[1])  # messages[3], the first tool result, is now held history
     edit(d.convo.messages)
     _, record, _ = d.turn(REPLIES[2])
-    assert record.kind == "fork"
+    assert record.kind == "fork" and record.fork_cause == cause
     assert len(d.chain.rows) == 2
+    assert [t.fork_cause for t in d.chain.turns] == ["", "", cause]
 
 
 def test_reserialised_arguments_and_null_content_stay_clean() -> None:
@@ -96,7 +119,7 @@ def test_changed_tools_fork() -> None:
     d.turn(REPLIES[0])
     request = d.convo.request()
     prepared = d.chain.prepare(request["messages"], request["tools"][:2])
-    assert prepared.fork
+    assert prepared.fork and prepared.fork_cause == "tools_changed"
 
 
 def test_output_cut_at_max_tokens_is_closed_by_the_interstitial() -> None:
@@ -381,6 +404,23 @@ def test_a_clean_turn_renders_twice_and_stays_exact() -> None:
     d.chain.reply_message(prepared, parsed.message)
     record = d.chain.commit(prepared, output, [-0.1] * len(output), 0, parsed.message, parsed.finish_reason)
     assert record.kind == "clean" and renders == 2
+
+
+def test_a_plan_is_good_only_for_its_request_until_the_next_commit() -> None:
+    """`prepare` takes the plan a caller asked for first (`TokenChain.plan`), and refuses one made for another
+    request or before a commit."""
+    d = Driver("qwen3")
+    request = d.convo.request()
+    plan = d.chain.plan(request["messages"], request["tools"])
+    assert plan.kind == "fresh" and plan.renders_whole_history
+    assert d.chain.prepare(request["messages"], request["tools"], plan) == d.chain.prepare(
+        request["messages"], request["tools"]
+    )
+    with pytest.raises(ValueError, match="not this chain's plan"):
+        d.chain.prepare(list(request["messages"]), request["tools"], plan)
+    d.turn(REPLIES[0])
+    with pytest.raises(ValueError, match="not this chain's plan"):
+        d.chain.prepare(request["messages"], request["tools"], plan)
 
 
 def test_an_interstitial_from_a_stale_rendering_of_the_last_reply_is_the_same() -> None:

@@ -409,7 +409,7 @@ class ScriptedGenerator:
         return cls([template.encode(t) for t in texts], delay_s)
 
     async def generate(self, prompt_ids, params, model=None) -> Generation:
-        self.prompts.append(prompt_ids)
+        self.prompts.append(list(prompt_ids))  # the server hands an array("i")
         try:
             await asyncio.sleep(self.delay_s)
         except asyncio.CancelledError:

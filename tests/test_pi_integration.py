@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from conftest import SERVED_NAME
 from pi_shapes import make_repo
@@ -62,8 +63,8 @@ class RecordingClient(VLLMClient):
         self.exchanges: list[Exchange] = []
         self._stop_token_ids: list[int] = []
 
-    def request_body(self, prompt_ids, params, model, max_tokens):  # type: ignore[override]
-        body = super().request_body(prompt_ids, params, model, max_tokens)
+    def request_body(self, prompt, params, model, max_tokens):  # type: ignore[override]
+        body = super().request_body(prompt, params, model, max_tokens)
         self._stop_token_ids = body["stop_token_ids"]
         if len(self.exchanges) < len(self.guided):
             guide = self.guided[len(self.exchanges)]
@@ -71,11 +72,11 @@ class RecordingClient(VLLMClient):
             body["structured_outputs"] = rule
         return body
 
-    def _generation(self, reply, prompt_ids):  # type: ignore[override]
-        choice = reply["choices"][0]
+    def _generation(self, raw, prompt):  # type: ignore[override]
+        choice = orjson.loads(raw)["choices"][0]  # the echo decoded here, whatever the client's own check does
         self.exchanges.append(
             Exchange(
-                sent_prompt=list(prompt_ids),
+                sent_prompt=orjson.loads(prompt),
                 received_prompt=list(choice["prompt_token_ids"]),
                 token_ids=list(choice["token_ids"]),
                 log_probs=list(choice["logprobs"]["token_logprobs"]),
@@ -83,7 +84,7 @@ class RecordingClient(VLLMClient):
                 stop_token_ids=self._stop_token_ids,
             )
         )
-        return super()._generation(reply, prompt_ids)
+        return super()._generation(raw, prompt)
 
 
 async def run_session(

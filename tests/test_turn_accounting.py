@@ -17,6 +17,7 @@ from conftest import tiny_tokenizer
 from pi_shapes import TOOLS, PiConversation, tool_call
 from test_interception import ScriptedGenerator, post_chat, sse_events, stub_server, training
 
+from swe_grpo.tokens.chain import TokenChain
 from swe_grpo.tokens.responses import ResponseParser
 from swe_grpo.types import RolloutEndpoint
 
@@ -257,6 +258,29 @@ async def test_a_newer_request_supersedes_the_one_in_flight(http) -> None:
 async def read_status_and_body(http, endpoint: RolloutEndpoint, body: dict[str, Any]) -> tuple[int, str]:
     async with await post_chat(http, endpoint, body) as r:
         return r.status, await r.text()
+
+
+async def test_a_requests_history_is_normalised_and_compared_once(http, monkeypatch) -> None:
+    """Deciding how to serve a request (extend, retry, fork) normalises and compares its whole history; a request
+    big enough to be asked whether it renders the history whole is not decided again when it is prepared."""
+    normalised = 0
+    normalize = TokenChain._normalize
+
+    def counted(self: TokenChain, messages: list[Any]) -> list[Any]:
+        nonlocal normalised
+        normalised += 1
+        return normalize(self, messages)
+
+    monkeypatch.setattr(TokenChain, "_normalize", counted)
+    generator = ScriptedGenerator.texts(training("qwen3"), ["Done.<|im_end|>"])
+    async with stub_server("qwen3", generator) as srv, srv.rollout() as handle:
+        convo = PiConversation()
+        convo.messages.append({"role": "user", "content": "context " * 10_000})  # past BULK_BYTES
+        for turn in range(3):
+            convo.add_reply(await chat(http, handle.endpoint, convo.request()))
+            convo.messages.append({"role": "user", "content": f"Go on ({turn})."})
+            assert normalised == turn + 1
+    assert [t.kind for t in handle.record.turns] == ["clean"] * 3
 
 
 async def test_a_fork_of_a_long_history_does_not_stall_the_event_loop(http) -> None:

@@ -7,9 +7,11 @@ import asyncio
 import contextlib
 import re
 import time
+from array import array
 from collections.abc import AsyncIterator
 
 import aiohttp
+import orjson
 import psutil
 import pytest
 import torch
@@ -38,7 +40,9 @@ def prompt(tokenizer, text: str = "Fix the failing test in parser.py") -> list[i
 
 
 async def test_generate_returns_ids_and_log_probs(vllm_client, tokenizer) -> None:
+    decoded = vllm_client.echoes_decoded
     generation = await vllm_client.generate(prompt(tokenizer), SamplingParams(max_tokens=16))
+    assert vllm_client.echoes_decoded == decoded  # vLLM echoes the prompt as the request wrote it: compared as bytes
     assert 1 <= len(generation.token_ids) <= 16
     assert len(generation.log_probs) == len(generation.token_ids)
     assert all(lp <= 0.0 for lp in generation.log_probs)
@@ -180,11 +184,13 @@ async def test_cancelling_aborts_the_request_in_vllm(vllm_server, tokenizer) -> 
 
 
 class FakeVLLM:
-    """FAKE /v1/completions: answers from a script of (status, body) pairs, then a valid reply."""
+    """FAKE /v1/completions: answers from a script of (status, body) pairs, then a valid reply: JSON with spaces
+    after its separators (aiohttp's `json_response`), or with `compact` none, as vLLM writes it."""
 
-    def __init__(self, script: list[tuple[int, str]], echo: list[int] | None = None):
+    def __init__(self, script: list[tuple[int, str]], echo: list[int] | None = None, compact: bool = False):
         self.script = list(script)
         self.echo = echo
+        self.compact = compact
         self.calls = 0
         self.requests: list[tuple[CIMultiDict[str], dict]] = []  # (headers, body) of each completion request
 
@@ -201,6 +207,8 @@ class FakeVLLM:
             "finish_reason": "length",
             "prompt_token_ids": self.echo if self.echo is not None else body["prompt"],
         }
+        if self.compact:
+            return web.Response(body=orjson.dumps({"model": body["model"], "choices": [choice]}))
         return web.json_response({"model": body["model"], "choices": [choice]})
 
     async def models(self, request: web.Request) -> web.Response:
@@ -271,11 +279,44 @@ async def test_unusable_replies_are_typed_errors(fake, status: int, text: str, e
     assert server.calls == 1  # 4xx and bad bodies are not retried
 
 
-async def test_prompt_echo_mismatch_is_detected(fake) -> None:
+@pytest.mark.parametrize("compact", [False, True])
+async def test_prompt_echo_mismatch_is_detected(fake, compact: bool) -> None:
     server, client = fake
-    server.echo = [1, 2, 99]
+    server.echo, server.compact = [1, 2, 99], compact
     with pytest.raises(BadResponseError, match="echoed prompt"):
         await client.generate([1, 2, 3], SamplingParams())
+
+
+@pytest.mark.parametrize("prompt", [[1, 2, 3], array("i", [1, 2, 3])], ids=["list", "array"])
+async def test_an_echo_as_sent_is_compared_as_bytes_and_one_spelled_otherwise_by_value(fake, prompt) -> None:
+    """vLLM writes its echo as the request wrote the ids: the check compares bytes (no decoding of tens of thousands
+    of ids); an echo spelled otherwise (spaces) is decoded and compared by value, and counted. The server hands
+    the prompt as an array("i"): it reaches vLLM as the same ids."""
+    server, client = fake
+    server.compact = True
+    await client.generate(prompt, SamplingParams())
+    assert client.echoes_decoded == 0 and server.requests[-1][1]["prompt"] == [1, 2, 3]
+    server.compact = False
+    generation = await client.generate(prompt, SamplingParams())
+    assert client.echoes_decoded == 1 and generation.token_ids == [7, 8]
+
+
+async def test_what_only_looks_like_an_echo_as_sent_is_not_taken_for_one(fake) -> None:
+    """The bytes of an echo key can also end a key elsewhere (a token in `top_logprobs`); inside a string (the text)
+    they are escaped. A reply whose echo differs is refused whatever else it holds: the sent list under another key
+    that ends like the echo's, or, in the text, the echo as sent, and in the echo the string that stands for an
+    echo matched as sent."""
+    server, client = fake
+    head = b'{"choices":[{"token_ids":[7],"logprobs":{"token_logprobs":[-0.5]},'
+    for rest in (
+        b'"top_logprobs":{"x\\"prompt_token_ids":[1,2,3]},"prompt_token_ids":[1,2,99]}]}',
+        b'"top_logprobs":{"x\\"prompt_token_ids":[1,2,3]},"prompt_token_ids":"echoed as sent"}]}',
+        b'"text":"\\"prompt_token_ids\\":[1,2,3]","prompt_token_ids":[1,2,99]}]}',
+    ):
+        orjson.loads(head + rest)  # valid JSON
+        server.script = [(200, (head + rest).decode())]
+        with pytest.raises(BadResponseError, match="echoed prompt"):
+            await client.generate([1, 2, 3], SamplingParams())
 
 
 # --------------------------------------------------------------------------- the routing key (docs/scale.md)

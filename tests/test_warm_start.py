@@ -187,7 +187,7 @@ class PolicyGenerator:
         [ids] = await asyncio.to_thread(
             sample,
             self.model,
-            prompt_ids,
+            list(prompt_ids),  # the server hands an array("i")
             1,
             max_new_tokens=params.max_tokens or 128,
             eos_token_id=self.eos_token_id,

@@ -422,7 +422,7 @@ class InterceptionServer:
             except APIError as e:
                 rollout.record_error("bad_request", e.message, turn_index)
                 raise
-        return json_response({"input_tokens": len(turn.prompt_ids)})
+        return json_response({"input_tokens": len(turn.prompt)})
 
     async def _turn(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
         """One turn of the rollout, in `dialect`: translated to the chat request the chain serves, answered in it."""

@@ -105,12 +105,12 @@ class TurnTransaction:
         turn_index = len(chain.turns)
         turn = await self._prepare(body, size)
         self._check_budget(turn, params)
-        await answer.start(len(turn.prompt_ids))
+        await answer.start(len(turn.prompt))
         policy = self.policy()
         params = replace(params, stop_token_ids=chain.template.stop_token_ids)  # every token that ends a turn
         generation = await self._generate(turn, params, rollout.model or policy.model)
         delivered = generation is not None and await answer.send(
-            self._reply(chain, turn, generation), len(turn.prompt_ids), len(generation.token_ids)
+            self._reply(chain, turn, generation), len(turn.prompt), len(generation.token_ids)
         )
         if not delivered:
             rollout.record_error("client_disconnected", "the agent went away before its reply was sent", turn_index)
@@ -131,8 +131,9 @@ class TurnTransaction:
         messages, tools = body.get("messages"), body.get("tools")
         grew, rollout.body_bytes = size - rollout.body_bytes, size
         try:
-            bulk = grew > BULK_BYTES or (size > BULK_BYTES and chain.renders_whole_history(messages, tools))
-            prepare = functools.partial(chain.prepare, messages, tools)
+            plan = chain.plan(messages, tools)  # decided once: normalising and comparing a long history costs
+            bulk = grew > BULK_BYTES or (size > BULK_BYTES and plan.renders_whole_history)
+            prepare = functools.partial(chain.prepare, messages, tools, plan)
             return await asyncio.get_running_loop().run_in_executor(self.bulk, prepare) if bulk else prepare()
         except MessageFormatError as e:
             rollout.record_error("bad_request", str(e), len(chain.turns))
@@ -159,7 +160,7 @@ class TurnTransaction:
         turn_index = len(rollout.chain.turns)
         started = rollout.generating_since = time.monotonic()
         ROUTING_KEY.set(rollout.endpoint.rollout_id)  # the generation task inherits it (VLLMClient.routing_header)
-        generating = asyncio.ensure_future(self.generator.generate(turn.prompt_ids, params, model))
+        generating = asyncio.ensure_future(self.generator.generate(turn.prompt, params, model))
         try:
             while not (await asyncio.wait({generating}, timeout=self.keepalive_s))[0]:
                 if not await self.answer.keep_alive():
@@ -189,7 +190,7 @@ class TurnTransaction:
         the chain cannot hold (tool-call arguments that are not a JSON object, a message the template
         refuses) degrades to plain text, its calls counted as malformed."""
         ids, finish = generation.token_ids, generation.finish_reason
-        parsed = self.parser.parse(ids, turn.prompt_ids, finish, turn.tools)
+        parsed = self.parser.parse(ids, turn.prompt, finish, turn.tools)
         try:
             chain.reply_message(turn, parsed.message)
         except MessageFormatError as e:

@@ -2,7 +2,9 @@
 
 We never send text: the prompt is the TokenChain's ids, and the reply carries the output ids and the
 log-prob of each (`return_token_ids`, `logprobs: 0`). vLLM echoes the prompt ids it received; the
-client checks them against what it sent, so a server-side re-tokenisation can never go unnoticed.
+client checks them against what it sent, so a server-side re-tokenisation can never go unnoticed. The check
+compares the echo's bytes with the request's (`_cut_echo`): tens of thousands of ids are neither decoded nor
+compared one by one; an echo spelled otherwise is decoded and compared by value (`echoes_decoded` counts those).
 
 Failures come back as typed errors the caller turns into rollout outcomes: `ContextOverflowError` (the
 prompt leaves no room to generate), `ServerUnavailableError` (connection refused/reset or 5xx after
@@ -22,11 +24,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from array import array
+from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
+import numpy as np
 import orjson
 
 log = logging.getLogger(__name__)
@@ -92,16 +97,41 @@ class Generation:
 
 class Generator(Protocol):
     """What the InterceptionServer needs from a generation backend. `VLLMClient` is the real one;
-    benchmarks use stubs."""
+    benchmarks use stubs. The server hands `prompt_ids` as an `array("i")` (`PreparedTurn.prompt`)."""
 
     @property
     def max_model_len(self) -> int: ...
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, model: str | None = None) -> Generation: ...
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, model: str | None = None
+    ) -> Generation: ...
 
 
 _JSON = {"Content-Type": "application/json"}
 _CONTEXT_MARKERS = ("maximum context length", "context length", "max_model_len", "too long")
+_ECHO_KEY = b'"prompt_token_ids":'
+_AS_SENT = "echoed as sent"  # stands in for an echo that was the request's bytes: no list of ids reads so
+
+
+def ids_json(ids: Sequence[int]) -> bytes:
+    """`ids` as a JSON list, compact as vLLM writes its echo. An `array("i")` is written from its buffer, without an
+    int object per id."""
+    if isinstance(ids, array) and ids.typecode == "i":
+        return orjson.dumps(np.frombuffer(ids, dtype=np.intc), option=orjson.OPT_SERIALIZE_NUMPY)
+    return orjson.dumps(ids if isinstance(ids, list) else list(ids))
+
+
+def _cut_echo(reply: bytes, sent: bytes) -> tuple[bytes, bool]:
+    """(`reply` with its prompt echo replaced by `_AS_SENT`, True) when the echo is the only value named
+    `prompt_token_ids` in it and is byte for byte `sent`, the request's JSON list of ids; else (`reply`, False).
+    Inside a JSON string every quote is escaped, so the key's bytes are found only where a key ends so."""
+    at = reply.find(_ECHO_KEY)
+    if at < 0 or reply.find(_ECHO_KEY, at + 1) >= 0:
+        return reply, False
+    start = at + len(_ECHO_KEY)
+    if not reply.startswith(sent, start):
+        return reply, False
+    return b"".join((reply[:start], orjson.dumps(_AS_SENT), reply[start + len(sent) :])), True
 
 
 class VLLMClient:
@@ -138,6 +168,7 @@ class VLLMClient:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.routing_header = routing_header
         self.model_root: str | None = None  # where the server loaded the model from (from /v1/models)
+        self.echoes_decoded = 0  # replies whose prompt echo was not the request's bytes: decoded and compared
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -154,7 +185,7 @@ class VLLMClient:
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S),
             )
         if self._max_model_len is None:
-            models = await self._request("GET", "/v1/models")
+            models = await self._json("/v1/models")
             entry = next((m for m in models.get("data", []) if m.get("id") == self.model), None)
             if entry is None or "max_model_len" not in entry:
                 served = [m.get("id") for m in models.get("data", [])]
@@ -176,33 +207,35 @@ class VLLMClient:
 
     async def served_models(self) -> list[str]:
         """The model names the server serves now: the base model and any LoRA adapters loaded."""
-        models = await self._request("GET", "/v1/models")
+        models = await self._json("/v1/models")
         return [m.get("id") for m in models.get("data", [])]
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
         """Have the server load the LoRA adapter at `path` (a directory it can read) as model `name`.
         Needs a server started with `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`."""
-        await self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, json_reply=False)
+        await self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, model: str | None = None) -> Generation:
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, model: str | None = None) -> Generation:
         room = self.max_model_len - len(prompt_ids)
         if room <= 0:
             raise ContextOverflowError(
                 f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len}"
             )
-        body = self.request_body(prompt_ids, params, model, max_tokens=min(params.max_tokens or room, room))
+        prompt = ids_json(prompt_ids)  # written once: into the request, and compared with the echo
+        max_tokens = min(params.max_tokens or room, room)
+        body = self.request_body(orjson.Fragment(prompt), params, model, max_tokens=max_tokens)
         key = ROUTING_KEY.get()
         routing = {self.routing_header: key} if key and self.routing_header else {}
         reply = await self._request("POST", "/v1/completions", body, headers=routing)
-        return self._generation(reply, prompt_ids)
+        return self._generation(reply, prompt)
 
     def request_body(
-        self, prompt_ids: list[int], params: SamplingParams, model: str | None, max_tokens: int
+        self, prompt: list[int] | orjson.Fragment, params: SamplingParams, model: str | None, max_tokens: int
     ) -> dict[str, Any]:
-        """The JSON body of one `/v1/completions` request."""
+        """The JSON body of one `/v1/completions` request; `prompt`: the ids, or their JSON list (`ids_json`)."""
         body: dict[str, Any] = {
             "model": model or self.model,
-            "prompt": prompt_ids,
+            "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": params.temperature,
             "top_p": params.top_p,
@@ -218,20 +251,36 @@ class VLLMClient:
             body["seed"] = params.seed
         return body
 
-    def _generation(self, reply: dict[str, Any], prompt_ids: list[int]) -> Generation:
+    def _generation(self, raw: bytes, prompt: bytes) -> Generation:
+        """The generation in vLLM's reply `raw` to a request whose prompt was the JSON list `prompt`."""
+        raw, as_sent = _cut_echo(raw, prompt)
         try:
+            reply = orjson.loads(raw)
             choice = reply["choices"][0]
             token_ids = [int(t) for t in choice["token_ids"]]
             log_probs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
             echoed = choice.get("prompt_token_ids") or reply.get("prompt_token_ids")
             finish = choice.get("finish_reason") or "stop"
+        except orjson.JSONDecodeError as e:
+            raise BadResponseError("/v1/completions: reply is not JSON") from e
         except (KeyError, IndexError, TypeError, ValueError) as e:
-            raise BadResponseError(f"unexpected /v1/completions reply ({e!r}): {str(reply)[:300]}") from e
+            raise BadResponseError(f"unexpected /v1/completions reply ({e!r}): {raw[:300]!r}") from e
         if len(token_ids) != len(log_probs):
             raise BadResponseError(f"{len(token_ids)} output tokens but {len(log_probs)} log-probs")
-        if echoed is not None and echoed != prompt_ids:  # a JSON list: compared as it is, not copied
-            raise BadResponseError("vLLM's echoed prompt token ids differ from the ids sent")
+        if echoed is not None and not (as_sent and echoed == _AS_SENT):
+            if self.echoes_decoded == 0:
+                log.warning("vLLM's prompt echo is not the request's bytes: decoding it to compare (slower)")
+            self.echoes_decoded += 1
+            if echoed != orjson.loads(prompt):
+                raise BadResponseError("vLLM's echoed prompt token ids differ from the ids sent")
         return Generation(token_ids, log_probs, "length" if finish == "length" else "stop", reply.get("model", ""))
+
+    async def _json(self, path: str) -> dict[str, Any]:
+        """The JSON object a GET of `path` answers."""
+        try:
+            return orjson.loads(await self._request("GET", path))
+        except orjson.JSONDecodeError as e:
+            raise BadResponseError(f"{path}: reply is not JSON") from e
 
     async def _request(
         self,
@@ -239,27 +288,19 @@ class VLLMClient:
         path: str,
         body: dict[str, Any] | None = None,
         *,
-        json_reply: bool = True,
         headers: dict[str, str] | None = None,
-    ) -> dict[str, Any]:
-        """The reply's JSON ({} when `json_reply` is off: a route that answers in plain text). `headers` go
-        with every attempt."""
+    ) -> bytes:
+        """The reply's body, once the status says it succeeded. `headers` go with every attempt."""
         if self._session is None:
             raise RuntimeError("VLLMClient not started")
         url = self.base_url + path
         headers = {**_JSON, **headers} if headers else _JSON
+        data = None if body is None else orjson.dumps(body)  # a prompt is in it as `ids_json` wrote it
         for attempt in range(self.max_retries + 1):
             try:
-                # orjson: the body carries every prompt id, and the reply echoes them back.
-                data = None if body is None else orjson.dumps(body)
                 async with self._session.request(method, url, data=data, headers=headers) as resp:
                     if resp.status < 400:
-                        if not json_reply:
-                            return {}
-                        try:
-                            return orjson.loads(await resp.read())
-                        except orjson.JSONDecodeError as e:
-                            raise BadResponseError(f"{path}: reply is not JSON") from e
+                        return await resp.read()
                     text = await resp.text()
                     if resp.status < 500:
                         if any(m in text.lower() for m in _CONTEXT_MARKERS):

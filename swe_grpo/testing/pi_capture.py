@@ -52,13 +52,12 @@ class ScriptedGenerator:
     script with the last one (a caller that needs an exact count checks `requests`). For driving the real
     Pi where a model cannot be trusted to act: capturing its requests, pinning their shapes in tests."""
 
-    max_model_len = 32768
-
-    def __init__(self, outputs: list[list[int]]):
+    def __init__(self, outputs: list[list[int]], max_model_len: int = 32768):
         self.outputs = outputs
+        self.max_model_len = max_model_len
         self.requests = 0
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, model: str | None = None) -> Generation:
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, model: str | None = None) -> Generation:
         ids = self.outputs[min(self.requests, len(self.outputs) - 1)]
         self.requests += 1
         return Generation(list(ids), [0.0] * len(ids), "stop", model or "")
@@ -151,6 +150,8 @@ async def capture_agent_run(
     task: Task,
     replies: Sequence[Message],
     after: Sequence[str] = (),
+    max_model_len: int = 32768,
+    timeout_s: float = 180,
     *,
     door: bool = False,
 ) -> PiRun:
@@ -159,14 +160,17 @@ async def capture_agent_run(
     InterceptionServer and a `recording_hop`. The sandbox has the host's network (the agent reaches the hop on
     the host's loopback), or with `door` none but a door (`swe_grpo.sandbox.door`) whose socket the hop serves,
     as a rollout's agent runs. `after`: shell commands run in the sandbox once the agent has exited, with the
-    rollout's token in `$TOKEN`. The sandbox and the door are gone when this returns."""
+    rollout's token in `$TOKEN`. `max_model_len`: the context the server says it serves (Claude Code's first
+    prompt alone is ~32k tokens in the tiny model's vocabulary); `timeout_s`: the agent's wall clock (no request
+    for two thirds of it is a stall). The sandbox and the door are gone when this returns."""
     from swe_grpo.agents.base import AgentConfig, run_agent
     from swe_grpo.sandbox.door import Door
     from swe_grpo.serving.interception import InterceptionServer
 
     template = TrainingTemplate(tokenizer)
-    generator = ScriptedGenerator([completion_ids(template, reply) for reply in replies])
-    config = AgentConfig(context_window=generator.max_model_len, max_tokens=256, timeout_s=180, stall_timeout_s=120)
+    generator = ScriptedGenerator([completion_ids(template, reply) for reply in replies], max_model_len)
+    stall_s = timeout_s * 2 / 3  # no request for that long: the agent hangs
+    config = AgentConfig(context_window=max_model_len, max_tokens=256, timeout_s=timeout_s, stall_timeout_s=stall_s)
     gate = Door.make("capture") if door else None
     try:
         async with (

@@ -10,7 +10,8 @@ token the model produced, untouched. When the next request's history extends wha
 `same_message`), the next prompt is the held chain followed by the *interstitial* of the training template
 (`TrainingTemplate.interstitial_ids`: tool results, the next generation prompt). When the history does not
 extend what the chain holds (the agent compacted, truncated or edited it), the chain FORKS: the current
-training row is closed and a new one starts from a fresh render. Every turn is recorded as clean or fork.
+training row is closed and a new one starts from a fresh render. Every turn is recorded as clean or fork, a fork with
+its named cause (`TurnRecord.fork_cause`: what the agent changed, `swe_grpo.tokens.messages.fork_cause`).
 
 A turn is a transaction: `prepare` changes nothing, and `commit` validates the reply completely (it
 normalises, and the training template renders it) before it touches the chain, so a failure leaves the
@@ -21,7 +22,7 @@ re-serialised, numbers respelled) counts, whatever the system prompt or tool lis
 prompt is a fresh render (a fork), else it is the replaced turn's prompt and does not fork.
 
 Usage: one `TokenChain(template)` per rollout; per request `turn = chain.prepare(messages, tools)`, generate
-from `turn.prompt_ids`, then `chain.commit(turn, output_ids, log_probs, version, reply, finish_reason)`. The
+from `turn.prompt`, then `chain.commit(turn, output_ids, log_probs, version, reply, finish_reason)`. The
 training data is `chain.rows` (`TrainingRow`), the per-turn story `chain.turns` (`TurnRecord`). The template and
 message helpers are re-exported here from `swe_grpo.tokens.template` and `swe_grpo.tokens.messages`.
 """
@@ -34,7 +35,14 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, Literal
 
-from swe_grpo.tokens.messages import Message, MessageFormatError, normalize_message, same_json, same_message
+from swe_grpo.tokens.messages import (
+    Message,
+    MessageFormatError,
+    fork_cause,
+    normalize_message,
+    same_json,
+    same_message,
+)
 from swe_grpo.tokens.template import TemplateNotPrefixPreservingError, TemplateRefusedError, TrainingTemplate
 
 __all__ = [
@@ -46,7 +54,9 @@ __all__ = [
     "TokenChain",
     "TrainingRow",
     "TrainingTemplate",
+    "TurnPlan",
     "TurnRecord",
+    "fork_cause",
     "normalize_message",
     "oldest_version",
     "same_json",
@@ -109,8 +119,10 @@ def oldest_version(rows: Iterable[TrainingRow]) -> int | None:
 class TurnRecord:
     """What happened at one turn. `kind` is "clean" when the prompt extended the held chain (the
     first turn of a rollout counts as clean) and "fork" when a new row started from a fresh render;
-    `drift_tokens` is how many held tokens the fork's fresh render did not reproduce; `retries` is how
-    many earlier generations for this same request were replaced (the agent re-sent it)."""
+    `drift_tokens` is how many held tokens the fork's fresh render did not reproduce; `fork_cause` names why it forked
+    (`fork_cause`'s names, or `no_interstitial` when the history extends the chain but the template writes nothing
+    that follows the held turn's last token); `retries` is how many earlier generations for this same request were
+    replaced (the agent re-sent it)."""
 
     turn: int
     row: int
@@ -122,26 +134,55 @@ class TurnRecord:
     finish_reason: str
     drift_tokens: int = 0
     retries: int = 0
+    fork_cause: str = ""
 
 
 @dataclass(frozen=True)
 class PreparedTurn:
     """A prompt ready to send; becomes part of the chain only through `TokenChain.commit`. `replaces`:
-    the request repeats the last committed turn's, whose commit it will replace."""
+    the request repeats the last committed turn's, whose commit it will replace.
 
-    prompt_ids: list[int]
-    new_ids: list[int]  # what this turn adds to the row (the interstitial, or the whole fresh render)
+    `prompt` holds the prompt ids packed as the rows hold them (`array("i")`: the held tokens are copied as bytes,
+    and `VLLMClient` writes them to JSON from the buffer); `prompt_ids` is the same as a list, made when asked for.
+    """
+
+    prompt: array
+    new_ids: list[int]  # what this turn adds to the row (the interstitial, or the whole fresh render): the prompt's end
     fork: bool
     messages: list[Message]
     raw_messages: list[Any]
     tools: list | None
     drift_tokens: int
     replaces: bool = False
-    # `new_ids` as the row stores them, packed where `prepare` runs (a worker thread), not in `commit`
-    packed_new_ids: array = field(init=False, repr=False, compare=False)
+    fork_cause: str = ""  # why it forks (`TurnRecord.fork_cause`); empty when it does not
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "packed_new_ids", array("i", self.new_ids))
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompt.tolist()
+
+    @property
+    def packed_new_ids(self) -> array:
+        """`new_ids` as the row stores them: the end of `prompt`."""
+        return self.prompt[len(self.prompt) - len(self.new_ids) :]
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    """How `TokenChain.prepare` serves a request (`TokenChain.plan`), decided once: `kind` is "retry", "replace",
+    "extend" or "fresh" (`TokenChain.plan`), `messages` the request's normalised. Good until the chain's next
+    commit (`commits`)."""
+
+    kind: Literal["retry", "replace", "extend", "fresh"]
+    messages: list[Message]
+    raw_messages: list[Any]
+    tools: list | None
+    commits: int
+
+    @property
+    def renders_whole_history(self) -> bool:
+        """Whether `prepare` renders the whole conversation (a first turn, a fork, a retry whose prompt changed)
+        instead of only what is new, so that a caller can run it off its event loop."""
+        return self.kind in ("fresh", "replace")
 
 
 @dataclass(frozen=True)
@@ -173,6 +214,7 @@ class TokenChain:
         # interstitial starts from; and the latest `reply_message`'s answer, which `commit` then need not redo.
         self._held_text: str | None = None
         self._replied: tuple[PreparedTurn, Message, Message, str] | None = None
+        self._commits = 0  # a `TurnPlan` is good while this is what it was
 
     @property
     def messages(self) -> list[Message]:
@@ -190,37 +232,48 @@ class TokenChain:
                 out.append(normalize_message(message, i))
         return out
 
-    def prepare(self, messages: list[Any], tools: list | None = None) -> PreparedTurn:
+    def prepare(self, messages: list[Any], tools: list | None = None, plan: TurnPlan | None = None) -> PreparedTurn:
         """The prompt ids for a request. Raises MessageFormatError for malformed messages (its subclass
-        TemplateRefusedError when the template refuses the conversation). Changes nothing."""
-        plan, norm = self._plan(messages, tools)
-        if plan == "retry":
+        TemplateRefusedError when the template refuses the conversation). Changes nothing. `plan`: `self.plan` of
+        the same request, when the caller asked for it first (its work is not redone; ValueError when a commit came
+        between)."""
+        if plan is None:
+            plan = self.plan(messages, tools)
+        elif plan.commits != self._commits or plan.raw_messages is not messages or plan.tools is not tools:
+            raise ValueError("the plan is not this chain's plan of this request as it is now")
+        kind, norm = plan.kind, plan.messages
+        if kind == "retry":
             return self._retry(norm, messages)
-        if plan == "extend":
+        if kind == "extend":
             held, chain = self._held, self.rows[-1].input_ids
             new_ids = self.template.interstitial_ids(held[-1], norm[len(held) :], tools, chain[-1], self._held_text)
             if new_ids is not None:
-                return PreparedTurn(chain.tolist() + new_ids, new_ids, False, norm, messages, tools, 0)
-        replaces = plan == "replace"
+                return PreparedTurn(chain + array("i", new_ids), new_ids, False, norm, messages, tools, 0)
+        replaces = kind == "replace"
         prompt = self.template.prompt_ids(norm, tools)
         chain = self._chain_before_last() if replaces else self.rows[-1].input_ids if self.rows else None
-        drift = 0
+        drift, cause = 0, ""
         if chain is not None:
             common = next((i for i, (a, b) in enumerate(zip(chain, prompt, strict=False)) if a != b), None)
             drift = len(chain) - (min(len(chain), len(prompt)) if common is None else common)
-        return PreparedTurn(prompt, prompt, chain is not None, norm, messages, tools, drift, replaces)
+            # A retry is compared with what its replaced turn asked; anything else with the history through the reply.
+            held = self._held[:-1] if replaces else self._held
+            cause = fork_cause(held, self._tools, norm, tools) or "no_interstitial"
+        return PreparedTurn(
+            array("i", prompt), prompt, chain is not None, norm, messages, tools, drift, replaces, cause
+        )
 
-    def renders_whole_history(self, messages: list[Any], tools: list | None = None) -> bool:
-        """Whether `prepare` renders the whole conversation (a first turn, a fork, a retry whose prompt
-        changed) instead of only what is new, so that a caller can run it off its event loop. Raises as
-        `prepare` does; changes nothing."""
-        return self._plan(messages, tools)[0] in ("fresh", "replace")
-
-    def _plan(self, messages: list[Any], tools: list | None) -> tuple[str, list[Message]]:
-        """How to prepare a request, and its normalised messages: "retry" (it asks again what the last
+    def plan(self, messages: list[Any], tools: list | None = None) -> TurnPlan:
+        """How `prepare` will serve a request, and its normalised messages: "retry" (it asks again what the last
         committed turn asked: the same prompt, replacing that turn), "replace" (it says the same as the last
         turn's request, but with another system prompt or tool list: a fresh render, replacing that turn),
-        "extend" (it extends the chain) or "fresh" (first turn or fork)."""
+        "extend" (it extends the chain) or "fresh" (first turn or fork). Raises as `prepare` does; changes nothing."""
+        kind, norm = self._plan(messages, tools)
+        return TurnPlan(kind, norm, messages, tools, self._commits)
+
+    def _plan(
+        self, messages: list[Any], tools: list | None
+    ) -> tuple[Literal["retry", "replace", "extend", "fresh"], list[Message]]:
         if not isinstance(messages, list) or not messages:
             raise MessageFormatError("messages must be a non-empty list")
         if tools is not None and not isinstance(tools, list):
@@ -262,7 +315,7 @@ class TokenChain:
         ids = self.rows[-1].input_ids
         start = 0 if undo.new_row else undo.length
         return PreparedTurn(
-            prompt_ids=ids[: start + last.new_prompt_tokens].tolist(),
+            prompt=ids[: start + last.new_prompt_tokens],
             new_ids=ids[start : start + last.new_prompt_tokens].tolist(),
             fork=last.kind == "fork",
             messages=messages,
@@ -270,6 +323,7 @@ class TokenChain:
             tools=self._tools,
             drift_tokens=last.drift_tokens,
             replaces=True,
+            fork_cause=last.fork_cause,
         )
 
     def size_after(self, turn: PreparedTurn) -> tuple[int, int]:
@@ -329,6 +383,7 @@ class TokenChain:
             row = self.rows[-1]
             self._undo = _Undo(False, len(row.input_ids), row.model_version, row.num_turns)
         row = self.rows[-1]
+        self._commits += 1
         row.extend_prompt(turn.packed_new_ids)
         row.extend_completion(output_ids, log_probs, model_version)
         self._held = [*turn.messages, held]
@@ -339,13 +394,14 @@ class TokenChain:
             turn=len(self.turns),
             row=len(self.rows) - 1,
             kind="fork" if turn.fork else "clean",
-            prompt_tokens=len(turn.prompt_ids),
+            prompt_tokens=len(turn.prompt),
             new_prompt_tokens=len(turn.new_ids),
             output_tokens=len(output_ids),
             model_version=model_version,
             finish_reason=finish_reason,
             drift_tokens=turn.drift_tokens,
             retries=retries,
+            fork_cause=turn.fork_cause,
         )
         self.turns.append(record)
         return record

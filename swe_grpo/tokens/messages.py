@@ -4,7 +4,8 @@
 objects, echoed reasoning under `reasoning_content`, `developer` as `system`) or raises `MessageFormatError`,
 which a server answers 400. `same_message` decides whether a re-sent message says what a held one said: exact for
 every role but the assistant's, whose echo may re-serialise the reply (`same_json` compares JSON values, numbers
-by value). Pure functions on plain dicts; no tokenizer involved.
+by value). `fork_cause` names what an agent changed in the history it re-sent. Pure functions on plain dicts; no
+tokenizer involved.
 """
 
 from __future__ import annotations
@@ -126,3 +127,44 @@ def same_message(held: Message, incoming: Message) -> bool:
     if held["role"] == incoming["role"] == "assistant":
         return _same_assistant(held, incoming)
     return held == incoming
+
+
+def _difference(held: Message, incoming: Message) -> str:
+    """What differs between two messages at the same place that `same_message` found different, named."""
+    role = held["role"]
+    if incoming["role"] != role:
+        return "message_replaced"
+    if role == "system":
+        return "system_message_changed"
+    if role == "user":
+        return "user_message_changed"
+    if role == "tool":
+        # Cut: shorter, and keeping the output's start or end (agents cut the middle, or the tail, of an old output).
+        text, kept = held["content"], incoming["content"]
+        cut = len(kept) < len(text) and (text.startswith(kept[:32]) or text.endswith(kept[-32:]))
+        return "tool_output_cut" if cut else "tool_output_changed"
+    reasoning, echoed = held.get("reasoning_content", "").strip(), incoming.get("reasoning_content", "").strip()
+    if reasoning != echoed:
+        return "reasoning_dropped" if not echoed else "reasoning_changed"
+    if held["content"].strip() != incoming["content"].strip():
+        return "assistant_text_changed"
+    return "tool_calls_changed"
+
+
+def fork_cause(held: list[Message], held_tools: Any, incoming: list[Message], tools: Any) -> str:
+    """Why a request's normalised `incoming` messages and `tools` do not extend `held` (a conversation through its
+    last reply) and `held_tools`, named: `tools_changed`, and the first message that differs
+    (`system_prompt_changed` for the leading system message, `system_message_changed`, `user_message_changed`,
+    `tool_output_cut` or `tool_output_changed`, `reasoning_dropped` or `reasoning_changed`, `assistant_text_changed`,
+    `tool_calls_changed`, `message_replaced` for another role there) with its index, or `history_dropped` when
+    every message re-sent matches but fewer than were held; causes joined by "; ". Empty when it extends them."""
+    causes = ["tools_changed"] if tools != held_tools else []
+    for i, (a, b) in enumerate(zip(held, incoming, strict=False)):
+        if not same_message(a, b):
+            what = "system_prompt_changed" if i == 0 and a["role"] == b["role"] == "system" else _difference(a, b)
+            causes.append(f"{what} at messages[{i}]")
+            break
+    else:
+        if len(incoming) < len(held):
+            causes.append(f"history_dropped: {len(incoming)} of {len(held)} held messages re-sent")
+    return "; ".join(causes)

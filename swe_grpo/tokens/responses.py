@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,7 +112,7 @@ class ResponseParser:
     def parse(
         self,
         output_ids: list[int],
-        prompt_ids: list[int],
+        prompt_ids: Sequence[int],
         stop_reason: str = "stop",
         tools: list | None = None,
     ) -> ParsedResponse:
@@ -152,7 +153,7 @@ class ResponseParser:
         except (ValueError, RecursionError):
             return Reading([], 1, "")
 
-    def _split_reasoning(self, text: str, prompt_ids: list[int]) -> tuple[str, str]:
+    def _split_reasoning(self, text: str, prompt_ids: Sequence[int]) -> tuple[str, str]:
         """(reasoning, the rest of `text`). Only a reasoning block (`<think>`, Gemma 4's thought channel) that leads
         the reply is reasoning: one the generation prompt opened (Qwen3.5+) or one the reply opens before anything
         else (Qwen3). It ends at its first closer, or with the text when the model never closed it. What follows is
@@ -162,7 +163,7 @@ class ResponseParser:
         if self._reasoning is None:
             return "", text
         opener, closer = self._reasoning
-        prompt_end = self.tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        prompt_end = self.tokenizer.decode(list(prompt_ids[-_PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
         if not prompt_end.rstrip().endswith(opener):
             opened = text.lstrip()
             if not opened.startswith(opener):
