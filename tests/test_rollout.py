@@ -37,6 +37,7 @@ from swe_grpo.tasks import Task
 pytestmark = pytest.mark.integration
 
 STRUTIL = "swe-grpo-demo__strutil-1"
+INTERVALS = "swe-grpo-demo__intervals-1"
 
 
 def tool_call(name: str, arguments: dict) -> str:
@@ -229,16 +230,18 @@ async def test_grading_timeout(vllm_client, tokenizer, pi_bundle, backend, strut
 
 
 def test_cli_rollout_writes_one_line_per_rollout(vllm_server, tiny_model_dir, tmp_path) -> None:
+    """`swe-grpo rollout` with a mix of agents on two tasks: each task's rollouts run one agent, the tasks taking
+    the mix's agents in turn; one JSON line per rollout, naming its agent."""
     output, saved = tmp_path / "results.jsonl", tmp_path / "trajectories"
     code = cli_main(
         [
             "rollout",
             "--tasks", str(demo_tasks_path()),
-            "--instance-ids", STRUTIL,
+            "--instance-ids", STRUTIL, INTERVALS,
+            "--agent", "pi=1,mini-swe-agent=1",
             "--vllm-url", vllm_server.url,
             "--model", SERVED_NAME,
             "--tokenizer", str(tiny_model_dir),
-            "--num-rollouts", "2",
             "--max-tokens", "64",
             "--output", str(output),
             "--save-trajectories", str(saved),
@@ -246,7 +249,10 @@ def test_cli_rollout_writes_one_line_per_rollout(vllm_server, tiny_model_dir, tm
     )  # fmt: skip
     assert code == 0
     lines = [json.loads(line) for line in output.read_text().splitlines()]
-    assert len(lines) == 2
+    assert sorted((line["instance_id"], line["agent_name"]) for line in lines) == [
+        (INTERVALS, "pi"),
+        (STRUTIL, "mini-swe-agent"),
+    ]  # fmt: skip  (load_tasks keeps the file's order: intervals, then strutil)
     fields = {"instance_id", "rollout_id", "reward", "outcome", "f2p_passed", "f2p_total", "p2p_passed"}
     fields |= {"p2p_total", "num_turns", "clean_turns", "retried_turns", "forks", "prompt_tokens", "completion_tokens"}
     fields |= {"wall_s"}

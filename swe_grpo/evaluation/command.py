@@ -40,9 +40,10 @@ def add_eval_parser(sub: Any, rollout: argparse.ArgumentParser, make_config: Mak
         help="run each task k times, grade every attempt, report pass@k (resumable)",
         description="Run each task k times, grade each attempt in a fresh sandbox, report pass@k (docs/evaluation.md)",
     )
+    own = {"vllm_url": _optional, "agent": _one_agent}
     for action in rollout._actions:  # argparse's `parents=` does the same, but takes every flag or none
         if action.dest not in _NOT_FROM_ROLLOUT:
-            parser._add_action(_optional(action) if action.dest == "vllm_url" else action)
+            parser._add_action(own.get(action.dest, lambda action: action)(action))
     parser.add_argument("-k", "--attempts", type=_positive, default=1, help="attempts per task (pass@1..k)")
     parser.add_argument("--out", required=True, help="output directory; a re-run with the same one resumes")
     parser.add_argument("--lora", help="a LoRA adapter directory the vLLM server can read; generations use it")
@@ -71,6 +72,27 @@ def _optional(action: argparse.Action) -> argparse.Action:
     action = copy.copy(action)
     action.required = False
     action.help = "the vLLM server (required unless --passthrough)"
+    return action
+
+
+def _one_agent(action: argparse.Action) -> argparse.Action:
+    """A copy of rollout's `--agent` that refuses a mix: a report's pass@k is one agent's."""
+    from swe_grpo.agents import AGENTS, check_mix
+
+    action = copy.copy(action)
+    rollouts = action.type
+    assert callable(rollouts)
+
+    def one(text: str) -> str:
+        if isinstance(check_mix(text), dict):
+            raise argparse.ArgumentTypeError(
+                f"eval runs one agent, not a mix ({text!r}): run it once per agent, each into an --out of its own"
+            )
+        return rollouts(text)
+
+    action.type = one
+    action.metavar = "{" + ",".join(AGENTS) + ",module:Class}"
+    action.help = f"the agent: {', '.join(AGENTS)} (default pi), or a class of your own as package.module:Class"
     return action
 
 

@@ -10,8 +10,10 @@ answering its model calls with scripted assistant messages (`ScriptedGenerator`,
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -80,9 +82,10 @@ _FORWARDED = ("authorization", "x-api-key", "anthropic-version", "content-type")
 
 
 @contextlib.asynccontextmanager
-async def recording_hop(target: str) -> AsyncIterator[CapturedRequests]:
-    """A loopback HTTP hop in front of `target` (a base URL) that forwards every request unchanged and keeps
-    each model request's headers and body."""
+async def recording_hop(target: str, socket: Path | None = None) -> AsyncIterator[CapturedRequests]:
+    """An HTTP hop in front of `target` (a base URL) that forwards every request unchanged and keeps each model
+    request's headers and body. It listens on the host's loopback, or on the unix socket `socket` (a door's, in
+    place of the InterceptionServer: any local user may connect, as to a door the server serves)."""
     captured = CapturedRequests()
     async with ClientSession() as http:
 
@@ -100,8 +103,13 @@ async def recording_hop(target: str) -> AsyncIterator[CapturedRequests]:
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         try:
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
-            captured.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            if socket is None:
+                await web.TCPSite(runner, "127.0.0.1", 0).start()
+                captured.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            else:
+                await web.UnixSite(runner, os.fspath(socket)).start()
+                socket.chmod(0o666)  # the sandbox's user connects
+                captured.url = f"unix:{socket}"
             yield captured
         finally:
             await runner.cleanup()
@@ -144,35 +152,48 @@ async def capture_agent_run(
     after: Sequence[str] = (),
     max_model_len: int = 32768,
     timeout_s: float = 180,
+    *,
+    door: bool = False,
 ) -> PiRun:
     """The real `agent` (any harness) in a fresh sandbox of `backend`, on `task`, its model turns SCRIPTED to
     `replies` (assistant messages in normalised form, see `ScriptedGenerator`), behind the
-    InterceptionServer and a `recording_hop`. `after`: shell commands run in the sandbox once the agent has
-    exited, with the rollout's token in `$TOKEN`. `max_model_len`: the context the server says it serves (Claude
-    Code's first prompt alone is ~32k tokens in the tiny model's vocabulary); `timeout_s`: the agent's wall clock
-    (no request for two thirds of it is a stall). The sandbox is gone when this returns."""
+    InterceptionServer and a `recording_hop`. The sandbox has the host's network (the agent reaches the hop on
+    the host's loopback), or with `door` none but a door (`swe_grpo.sandbox.door`) whose socket the hop serves,
+    as a rollout's agent runs. `after`: shell commands run in the sandbox once the agent has exited, with the
+    rollout's token in `$TOKEN`. `max_model_len`: the context the server says it serves (Claude Code's first
+    prompt alone is ~32k tokens in the tiny model's vocabulary); `timeout_s`: the agent's wall clock (no request
+    for two thirds of it is a stall). The sandbox and the door are gone when this returns."""
     from swe_grpo.agents.base import AgentConfig, run_agent
+    from swe_grpo.sandbox.door import Door
     from swe_grpo.serving.interception import InterceptionServer
 
     template = TrainingTemplate(tokenizer)
     generator = ScriptedGenerator([completion_ids(template, reply) for reply in replies], max_model_len)
     stall_s = timeout_s * 2 / 3  # no request for that long: the agent hangs
     config = AgentConfig(context_window=max_model_len, max_tokens=256, timeout_s=timeout_s, stall_timeout_s=stall_s)
-    async with (
-        InterceptionServer(generator, tokenizer) as server,
-        recording_hop(server.public_base_url) as hop,
-        server.rollout() as session,
-    ):
-        endpoint = session.endpoint
-        proxied = replace(endpoint, base_url=hop.url + endpoint.base_url.removeprefix(server.public_base_url))
-        # The host's network: the agent reaches the recording hop on the host's loopback (no door).
-        async with await backend.create(task, mounts=[agent.mount()], network=True) as sandbox:
-            result = await run_agent(agent, sandbox, proxied, task.problem_statement, config, session.last_activity)
-            patch = await sandbox.diff(task.base_commit)
-            outputs = {}
-            for command in after:
-                done = await sandbox.exec(command, timeout_s=60, env={"TOKEN": endpoint.token})
-                outputs[command] = done.stdout + done.stderr
+    gate = Door.make("capture") if door else None
+    try:
+        async with (
+            InterceptionServer(generator, tokenizer) as server,
+            recording_hop(server.public_base_url, gate.socket if gate else None) as hop,
+            server.rollout(gate.rollout_id if gate else None) as session,
+        ):
+            endpoint = session.endpoint
+            if gate is None:  # the agent reaches the hop on the host's loopback
+                endpoint = replace(endpoint, base_url=hop.url + endpoint.base_url.removeprefix(server.public_base_url))
+            mounts = [agent.mount(), *([gate.mount()] if gate else [])]
+            async with await backend.create(task, mounts=mounts, network=gate is None) as sandbox:
+                result = await run_agent(
+                    agent, sandbox, endpoint, task.problem_statement, config, session.last_activity, door=gate
+                )
+                patch = await sandbox.diff(task.base_commit)
+                outputs = {}
+                for command in after:
+                    done = await sandbox.exec(command, timeout_s=60, env={"TOKEN": endpoint.token})
+                    outputs[command] = done.stdout + done.stderr
+    finally:
+        if gate is not None:
+            gate.remove()
     assert session.record is not None
     record = session.record
     return PiRun(result, record, hop, endpoint.token, patch, outputs)

@@ -11,9 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from swe_grpo.agents import AGENTS
+from swe_grpo.agents import agent_schedule, check_mix
 from swe_grpo.grading import DEFAULT_TIMEOUT_S
-from swe_grpo.plugins import check_choice
 from swe_grpo.sandbox.base import MAX_PATCH_BYTES
 from swe_grpo.serving.vllm_client import DEFAULT_ROUTING_HEADER, SamplingParams
 from swe_grpo.tasks.task import REWARD_MODES, RewardMode, Task
@@ -124,28 +123,12 @@ class WorkerConfig:
         self._check_eval()
 
     def _check_agent(self) -> None:
-        if isinstance(self.agent, str) and "=" in self.agent:  # the mix as a flag gives it: "pi=2,opencode=1"
-            pairs = [part.partition("=") for part in self.agent.split(",")]
-            if not all(name and sep and weight.isdigit() for name, sep, weight in pairs):
-                raise ValueError(f"agent: {self.agent!r} is not a mix of NAME=WEIGHT, e.g. 'pi=2,opencode=1'")
-            object.__setattr__(self, "agent", {name.strip(): int(weight) for name, _, weight in pairs})
-        if isinstance(self.agent, str):
-            check_choice(self.agent, AGENTS, "agent")
-            return
-        object.__setattr__(self, "agent", dict(self.agent))  # a copy: the caller's mapping may change
-        if not self.agent:
-            raise ValueError("agent: an empty mix; give a name, or {name: weight} with at least one agent")
-        for name, weight in self.agent.items():
-            check_choice(name, AGENTS, "agent")
-            if not isinstance(weight, int) or isinstance(weight, bool) or weight < 1:
-                raise ValueError(f"agent: the weight of {name!r} must be a whole number >= 1, not {weight!r}")
+        object.__setattr__(self, "agent", check_mix(self.agent))  # a mix is copied: the caller's mapping may change
 
     def agent_schedule(self) -> tuple[str, ...]:
         """The agents successive groups run, cycled: each agent of the mix as many times in a row as its weight
         (one name: that one)."""
-        if isinstance(self.agent, str):
-            return (self.agent,)
-        return tuple(name for name, weight in self.agent.items() for _ in range(weight))
+        return agent_schedule(self.agent)
 
     def _check_eval(self) -> None:
         object.__setattr__(self, "eval_tasks", tuple(self.eval_tasks))  # a list is accepted, kept as a tuple
