@@ -133,6 +133,21 @@ def test_in_a_test_class_the_canaries_are_its_methods() -> None:
     assert text.rstrip().endswith("unittest.main()")
 
 
+def test_every_canary_has_a_name_of_its_own_among_all_seeds() -> None:
+    """A mutant planned in a class and the plain canaries later put in the same class never share a name
+    (with two words, `test_add_sub` came out twice: the second definition hid the mutant, which then went
+    unreported and the gold patch was graded `grading_tampered`)."""
+    calc = CLASSES.replace("test_add_item", "test_add").replace("test_remove_item", "test_sub")
+    task_ids = ["tests/test_cart.py::CartTest::test_add", "tests/test_cart.py::CartTest::test_sub"]
+    for seed in range(200):
+        canaries = Canaries.plant(task_ids, {"tests/test_cart.py": calc}, task_ids[:1], random.Random(seed))
+        tree = ast.parse(canaries.files["tests/test_cart.py"])
+        (cart,) = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+        names = [n.name for n in cart.body if isinstance(n, ast.FunctionDef)]
+        assert len(names) == len(set(names)) == 5, (seed, names)
+        assert len(set(canaries.ids) | set(task_ids)) == 5, (seed, canaries.ids)
+
+
 def test_never_under_a_mark_that_would_change_their_outcome() -> None:
     """A decorated test class gets no canary methods (module-level functions instead); a module with a
     module-wide `pytestmark` hosts no plain canary (a new file instead), though its tests keep their mutants."""

@@ -105,6 +105,8 @@ def _words(name: str) -> list[str]:
 
 
 def _fresh_name(taken: set[str], rng: random.Random, words: Sequence[str]) -> str:
+    """A test name made of `words`, not in `taken`, added to it. One module's names share one set: a method
+    name repeated in a class hides the first definition (the mutant it was went unrun)."""
     for size in (2, 3, 3, 4, 4, 4):
         name = "test_" + "_".join(rng.sample(list(words), min(size, len(words))))
         if name not in taken:
@@ -200,9 +202,7 @@ class _Module:
         assert literal.end_col_offset is not None
         spelled = copy[row][literal.col_offset : literal.end_col_offset]
         copy[row] = copy[row][: literal.col_offset] + _changed(spelled, rng) + copy[row][literal.end_col_offset :]
-        scope = {n.name for n in owner.body if isinstance(n, _DEFS)} if owner else self.taken
-        name = _fresh_name(scope | self.taken, rng, [*_words(test.name), *rng.sample(list(words), min(2, len(words)))])
-        self.taken.add(name)
+        name = _fresh_name(self.taken, rng, [*_words(test.name), *rng.sample(list(words), min(2, len(words)))])
         header = re.sub(rb"\bdef\s+" + test.name.encode() + rb"\b", b"def " + name.encode(), copy[0], count=1)
         text = b"".join([header, *copy[1:]]).decode()
         self.inserts.append((test.end_lineno or test.lineno, "\n" + ("" if owner else "\n") + _ended(text)))
@@ -222,10 +222,9 @@ class _Module:
         ids = []
         if owner is not None:
             indent = " " * owner.body[0].col_offset
-            scope = {n.name for n in owner.body if isinstance(n, _DEFS)}
             text = ""
             for body in bodies:
-                name = _fresh_name(scope, rng, words)
+                name = _fresh_name(self.taken, rng, words)
                 text += f"\n{indent}def {name}(self):\n{indent}    assert {body}\n"
                 ids.append(f"{self.path}::{owner.name}::{name}")
             self.inserts.append((owner.end_lineno or owner.lineno, text))
