@@ -294,7 +294,8 @@ class SandboxBackend(ABC):
         Raises `SandboxError` when it cannot be made; never leaves anything behind when it fails."""
 
     async def close(self) -> None:  # noqa: B027  (optional hook)
-        """Release what the backend holds (caches are kept)."""
+        """Release what the backend holds (caches are kept); return once every `destroy()` begun has ended, a
+        cancelled caller's too."""
 
 
 # `Sandbox.diff`'s work inside the sandbox: $1 scratch directory, $2 work tree, $3 base commit, $4 style

@@ -363,6 +363,18 @@ class BackendContract:
                 await (await creating).destroy()  # it won the race: it finished before the cancellation
             assert target.leftovers() == before, delay
 
+    async def test_close_returns_once_every_destroy_begun_has_ended(self, target: Target, task: Task) -> None:
+        # A rollout cancelled twice (its group's and the stop's) leaves its destroy() midway; the teardown goes
+        # on, and `close()` (the last thing a worker awaits before its event loop ends) waits for it.
+        async with _started(target.new_backend(None)) as backend:
+            sandbox = await backend.create(task)
+            destroying = asyncio.create_task(sandbox.destroy())
+            await asyncio.sleep(0)  # the teardown has begun
+            destroying.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await destroying
+        target.gone(sandbox)
+
     async def test_close_destroys_live_sandboxes(self, target: Target, task: Task) -> None:
         _unless(target.close_destroys_live, target, "its sandboxes are their owners' to destroy, not close()'s")
         async with _started(target.new_backend(None)) as backend:

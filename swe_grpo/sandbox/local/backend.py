@@ -77,6 +77,7 @@ class LocalBackend(SandboxBackend):
         #: What the last `start()` found of dead runs and could not remove (paths): logged, never fatal.
         self.unreaped: list[str] = []
         self._method_lock = asyncio.Lock()
+        self._teardowns: set[asyncio.Future[None]] = set()  # sandboxes' teardowns under way
 
     @property
     def cache_dir(self) -> Path:
@@ -93,6 +94,14 @@ class LocalBackend(SandboxBackend):
         if self.unreaped:
             log.warning("%d leftovers of dead runs could not be removed (see above)", len(self.unreaped))
         await self._cow_method()
+
+    async def close(self) -> None:
+        """Wait for the sandboxes' teardowns under way: a destroy() whose caller was cancelled goes on (shielded),
+        and an event loop that ended before it would leave its mounts and directories. Sandboxes still alive
+        are their owners' to destroy."""
+        for failure in await asyncio.gather(*self._teardowns, return_exceptions=True):
+            if isinstance(failure, Exception):
+                log.warning("a sandbox's teardown failed: %s", failure)
 
     def _cgroup_layout(self) -> CgroupLayout | None:
         """The cgroup controllers, with the sandboxes' parent cgroups made (once); None when no limit
@@ -119,7 +128,7 @@ class LocalBackend(SandboxBackend):
             cgroup = Cgroup(layout, host_dir.name) if layout is not None else None
             binds = [Mount(host_dir / "mounts" / str(i), m.sandbox_path, m.writable) for i, m in enumerate(mounts)]
             argv = bwrap_argv(lease.uid, self.uid, self.gid, self.limits, host_dir, binds, network, cgroup)
-            sandbox = LocalSandbox(host_dir, argv, self.limits, cgroup, lease)
+            sandbox = LocalSandbox(host_dir, argv, self.limits, cgroup, lease, self._teardowns)
             lease = None  # the sandbox's now: its destroy() releases it
             if cgroup is not None:
                 cgroup.make(self.limits)

@@ -38,7 +38,13 @@ class LocalSandbox(Sandbox):
     with the other copy-on-write methods), which `destroy()` waits for."""
 
     def __init__(
-        self, host_dir: Path, bwrap_argv: list[str], limits: LocalLimits, cgroup: Cgroup | None, lease: UidLease
+        self,
+        host_dir: Path,
+        bwrap_argv: list[str],
+        limits: LocalLimits,
+        cgroup: Cgroup | None,
+        lease: UidLease,
+        teardowns: set[asyncio.Future[None]],
     ) -> None:
         self.host_dir = host_dir
         self.uid = lease.uid
@@ -51,6 +57,7 @@ class LocalSandbox(Sandbox):
         self._runs: set[BwrapRun] = set()
         self.fuse: asyncio.subprocess.Process | None = None
         self._teardown: asyncio.Future[None] | None = None
+        self._teardowns = teardowns  # the backend's: its close() waits for them
 
     async def exec(
         self,
@@ -105,10 +112,12 @@ class LocalSandbox(Sandbox):
 
     async def destroy(self) -> None:
         """Kills every running exec, unmounts, removes `host_dir` and the cgroup. Concurrent and repeated calls share
-        one teardown, which a cancelled caller does not interrupt. Raises `SandboxError` when something
-        could not be removed."""
+        one teardown, which a cancelled caller does not interrupt (the backend's `close()` waits for it). Raises
+        `SandboxError` when something could not be removed."""
         if self._teardown is None:
             self._teardown = asyncio.ensure_future(self._tear_down())
+            self._teardowns.add(self._teardown)
+            self._teardown.add_done_callback(self._teardowns.discard)
         await asyncio.shield(self._teardown)
 
     async def _tear_down(self) -> None:
