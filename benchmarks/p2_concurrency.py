@@ -36,9 +36,14 @@ Two scenarios, each stopped after `--max-seconds` (what is unfinished is cancell
 
 Real generations take seconds, so real rollouts send far fewer requests per second than these do.
 
+Dialects and families: `--dialect responses|messages` has the agents send the same sessions as Codex (OpenAI
+Responses) or Claude Code (Anthropic Messages) would (`_agent_dialects.py`: their request shapes, headers and
+streams); `--family harmony|glm` serves a gpt-oss or GLM tiny model's template, the stub's answer written as that
+template writes it. Both go into the results JSON (`dialect`, `family`).
+
 Run: `SWE_GRPO_CACHE=/tmp/swecache .venv/bin/python benchmarks/p2_concurrency.py` (~6 minutes a
 generator; options `--generator`, `--hosts`, `--rollouts`, `--turns`, `--think`, `--tool-output`,
-`--no-saturation`, `--max-seconds`, `--json`). Each row also goes to `--json`
+`--dialect`, `--family`, `--no-saturation`, `--max-seconds`, `--json`). Each row also goes to `--json`
 (benchmarks/results/p2_concurrency.json by default), with the date, the machine and its load average.
 """
 
@@ -72,14 +77,16 @@ except ImportError:  # not a declared dependency: the agents then use asyncio's 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _agent_dialects import WIRES
 from _agent_farm import STUB_MODEL, serving_process, stub_vllm
 from _pi_agent import (
+    FAMILIES,
     TOOL_OUTPUTS,
+    ClientWire,
     PiConversation,
     StubGenerator,
     load_tokenizer,
     markdown_table,
-    parse_sse,
     percentile,
     post,
     server_process,
@@ -136,13 +143,15 @@ def serve(
     vllm_url: str | None,
     profile: Path | None,
     gc_threshold: tuple[int, ...] | None,
+    family: str = "qwen",
 ) -> None:
     """Entry point of the server process: generation through `VLLMClient` at `vllm_url`, or (None) the
     in-process `StubGenerator`. `profile`: a folder to write the server's cProfile of the traffic to;
-    `gc_threshold`: the collector's thresholds to serve with (an experiment; None: the server's own)."""
+    `gc_threshold`: the collector's thresholds to serve with (an experiment; None: the server's own);
+    `family`: whose template it serves (`FAMILIES`)."""
     os.sched_setaffinity(0, cpus)
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(_serve(conn, rollouts, calls, vllm_url, profile, gc_threshold))
+    asyncio.run(_serve(conn, rollouts, calls, vllm_url, profile, gc_threshold, family))
 
 
 async def _serve(
@@ -152,8 +161,9 @@ async def _serve(
     vllm_url: str | None,
     profile: Path | None,
     gc_threshold: tuple[int, ...] | None,
+    family: str,
 ) -> None:
-    tokenizer = load_tokenizer()
+    tokenizer = load_tokenizer(family)
     client = None
     if vllm_url is not None:
         client = await VLLMClient(vllm_url, STUB_MODEL, stop_token_ids=[tokenizer.eos_token_id]).start()
@@ -262,8 +272,9 @@ async def agent(
     chars: tuple[int, int],
     rng: random.Random,
     stats: AgentStats,
+    wire: ClientWire,
 ) -> None:
-    conversation = PiConversation(endpoint.model, rng, chars)
+    conversation = PiConversation(endpoint.model, rng, chars, wire)
     done = 0
     try:
         await asyncio.sleep(rng.uniform(0, think_s[1]))
@@ -271,7 +282,7 @@ async def agent(
             body = conversation.body()
             stats.first_send = min(stats.first_send, time.perf_counter())
             try:
-                status, payload, round_trip = await post(session, endpoint, body)
+                status, payload, round_trip = await post(session, endpoint, body, wire)
             except (aiohttp.ClientError, TimeoutError) as e:
                 stats.error(type(e).__name__)
                 return
@@ -282,7 +293,7 @@ async def agent(
             stats.round_trips.append(round_trip)
             stats.last_answer = time.perf_counter()
             try:
-                answer = parse_sse(payload)
+                answer = wire.parse(payload)
                 conversation.absorb(answer)
             except (ValueError, KeyError) as e:
                 stats.error(f"bad answer: {e}")
@@ -315,9 +326,10 @@ class StubVLLM:
 
 
 @contextmanager
-def stub_vllm_process(calls: int, cpus: set[int]) -> Iterator[StubVLLM]:
-    """`_agent_farm.stub_vllm` (prompt ids echoed, as vLLM does) in a spawned process on `cpus`."""
-    with serving_process(stub_vllm, cpus, calls, STUB_LATENCY_S, True) as (url, pid):
+def stub_vllm_process(calls: int, cpus: set[int], family: str) -> Iterator[StubVLLM]:
+    """`_agent_farm.stub_vllm` (prompt ids echoed, as vLLM does) in a spawned process on `cpus`, answering as
+    `family`'s template writes."""
+    with serving_process(stub_vllm, cpus, calls, STUB_LATENCY_S, True, family) as (url, pid):
         yield StubVLLM(url, psutil.Process(pid))
 
 
@@ -339,12 +351,20 @@ async def run_scenario(
     """One scenario over `hosts` server processes; rollout i belongs to host i % hosts. `vllm`: the stub
     vLLM the servers' `VLLMClient`s talk to, or None for the in-process stub generator."""
     case = TOOL_OUTPUTS[args.tool_output]
+    wire = WIRES[args.dialect]
     shares = [len(range(i, args.rollouts, hosts)) for i in range(hosts)]
     async with AsyncExitStack() as stack:
         running = [
             await stack.enter_async_context(
                 server_process(
-                    serve, share + 1, case.calls, server_cpus, vllm and vllm.url, args.profile, args.gc_threshold
+                    serve,
+                    share + 1,
+                    case.calls,
+                    server_cpus,
+                    vllm and vllm.url,
+                    args.profile,
+                    args.gc_threshold,
+                    args.family,
                 )
             )
             for share in shares
@@ -369,14 +389,16 @@ async def run_scenario(
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
             for r in running:  # one warm-up rollout per server
                 warm = AgentStats()
-                await agent(session, r.endpoints[-1], WARMUP_TURNS, (0.0, 0.0), case.chars, rng, warm)
+                await agent(session, r.endpoints[-1], WARMUP_TURNS, (0.0, 0.0), case.chars, rng, warm, wire)
                 if warm.errors or warm.unfinished:
                     raise RuntimeError(f"warm-up rollout failed: {warm.errors}")
             cpu0 = cpu_servers(), _cpu(me), cpu_vllm()
             t0 = time.perf_counter()
             tasks = [
                 asyncio.create_task(
-                    agent(session, e, args.turns, scenario.think_s, case.chars, random.Random(rng.random()), stats)
+                    agent(
+                        session, e, args.turns, scenario.think_s, case.chars, random.Random(rng.random()), stats, wire
+                    )
                 )
                 for e in endpoints
             ]
@@ -434,7 +456,8 @@ def report(results: list[Result], args: argparse.Namespace, load_before: float) 
     """The markdown report of one generator's results."""
     out = [
         f"### P2: {args.rollouts} concurrent rollouts x {args.turns} turns over {args.hosts_text} rollout hosts, "
-        f"generation through {_GENERATORS[results[0].generator]}, {TOOL_OUTPUTS[args.tool_output].note}",
+        f"generation through {_GENERATORS[results[0].generator]}, {TOOL_OUTPUTS[args.tool_output].note}; "
+        f"{args.dialect} dialect, {args.family} family (`{FAMILIES[args.family]}` template)",
         "",
     ]
     rows = []
@@ -521,7 +544,7 @@ def report(results: list[Result], args: argparse.Namespace, load_before: float) 
                 )
     out.append(
         f'- Added latency = agent-side round-trip - {STUB_LATENCY_S * 1e3:.0f} ms; "in the server" = time in the '
-        "chat-completions handler - 50 ms (no transport, no agent-side scheduling). CPU: CPU seconds / wall "
+        "turn handler - 50 ms (no transport, no agent-side scheduling). CPU: CPU seconds / wall "
         "seconds of each process (100% = one core); the server's includes its vLLM client's work."
     )
     out.append(
@@ -582,6 +605,8 @@ def main() -> int:
         help="think time of the realistic scenario, 'low,high' seconds (default 2,5)",
     )
     parser.add_argument("--tool-output", choices=sorted(TOOL_OUTPUTS), default="large")
+    parser.add_argument("--dialect", choices=sorted(WIRES), default="chat", help="the agents' wire (default chat)")
+    parser.add_argument("--family", choices=list(FAMILIES), default="qwen", help="the template family (default qwen)")
     parser.add_argument("--no-saturation", action="store_true", help="skip the zero-think-time scenario")
     parser.add_argument("--max-seconds", type=float, default=150.0, help="time limit of each scenario")
     parser.add_argument(
@@ -618,7 +643,8 @@ def main() -> int:
         with contextlib.ExitStack() as stack:
             vllm = None
             if generator == "client":  # with the agents: it stands in for GPUs elsewhere, not the host's cores
-                vllm = stack.enter_context(stub_vllm_process(TOOL_OUTPUTS[args.tool_output].calls, {cpus[-1]}))
+                calls = TOOL_OUTPUTS[args.tool_output].calls
+                vllm = stack.enter_context(stub_vllm_process(calls, {cpus[-1]}, args.family))
             for hosts in (int(h) for h in args.hosts.split(",")):
                 for scenario in scenarios:
                     print(f"running {scenario.name} over {hosts} host(s), {generator} ...", file=sys.stderr, flush=True)
@@ -636,12 +662,15 @@ def write_json(args: argparse.Namespace, results: list[Result], provenance: Prov
     options = {
         k: v
         for k, v in vars(args).items()
-        if k in ("rollouts", "turns", "think", "tool_output", "max_seconds", "gc_threshold")
+        if k in ("rollouts", "turns", "think", "tool_output", "max_seconds", "gc_threshold", "dialect", "family")
     }
     args.json.write_text(
         json.dumps(
             {
                 "provenance": provenance.record(),
+                "dialect": args.dialect,
+                "family": args.family,
+                "template": FAMILIES[args.family],
                 "placement": args.placement,
                 "stub_latency_ms": STUB_LATENCY_S * 1e3,
                 "options": options,
