@@ -329,9 +329,11 @@ async def run_case(
         t0 = time.perf_counter()
         for i in range(turns):
             conversation = snapshots[size].copy(random.Random(i))  # sample i: same new messages at every size
-            async with server.rollout() as handle:
-                prime = await turn(session, handle.endpoint, conversation, probe)
-                timed = await turn(session, handle.endpoint, conversation, probe)
+            # A connection of its own, as each agent process has: the server paces a connection's requests (20 a
+            # second, `ServingLimits`), which back-to-back samples on one kept-alive connection would measure.
+            async with aiohttp.ClientSession() as own, server.rollout() as handle:
+                prime = await turn(own, handle.endpoint, conversation, probe)
+                timed = await turn(own, handle.endpoint, conversation, probe)
             record = handle.record
             result.turn_kinds.update(t.kind for t in record.turns)
             result.server_errors += len(record.errors)
