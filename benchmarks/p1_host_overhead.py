@@ -8,12 +8,14 @@ command) and large (1 or 2 results of 300-2000 chars: file reads, test runs), so
 overhead = fixed cost + cost per new token, and how each grows with the history.
 
 How. Per case, one simulated Pi session (`_pi_agent.py`) is grown over HTTP until its prompt reaches each
-size, and its history is snapshotted there. Each timed sample opens a fresh rollout, primes it with the
-snapshot (a full render, as on a rollout's first turn or after a fork: "full-render turn"), then times
-the next turn, which must be served by the bridge (held chain + interstitial). Stages are timed by
-wrapping, in this process only, `openai_wire.read_body`, `TokenChain.prepare` (and in it the
-template's render + encode), `ResponseParser.parse`, `TokenChain.commit` and the SSE writer; the rest is
-HTTP + aiohttp. "HTTP floor": the same bytes through a bare aiohttp handler. Measured on the same data:
+size, and its history is snapshotted there. Each timed sample opens a fresh rollout on a connection of its
+own (as an agent has: the server paces a connection to 20 requests a second, which back-to-back samples on
+one would measure), primes it with the snapshot (a full render, as on a rollout's first turn or after a fork:
+"full-render turn"), then times the next turn, which must be served by the bridge (held chain +
+interstitial). Stages are timed by wrapping, in this process only, `openai_wire.read_body`, a dialect's
+`to_chat`, `TokenChain.prepare` (and in it the template's render + encode), `ResponseParser.parse`,
+`TokenChain.commit` and the SSE writer; the rest is HTTP + aiohttp.
+"HTTP floor": the same bytes through a bare aiohttp handler. Measured on the same data:
 the approach to beat (re-render + re-tokenise the whole history every turn), and what `VLLMClient` does
 per turn that the stub skips (the request's JSON with every prompt id, written from the packed prompt; a reply
 that echoes them, its echo compared as bytes and the rest decoded, `_generation`).
@@ -23,8 +25,8 @@ Claude Code (Anthropic Messages) would (`_agent_dialects.py`); the translation o
 of its own (`to_chat`). `--family harmony|glm` serves a gpt-oss or GLM tiny model's template (its tokenizer, and the
 stub's answer as that template writes it) in place of Qwen3. Every timed request's CPU time is counted too (this
 process's, from sending the body to the answer's last byte: the server's work and the client's HTTP), the figure
-that reads through a loaded box. `--json PATH` writes the figures with their provenance (the run's date, commit,
-machine and load).
+that reads through a loaded box. The figures go to `--json` (benchmarks/results/p1_host_overhead.json by default)
+with their provenance (the run's date, commit, machine and load).
 
 Run: `SWE_GRPO_CACHE=/tmp/swecache .venv/bin/python benchmarks/p1_host_overhead.py` (about a minute;
 options `--turns`, `--sizes`, `--tool-output`, `--dialect`, `--family`, `--json`).
@@ -85,6 +87,7 @@ STAGES = [
     ("- render + tokenise the interstitial", "interstitial"),
     ("- normalise, compare, concatenate", "prepare_rest"),
     ("parse", "parse"),
+    ("reply check (`reply_message`: the reply rendered)", "reply_check"),
     ("chain.commit", "commit"),
     ("SSE answer", "sse"),
     ("rest: HTTP, aiohttp, routing, auth, stub", "rest"),
@@ -96,6 +99,7 @@ class Probe:
 
     def __init__(self) -> None:
         self.current: dict[str, float] | None = None
+        self.inside: Counter[str] = Counter()  # the wrapped synchronous calls under way, by key
         self._gc_start = 0.0
         gc.callbacks.append(self._on_gc)
 
@@ -110,13 +114,19 @@ class Probe:
         self.add("gc", time.perf_counter() - self._gc_start)
         self.add("gc_full", float(info.get("generation") == 2))
 
-    def timed(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(self, key: str, fn: Callable[..., Any], within: str | None = None) -> Callable[..., Any]:
+        """`fn`, its duration added to `key`; with `within`, only the calls made inside the call timed as that."""
+
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if within is not None and not self.inside[within]:
+                return fn(*args, **kwargs)
             t0 = time.perf_counter()
+            self.inside[key] += 1
             try:
                 return fn(*args, **kwargs)
             finally:
+                self.inside[key] -= 1
                 self.add(key, time.perf_counter() - t0)
 
         return wrapper
@@ -141,8 +151,10 @@ def instrument(probe: Probe, server: InterceptionServer) -> None:
     TokenChain.plan = probe.timed("prepare", TokenChain.plan)  # type: ignore[method-assign]
     TokenChain.prepare = probe.timed("prepare", TokenChain.prepare)  # type: ignore[method-assign]
     TokenChain.commit = probe.timed("commit", TokenChain.commit)  # type: ignore[method-assign]
-    server.template.render = probe.timed("render", server.template.render)  # type: ignore[method-assign]
-    server.template.encode = probe.timed("encode", server.template.encode)  # type: ignore[method-assign]
+    # The interstitial's render + encode: those made inside `prepare` (the reply check renders the reply too).
+    server.template.render = probe.timed("render", server.template.render, "prepare")  # type: ignore[method-assign]
+    server.template.encode = probe.timed("encode", server.template.encode, "prepare")  # type: ignore[method-assign]
+    TokenChain.reply_message = probe.timed("reply_check", TokenChain.reply_message)  # type: ignore[method-assign]
     server.parser.parse = probe.timed("parse", server.parser.parse)  # type: ignore[method-assign]
     openai_wire.Answer.send = probe.timed_async("sse", openai_wire.Answer.send)  # type: ignore[method-assign]
     for dialect in (dialects.RESPONSES, dialects.MESSAGES):  # frozen; the routes hold these very objects
@@ -171,7 +183,7 @@ class Sample:
             return s.get("prepare", 0.0) - interstitial
         if key == "rest":
             return self.round_trip - sum(
-                s.get(k, 0.0) for k in ("json_body", "to_chat", "prepare", "parse", "commit", "sse")
+                s.get(k, 0.0) for k in ("json_body", "to_chat", "prepare", "parse", "reply_check", "commit", "sse")
             )
         return s.get(key, 0.0)
 
@@ -558,7 +570,12 @@ def main() -> int:
     parser.add_argument("--tool-output", default="small,large", help="cases: small, large or both (default)")
     parser.add_argument("--dialect", choices=sorted(WIRES), default="chat", help="the agent's wire (default chat)")
     parser.add_argument("--family", choices=list(FAMILIES), default="qwen", help="the template family (default qwen)")
-    parser.add_argument("--json", type=Path, help="write the figures, with their provenance, to this file")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=Path(__file__).parent / "results" / "p1_host_overhead.json",
+        help="where the figures go, with their provenance (default benchmarks/results/p1_host_overhead.json)",
+    )
     args = parser.parse_args()
     cases = [TOOL_OUTPUTS[name] for name in args.tool_output.split(",")]
     sizes = sorted(int(x) for x in args.sizes.split(","))
@@ -568,9 +585,8 @@ def main() -> int:
     results = asyncio.run(run(cases, sizes, args.turns, WIRES[args.dialect], args.family))
     print(report(results, args, load_before))
     print(f"\n(run time {_s(t0)})")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results_json(results, args, run_provenance), indent=1) + "\n")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results_json(results, args, run_provenance), indent=1) + "\n")
     gc.unfreeze()  # let interpreter shutdown free what the server froze (else nanobind reports leaks)
     return 0
 

@@ -74,8 +74,10 @@ def test_p1_runs_in_a_dialect_and_family_and_says_which(dialect: str, family: st
     # Each sample on a connection of its own: 60 back-to-back requests on one would pass the server's burst of 20 a
     # connection and be paced to 20 a second, the timed turns then reading ~40 ms (P1's 4k rows did so).
     assert size["overhead_ms"]["p50"] < 25
-    translated = size["stages_mean_ms"]["to_chat"]
-    assert translated > 0 if dialect != "chat" else translated == 0  # the dialect's own route served it
+    stages = size["stages_mean_ms"]
+    assert stages["to_chat"] > 0 if dialect != "chat" else stages["to_chat"] == 0  # the dialect's own route served it
+    # The interstitial's render + encode are those inside `prepare`: the reply check's render is a stage of its own.
+    assert stages["reply_check"] > 0 and 0 <= stages["interstitial"] <= stages["prepare"]
 
 
 @pytest.mark.parametrize("dialect", ["responses", "messages"])
