@@ -4,9 +4,9 @@
 sends: its system prompt, the task as text parts, the tools `read`/`bash`/`edit`/`write`, `stream: true`
 with usage, the whole history every turn. It reads the SSE answer as Pi does, echoes the assistant
 message back (arguments re-serialised like JS `JSON.stringify`, empty content as `null`) and appends one
-`tool` result per call, cut from Python standard-library sources so it tokenises like code. What is Pi's
-wire is a `ClientWire` (`CHAT`): `_agent_dialects.py` has Codex's (Responses) and Claude Code's (Messages),
-the same conversation in their shapes. `StubGenerator` answers with the fixed token ids of a valid
+`tool` result per call, cut from Python standard-library sources so it tokenises like code. Pi's wire is
+a `ClientWire` (`CHAT`); `_agent_dialects.py` has Codex's (Responses) and Claude Code's (Messages), for the
+same conversation in their shapes. `StubGenerator` answers with the fixed token ids of a valid
 tool-call answer as the family's template writes it (`FAMILIES`: Qwen3 by default, gpt-oss harmony, GLM);
 `server_process` runs a benchmark's server in a process of its own. `TOOL_OUTPUTS` says how
 much new content each turn brings: how many tool calls the stub's answer makes, and how long each result is.
