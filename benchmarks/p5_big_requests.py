@@ -137,7 +137,7 @@ async def big_agent(
 
 async def run(args: argparse.Namespace) -> tuple[Timeline, ServerReport, float]:
     cpus = set(os.sched_getaffinity(0))
-    async with server_process(serve, args.rollouts + args.big, 1, cpus) as running:
+    async with server_process(serve, args.rollouts + args.big, 1, cpus, None, None, None) as running:
         small, big = running.endpoints[: args.rollouts], running.endpoints[args.rollouts :]
         timeline, stop, rng = Timeline(), asyncio.Event(), random.Random(0)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
