@@ -38,7 +38,8 @@ Real generations take seconds, so real rollouts send far fewer requests per seco
 
 Run: `SWE_GRPO_CACHE=/tmp/swecache .venv/bin/python benchmarks/p2_concurrency.py` (~6 minutes a
 generator; options `--generator`, `--hosts`, `--rollouts`, `--turns`, `--think`, `--tool-output`,
-`--no-saturation`, `--max-seconds`, `--json`). Each row also goes to `--json`
+`--no-saturation`, `--max-seconds`, `--json`; `--stages` adds the servers' CPU per request by stage, from
+`_stages.py`). Each row also goes to `--json`
 (benchmarks/results/p2_concurrency.json by default), with the date, the machine and its load average.
 """
 
@@ -85,6 +86,7 @@ from _pi_agent import (
     server_process,
 )
 from _provenance import Provenance
+from _stages import OUTERMOST, StageClock
 
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import VLLMClient
@@ -111,6 +113,8 @@ class ServerReport:
     gc_pause_total_s: float
     gc_full_pause_max_s: float
     gc_pause_max_cpu_s: float  # of any collection, in the collecting thread's CPU time: the collector's own work
+    loop_cpu_s: float  # CPU of the thread that runs the event loop, over the traffic (what queues the requests)
+    stages_cpu_s: dict[str, float]  # CPU per stage of a request (`_stages`; empty without --stages)
 
     @classmethod
     def merged(cls, reports: list[ServerReport]) -> ServerReport:
@@ -125,6 +129,8 @@ class ServerReport:
             gc_pause_total_s=sum(r.gc_pause_total_s for r in reports),
             gc_full_pause_max_s=max(r.gc_full_pause_max_s for r in reports),
             gc_pause_max_cpu_s=max(r.gc_pause_max_cpu_s for r in reports),
+            loop_cpu_s=sum(r.loop_cpu_s for r in reports),
+            stages_cpu_s={k: sum(r.stages_cpu_s[k] for r in reports) for k in reports[0].stages_cpu_s},
         )
 
 
@@ -136,13 +142,15 @@ def serve(
     vllm_url: str | None,
     profile: Path | None,
     gc_threshold: tuple[int, ...] | None,
+    stages: bool = False,
 ) -> None:
     """Entry point of the server process: generation through `VLLMClient` at `vllm_url`, or (None) the
     in-process `StubGenerator`. `profile`: a folder to write the server's cProfile of the traffic to;
-    `gc_threshold`: the collector's thresholds to serve with (an experiment; None: the server's own)."""
+    `gc_threshold`: the collector's thresholds to serve with (an experiment; None: the server's own); `stages`: clock
+    the CPU of each stage of a request (`_stages`)."""
     os.sched_setaffinity(0, cpus)
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(_serve(conn, rollouts, calls, vllm_url, profile, gc_threshold))
+    asyncio.run(_serve(conn, rollouts, calls, vllm_url, profile, gc_threshold, stages))
 
 
 async def _serve(
@@ -152,7 +160,9 @@ async def _serve(
     vllm_url: str | None,
     profile: Path | None,
     gc_threshold: tuple[int, ...] | None,
+    stages: bool,
 ) -> None:
+    clock = StageClock().install() if stages else None
     tokenizer = load_tokenizer()
     client = None
     if vllm_url is not None:
@@ -204,9 +214,13 @@ async def _serve(
     profiler = cProfile.Profile(time.process_time) if profile else None
     if profiler:
         profiler.enable()
+    if clock:
+        clock.reset()  # the traffic only: not the template's probes
+    loop_cpu = time.thread_time()  # this thread runs the loop
     conn.send(endpoints)
     loop = asyncio.get_running_loop()
     while await loop.run_in_executor(None, conn.recv) != "stop":  # "report"
+        loop_cpu = time.thread_time() - loop_cpu
         if profiler and profile:  # the traffic only: not the rollouts' closing
             profiler.disable()
             profile.mkdir(parents=True, exist_ok=True)
@@ -224,6 +238,8 @@ async def _serve(
                 gc_pause_total_s=gc_stats["total"],
                 gc_full_pause_max_s=gc_stats["full_max"],
                 gc_pause_max_cpu_s=gc_stats["cpu_max"],
+                loop_cpu_s=loop_cpu,
+                stages_cpu_s=clock.cpu_s if clock else {},
             )
         )
     await server.stop()
@@ -344,7 +360,14 @@ async def run_scenario(
         running = [
             await stack.enter_async_context(
                 server_process(
-                    serve, share + 1, case.calls, server_cpus, vllm and vllm.url, args.profile, args.gc_threshold
+                    serve,
+                    share + 1,
+                    case.calls,
+                    server_cpus,
+                    vllm and vllm.url,
+                    args.profile,
+                    args.gc_threshold,
+                    args.stages,
                 )
             )
             for share in shares
@@ -454,7 +477,7 @@ def report(results: list[Result], args: argparse.Namespace, load_before: float) 
                 _ms(percentile(server_added, 99)),
                 f"{_rate(r):,.0f}",
                 f"{r.cpu[0]:.0%} / {r.cpu[1]:.0%}" + (f" / {r.cpu[2]:.0%}" if r.generator == "client" else ""),
-                f"{r.cpu[0] * r.wall_s / max(len(s.round_trips), 1) * 1e3:.1f}",
+                f"{_per_request_ms(r, r.cpu[0] * r.wall_s):.1f} / {_per_request_ms(r, r.server.loop_cpu_s):.1f}",
                 " / ".join(f"{x:,.0f}" for x in r.rss_mib),
                 f"{r.server.gc_full} ({_ms(r.server.gc_full_pause_max_s)} ms) / {_ms(r.server.gc_pause_max_s)} ms "
                 f"({_ms(r.server.gc_pause_max_cpu_s)} ms CPU)",
@@ -471,11 +494,12 @@ def report(results: list[Result], args: argparse.Namespace, load_before: float) 
         "added p99 in the server",
         "requests/s",
         "CPU server / agents (/ stub vLLM)",
-        "server CPU ms / request",
+        "server CPU ms / request (its loop's thread)",
         "server RSS MiB before / after / peak",
         "full GCs (longest) / longest GC pause (longest in CPU time)",
     ]
     out += [markdown_table(headers, rows), ""]
+    out += _stages_report(results)
     saturated = {r.hosts: r for r in results if r.scenario.think_s[1] == 0}
     for r in results:
         s = r.stats
@@ -533,6 +557,29 @@ def report(results: list[Result], args: argparse.Namespace, load_before: float) 
     return "\n".join(out)
 
 
+def _per_request_ms(r: Result, cpu_s: float) -> float:
+    return cpu_s / max(len(r.stats.round_trips), 1) * 1e3
+
+
+def _stages_report(results: list[Result]) -> list[str]:
+    """The servers' CPU per request by stage (`--stages`), one column per result."""
+    measured = [r for r in results if r.server.stages_cpu_s]
+    if not measured:
+        return []
+    headers = ["stage (server CPU ms / request)"] + [f"{r.hosts} host(s), {r.scenario.name}" for r in measured]
+    rows = [
+        [stage] + [f"{_per_request_ms(r, r.server.stages_cpu_s[stage]):.3f}" for r in measured]
+        for stage in measured[0].server.stages_cpu_s
+    ]
+    rest = [r.cpu[0] * r.wall_s - sum(r.server.stages_cpu_s[stage] for stage in OUTERMOST) for r in measured]
+    rows.append(
+        ["in no stage (aiohttp both sides, event loop, SSE, collector)"]
+        + [f"{_per_request_ms(r, x):.3f}" for r, x in zip(measured, rest, strict=True)]
+    )
+    rows.append(["all (the server process)"] + [f"{_per_request_ms(r, r.cpu[0] * r.wall_s):.3f}" for r in measured])
+    return [markdown_table(headers, rows), ""]
+
+
 def _row(r: Result, rollouts: int) -> dict[str, Any]:
     """One result as a JSON object (times in ms, CPU as a fraction of one core)."""
     s = r.stats
@@ -554,7 +601,9 @@ def _row(r: Result, rollouts: int) -> dict[str, Any]:
         "cpu_servers": r.cpu[0],
         "cpu_agents": r.cpu[1],
         "cpu_stub_vllm": r.cpu[2],
-        "server_cpu_ms_per_request": r.cpu[0] * r.wall_s / max(len(s.round_trips), 1) * 1e3,
+        "server_cpu_ms_per_request": _per_request_ms(r, r.cpu[0] * r.wall_s),
+        "server_loop_thread_cpu_ms_per_request": _per_request_ms(r, r.server.loop_cpu_s),
+        "server_stage_cpu_ms_per_request": {k: _per_request_ms(r, v) for k, v in r.server.stages_cpu_s.items()},
         "server_rss_mib": dict(zip(("before", "after", "peak"), r.rss_mib, strict=True)),
         "rss_growth_mib_per_rollout": (r.rss_mib[1] - r.rss_mib[0]) / rollouts,
         "gc_full": r.server.gc_full,
@@ -593,6 +642,9 @@ def main() -> int:
         "--profile",
         type=Path,
         help="folder for each server's cProfile of the traffic, in CPU time (server-PID.prof; slows it)",
+    )
+    parser.add_argument(
+        "--stages", action="store_true", help="the servers' CPU per stage of a request (benchmarks/_stages.py)"
     )
     args = parser.parse_args()
     args.hosts_text = args.hosts.replace(",", "/")
