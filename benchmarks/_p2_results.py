@@ -12,6 +12,7 @@ from typing import Any
 
 from _pi_agent import FAMILIES, TOOL_OUTPUTS, markdown_table, percentile
 from _provenance import Provenance
+from _stages import OUTERMOST
 
 STUB_LATENCY_S = 0.05
 
@@ -29,6 +30,8 @@ class ServerReport:
     gc_pause_total_s: float
     gc_full_pause_max_s: float
     gc_pause_max_cpu_s: float  # of any collection, in the collecting thread's CPU time: the collector's own work
+    loop_cpu_s: float  # CPU of the thread that runs the event loop, over the traffic (what queues the requests)
+    stages_cpu_s: dict[str, float]  # CPU per stage of a request (`_stages`; empty without --stages)
 
     @classmethod
     def merged(cls, reports: list[ServerReport]) -> ServerReport:
@@ -43,6 +46,8 @@ class ServerReport:
             gc_pause_total_s=sum(r.gc_pause_total_s for r in reports),
             gc_full_pause_max_s=max(r.gc_full_pause_max_s for r in reports),
             gc_pause_max_cpu_s=max(r.gc_pause_max_cpu_s for r in reports),
+            loop_cpu_s=sum(r.loop_cpu_s for r in reports),
+            stages_cpu_s={k: sum(r.stages_cpu_s[k] for r in reports) for k in reports[0].stages_cpu_s},
         )
 
 
@@ -120,7 +125,7 @@ def report(results: list[Result], args: argparse.Namespace, load_before: float) 
                 _ms(percentile(server_added, 99)),
                 f"{_rate(r):,.0f}",
                 f"{r.cpu[0]:.0%} / {r.cpu[1]:.0%}" + (f" / {r.cpu[2]:.0%}" if r.generator == "client" else ""),
-                f"{r.cpu[0] * r.wall_s / max(len(s.round_trips), 1) * 1e3:.1f}",
+                f"{_per_request_ms(r, r.cpu[0] * r.wall_s):.1f} / {_per_request_ms(r, r.server.loop_cpu_s):.1f}",
                 " / ".join(f"{x:,.0f}" for x in r.rss_mib),
                 f"{r.server.gc_full} ({_ms(r.server.gc_full_pause_max_s)} ms) / {_ms(r.server.gc_pause_max_s)} ms "
                 f"({_ms(r.server.gc_pause_max_cpu_s)} ms CPU)",
@@ -137,11 +142,12 @@ def report(results: list[Result], args: argparse.Namespace, load_before: float) 
         "added p99 in the server",
         "requests/s",
         "CPU server / agents (/ stub vLLM)",
-        "server CPU ms / request",
+        "server CPU ms / request (its loop's thread)",
         "server RSS MiB before / after / peak",
         "full GCs (longest) / longest GC pause (longest in CPU time)",
     ]
     out += [markdown_table(headers, rows), ""]
+    out += _stages_report(results)
     saturated = {r.hosts: r for r in results if r.scenario.think_s[1] == 0}
     for r in results:
         s = r.stats
@@ -199,6 +205,29 @@ def report(results: list[Result], args: argparse.Namespace, load_before: float) 
     return "\n".join(out)
 
 
+def _per_request_ms(r: Result, cpu_s: float) -> float:
+    return cpu_s / max(len(r.stats.round_trips), 1) * 1e3
+
+
+def _stages_report(results: list[Result]) -> list[str]:
+    """The servers' CPU per request by stage (`--stages`), one column per result."""
+    measured = [r for r in results if r.server.stages_cpu_s]
+    if not measured:
+        return []
+    headers = ["stage (server CPU ms / request)"] + [f"{r.hosts} host(s), {r.scenario.name}" for r in measured]
+    rows = [
+        [stage] + [f"{_per_request_ms(r, r.server.stages_cpu_s[stage]):.3f}" for r in measured]
+        for stage in measured[0].server.stages_cpu_s
+    ]
+    rest = [r.cpu[0] * r.wall_s - sum(r.server.stages_cpu_s[stage] for stage in OUTERMOST) for r in measured]
+    rows.append(
+        ["in no stage (aiohttp both sides, event loop, SSE, collector)"]
+        + [f"{_per_request_ms(r, x):.3f}" for r, x in zip(measured, rest, strict=True)]
+    )
+    rows.append(["all (the server process)"] + [f"{_per_request_ms(r, r.cpu[0] * r.wall_s):.3f}" for r in measured])
+    return [markdown_table(headers, rows), ""]
+
+
 def _row(r: Result, rollouts: int) -> dict[str, Any]:
     """One result as a JSON object (times in ms, CPU as a fraction of one core)."""
     s = r.stats
@@ -220,7 +249,9 @@ def _row(r: Result, rollouts: int) -> dict[str, Any]:
         "cpu_servers": r.cpu[0],
         "cpu_agents": r.cpu[1],
         "cpu_stub_vllm": r.cpu[2],
-        "server_cpu_ms_per_request": r.cpu[0] * r.wall_s / max(len(s.round_trips), 1) * 1e3,
+        "server_cpu_ms_per_request": _per_request_ms(r, r.cpu[0] * r.wall_s),
+        "server_loop_thread_cpu_ms_per_request": _per_request_ms(r, r.server.loop_cpu_s),
+        "server_stage_cpu_ms_per_request": {k: _per_request_ms(r, v) for k, v in r.server.stages_cpu_s.items()},
         "server_rss_mib": dict(zip(("before", "after", "peak"), r.rss_mib, strict=True)),
         "rss_growth_mib_per_rollout": (r.rss_mib[1] - r.rss_mib[0]) / rollouts,
         "gc_full": r.server.gc_full,

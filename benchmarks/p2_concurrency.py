@@ -43,7 +43,8 @@ template writes it. Both go into the results JSON (`dialect`, `family`).
 
 Run: `SWE_GRPO_CACHE=/tmp/swecache .venv/bin/python benchmarks/p2_concurrency.py` (~6 minutes a
 generator; options `--generator`, `--hosts`, `--rollouts`, `--turns`, `--think`, `--tool-output`,
-`--dialect`, `--family`, `--no-saturation`, `--max-seconds`, `--json`). Each row also goes to `--json`
+`--dialect`, `--family`, `--no-saturation`, `--max-seconds`, `--json`; `--stages` adds the servers' CPU per request
+by stage, from `_stages.py`). Each row also goes to `--json`
 (benchmarks/results/p2_concurrency.json by default), with the date, the machine and its load average.
 """
 
@@ -90,6 +91,7 @@ from _pi_agent import (
     server_process,
 )
 from _provenance import Provenance
+from _stages import StageClock
 
 from swe_grpo.serving.interception import InterceptionServer
 from swe_grpo.serving.vllm_client import VLLMClient
@@ -111,14 +113,15 @@ def serve(
     profile: Path | None,
     gc_threshold: tuple[int, ...] | None,
     family: str = "qwen",
+    stages: bool = False,
 ) -> None:
     """Entry point of the server process: generation through `VLLMClient` at `vllm_url`, or (None) the
     in-process `StubGenerator`. `profile`: a folder to write the server's cProfile of the traffic to;
     `gc_threshold`: the collector's thresholds to serve with (an experiment; None: the server's own);
-    `family`: whose template it serves (`FAMILIES`)."""
+    `family`: whose template it serves (`FAMILIES`); `stages`: clock the CPU of each stage of a request (`_stages`)."""
     os.sched_setaffinity(0, cpus)
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(_serve(conn, rollouts, calls, vllm_url, profile, gc_threshold, family))
+    asyncio.run(_serve(conn, rollouts, calls, vllm_url, profile, gc_threshold, family, stages))
 
 
 async def _serve(
@@ -129,7 +132,9 @@ async def _serve(
     profile: Path | None,
     gc_threshold: tuple[int, ...] | None,
     family: str,
+    stages: bool,
 ) -> None:
+    clock = StageClock().install() if stages else None
     tokenizer = load_tokenizer(family)
     client = None
     if vllm_url is not None:
@@ -181,9 +186,13 @@ async def _serve(
     profiler = cProfile.Profile(time.process_time) if profile else None
     if profiler:
         profiler.enable()
+    if clock:
+        clock.reset()  # the traffic only: not the template's probes
+    loop_cpu = time.thread_time()  # this thread runs the loop
     conn.send(endpoints)
     loop = asyncio.get_running_loop()
     while await loop.run_in_executor(None, conn.recv) != "stop":  # "report"
+        loop_cpu = time.thread_time() - loop_cpu
         if profiler and profile:  # the traffic only: not the rollouts' closing
             profiler.disable()
             profile.mkdir(parents=True, exist_ok=True)
@@ -201,6 +210,8 @@ async def _serve(
                 gc_pause_total_s=gc_stats["total"],
                 gc_full_pause_max_s=gc_stats["full_max"],
                 gc_pause_max_cpu_s=gc_stats["cpu_max"],
+                loop_cpu_s=loop_cpu,
+                stages_cpu_s=clock.cpu_s if clock else {},
             )
         )
     await server.stop()
@@ -301,6 +312,7 @@ async def run_scenario(
                     args.profile,
                     args.gc_threshold,
                     args.family,
+                    args.stages,
                 )
             )
             for share in shares
@@ -396,6 +408,9 @@ def main() -> int:
         "--profile",
         type=Path,
         help="folder for each server's cProfile of the traffic, in CPU time (server-PID.prof; slows it)",
+    )
+    parser.add_argument(
+        "--stages", action="store_true", help="the servers' CPU per stage of a request (benchmarks/_stages.py)"
     )
     args = parser.parse_args()
     args.hosts_text = args.hosts.replace(",", "/")

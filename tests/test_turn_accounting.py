@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -310,3 +311,30 @@ async def test_a_fork_of_a_long_history_does_not_stall_the_event_loop(http) -> N
         record = handle.record
     assert [t.kind for t in record.turns] == ["clean", "fork"]
     assert max(lags) < 0.2, max(lags)
+
+
+async def test_a_turn_is_prepared_where_what_it_brings_says(http, monkeypatch) -> None:
+    """A turn that brings a tool result's worth of new content is prepared in the server's turn threads (tokenising
+    it releases the GIL: it runs beside the event loop); one that brings a line, on the loop itself; one that brings
+    more than `BULK_BYTES`, in the bulk threads of lower priority."""
+    threads: list[str] = []
+    prepare = TokenChain.prepare
+
+    def where(self: TokenChain, *args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return prepare(self, *args, **kwargs)
+
+    monkeypatch.setattr(TokenChain, "prepare", where)
+    generator = ScriptedGenerator.texts(training("qwen3"), ["Done.<|im_end|>"])
+    async with stub_server("qwen3", generator) as srv, srv.rollout() as handle:
+        convo = PiConversation()
+        for content in ["Go on.", "def f():\n    return 1\n" * 200, "Ok.", "x = 1\n" * 10_000]:
+            convo.messages.append({"role": "user", "content": content})
+            convo.add_reply(await chat(http, handle.endpoint, convo.request()))
+    assert [t.kind for t in handle.record.turns] == ["clean"] * 4
+    # The first request brings the whole conversation (Pi's system prompt and tools): not on the loop either.
+    assert [name.rsplit("_", 1)[0] for name in threads[1:]] == [
+        "interception-turn",
+        threading.current_thread().name,
+        "interception-bulk",
+    ]

@@ -62,7 +62,6 @@ import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +74,7 @@ from swe_grpo.serving.handle import RolloutHandle, SessionOps, Socket
 from swe_grpo.serving.limits import BodyShare, ConnectionBudget, Listener, Rate, ServingLimits, return_big_buffers
 from swe_grpo.serving.openai_wire import Answer, APIError, errors_as, json_response, read_body, stream_mode
 from swe_grpo.serving.session import RolloutRecord, RolloutSession
-from swe_grpo.serving.turn import TurnTransaction, bulk_executor, requested_sampling
+from swe_grpo.serving.turn import PrepareThreads, TurnTransaction, requested_sampling
 from swe_grpo.serving.vllm_client import Generator, SamplingParams
 from swe_grpo.tokens.chain import MessageFormatError, TokenChain
 from swe_grpo.tokens.layouts import load_layout
@@ -144,7 +143,7 @@ class InterceptionServer:
         self._closed: OrderedDict[str, str] = OrderedDict()  # rollout_id -> token
         self._runner: web.AppRunner | None = None
         self._gc_threshold = gc.get_threshold()  # the process's own, given back by stop()
-        self._bulk: ThreadPoolExecutor | None = None
+        self._prep: PrepareThreads | None = None
         self._doors: dict[str, tuple[RolloutSession, Listener]] = {}  # socket path -> its rollout and listener
         self._tcp: Listener | None = None
         self._tcp_owners: dict[asyncio.BaseTransport, RolloutSession] = {}  # a TCP connection -> its rollout
@@ -187,7 +186,7 @@ class InterceptionServer:
         self._gc_threshold = gc.get_threshold()
         gc.set_threshold(*SERVING_GC_THRESHOLD)
         return_big_buffers()
-        self._bulk = bulk_executor()  # big requests are prepared there (`swe_grpo.serving.turn`)
+        self._prep = PrepareThreads.start()  # turns are prepared there (`swe_grpo.serving.turn`)
         # aiohttp's keepalive timeout runs from a connection's opening and from each reply until a whole
         # request head arrived: the header and idle timeout in one (`swe_grpo.serving.limits`).
         self._runner = web.AppRunner(self.app(), access_log=None, keepalive_timeout=self.limits.idle_timeout_s)
@@ -217,9 +216,9 @@ class InterceptionServer:
             self._runner = None
             gc.unfreeze()
             gc.set_threshold(*self._gc_threshold)
-        if self._bulk is not None:
-            self._bulk.shutdown(wait=False, cancel_futures=True)
-            self._bulk = None
+        if self._prep is not None:
+            self._prep.shutdown()
+            self._prep = None
 
     async def __aenter__(self) -> InterceptionServer:
         return await self.start()
@@ -427,7 +426,7 @@ class InterceptionServer:
                 body, _ = await self._read_body(request)
                 chat = dialects.MESSAGES.to_chat(body)
                 prepare = functools.partial(rollout.chain.prepare, chat["messages"], chat.get("tools"))
-                turn = await asyncio.get_running_loop().run_in_executor(self._bulk, prepare)
+                turn = await asyncio.get_running_loop().run_in_executor(self._prep and self._prep.bulk, prepare)
             except MessageFormatError as e:
                 rollout.record_error("bad_request", str(e), turn_index)
                 raise APIError(400, str(e)) from None
@@ -466,7 +465,7 @@ class InterceptionServer:
                 model = rollout.endpoint.model
                 answer = Answer(request, stream, include_usage, model, dialect.wire(model, include_usage))
                 turn = TurnTransaction(
-                    rollout, answer, self.generator, self.parser, self.policy, self.keepalive_s, self._bulk, self.limits
+                    rollout, answer, self.generator, self.parser, self.policy, self.keepalive_s, self._prep, self.limits
                 )
                 try:
                     return await turn.run(body, size, params)

@@ -249,10 +249,10 @@ class Answer:
             return False
         try:
             await self.response.prepare(self.request)  # once; later calls return at once
-            if data:
+            if eof:  # the last data and the stream's end in one send
+                await self.response.write_eof(data)
+            elif data:
                 await self.response.write(data)
-            if eof:
-                await self.response.write_eof()
         except ConnectionError:  # reset, broken pipe, or aiohttp's "Connection lost" while a big write drains
             return False
         return True

@@ -2,11 +2,11 @@
 
 `TurnTransaction.run` serves one chat request whose body was read and checked, while its rollout's lock is held:
 
-- prepare: the rollout's TokenChain turns the messages into exact prompt ids (`TokenChain.prepare`). A request
-  that brings more than `BULK_BYTES` of new content (a big tool output), or makes the chain render a long history
-  whole (a fork), is prepared in the bulk executor (`bulk_executor`: threads of lower CPU priority; the tokenizer
-  releases the GIL), so that one rollout's megabyte-sized history does not stall the others; smaller ones are
-  cheaper on the event loop than a thread hop.
+- prepare: the rollout's TokenChain turns the messages into exact prompt ids (`TokenChain.prepare`), off the event
+  loop (`PrepareThreads`) unless the request brings little: tokenising its new content releases the GIL, so it runs
+  beside the loop. A request that brings more than `BULK_BYTES` of new content (a big tool output), or makes the
+  chain render a long history whole (a fork), is prepared in threads of lower CPU priority, so that one rollout's
+  megabyte-sized history does not stall the others; one under `THREAD_BYTES`, on the loop (cheaper than a hop).
 - generate: the `Generator` (vLLM) produces token ids and log-probs under the live policy (`Policy`, read when the
   generation starts; its version is committed with the tokens). While it runs, a streaming answer sends an SSE
   keep-alive every `keepalive_s` (its headers went out when the prompt was ready, so that agent idle timeouts
@@ -34,7 +34,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -60,16 +60,34 @@ from swe_grpo.types import Policy
 log = logging.getLogger(__name__)
 
 # A request that brings more new bytes than this (a big tool output, or a rollout's first request with a long
-# history) is prepared in the bulk executor; below it, the two thread hops cost more than they save.
+# history) is prepared in `PrepareThreads.bulk`.
 BULK_BYTES = 32 * 1024
+# One that brings more than this (a turn's tool results, usually) is prepared in `PrepareThreads.turns`; below it, the
+# thread hops cost the event loop more than they take off it.
+THREAD_BYTES = 1024
 _BULK_THREADS = 4
 _BULK_NICE = 10
+_TURN_THREADS = 2
 
 
-def bulk_executor() -> ThreadPoolExecutor:
-    """The threads big requests are prepared in. Linux nice values are per thread: these yield the CPU to the event
-    loop and to the other rollouts' turns, so a big request takes longer instead of slowing everyone down."""
-    return ThreadPoolExecutor(_BULK_THREADS, "interception-bulk", initializer=os.nice, initargs=(_BULK_NICE,))
+@dataclass(frozen=True, slots=True)
+class PrepareThreads:
+    """Where turns are prepared off the event loop, theirs alone (not the loop's default threads, which sandbox work
+    may hold for seconds). `turns`: threads at normal priority for a turn's usual new content. `bulk`: threads for big
+    requests; Linux nice values are per thread, and these yield the CPU to the event loop and to the other rollouts'
+    turns, so a big request takes longer instead of slowing everyone down."""
+
+    turns: ThreadPoolExecutor
+    bulk: ThreadPoolExecutor
+
+    @classmethod
+    def start(cls) -> PrepareThreads:
+        bulk = ThreadPoolExecutor(_BULK_THREADS, "interception-bulk", initializer=os.nice, initargs=(_BULK_NICE,))
+        return cls(ThreadPoolExecutor(_TURN_THREADS, "interception-turn"), bulk)
+
+    def shutdown(self) -> None:
+        for pool in (self.turns, self.bulk):
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def requested_sampling(body: dict[str, Any], base: SamplingParams) -> SamplingParams:
@@ -86,8 +104,8 @@ def requested_sampling(body: dict[str, Any], base: SamplingParams) -> SamplingPa
 
 @dataclass(frozen=True, slots=True)
 class TurnTransaction:
-    """One turn of `rollout`, answered through `answer` (see the module docstring). `bulk`: the executor big
-    requests are prepared in (None: the default executor)."""
+    """One turn of `rollout`, answered through `answer` (see the module docstring). `threads`: where it is prepared
+    off the event loop (None: the loop's default threads)."""
 
     rollout: RolloutSession
     answer: Answer
@@ -95,7 +113,7 @@ class TurnTransaction:
     parser: ResponseParser
     policy: Callable[[], Policy]
     keepalive_s: float
-    bulk: Executor | None
+    threads: PrepareThreads | None
     limits: ServingLimits
 
     async def run(self, body: dict[str, Any], size: int, params: SamplingParams) -> web.StreamResponse:
@@ -125,7 +143,8 @@ class TurnTransaction:
     async def _prepare(self, body: dict[str, Any], size: int) -> PreparedTurn:
         """The chain's prepared turn for the request. Agents re-send the whole history: what a request brings is,
         roughly, how much it grew. A request that brings much, or makes the chain render a long history whole (a
-        fork), is prepared in the bulk threads, the rollout's lock still held (its requests stay in order)."""
+        fork), is prepared in the bulk threads, one that brings little on the loop, any other in the turn threads; the
+        rollout's lock is held meanwhile (its requests stay in order)."""
         rollout = self.rollout
         chain = rollout.chain
         messages, tools = body.get("messages"), body.get("tools")
@@ -134,7 +153,10 @@ class TurnTransaction:
             plan = chain.plan(messages, tools)  # decided once: normalising and comparing a long history costs
             bulk = grew > BULK_BYTES or (size > BULK_BYTES and plan.renders_whole_history)
             prepare = functools.partial(chain.prepare, messages, tools, plan)
-            return await asyncio.get_running_loop().run_in_executor(self.bulk, prepare) if bulk else prepare()
+            if not bulk and grew <= THREAD_BYTES:
+                return prepare()
+            threads = self.threads and (self.threads.bulk if bulk else self.threads.turns)
+            return await asyncio.get_running_loop().run_in_executor(threads, prepare)
         except MessageFormatError as e:
             rollout.record_error("bad_request", str(e), len(chain.turns))
             raise APIError(400, str(e)) from None
