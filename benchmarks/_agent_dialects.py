@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from _pi_agent import CHAT, SYSTEM_PROMPT, TOOLS, USER_TASK, Answer, ClientWire
+from _pi_agent import CHAT, SYSTEM_PROMPT, TOOLS, USER_TASK, Answer, ClientWire, request_tail
 
 _SESSION = "01a21eea-e377-73d1-8feb-7a0bfb0a08bc"  # a session id, as Codex and Claude Code send one
 
@@ -44,20 +44,17 @@ class ResponsesClient:
 
     name: str = "responses"
     route: str = "/responses"
-    tail: bytes = (
-        b"],"
-        + orjson.dumps(
-            {
-                "tools": [{"type": "function", **t["function"]} for t in TOOLS],
-                "tool_choice": "auto",
-                "parallel_tool_calls": True,
-                "reasoning": {"summary": "auto"},
-                "store": False,
-                "stream": True,
-                "include": ["reasoning.encrypted_content"],
-                "prompt_cache_key": _SESSION,
-            }
-        )[1:]
+    tail: bytes = request_tail(
+        {
+            "tools": [{"type": "function", **t["function"]} for t in TOOLS],
+            "tool_choice": "auto",
+            "parallel_tool_calls": True,
+            "reasoning": {"summary": "auto"},
+            "store": False,
+            "stream": True,
+            "include": ["reasoning.encrypted_content"],
+            "prompt_cache_key": _SESSION,
+        }
     )
 
     def headers(self, token: str) -> dict[str, str]:
@@ -107,24 +104,21 @@ class MessagesClient:
 
     name: str = "messages"
     route: str = "/messages"
-    tail: bytes = (
-        b"],"
-        + orjson.dumps(
-            {
-                "tools": [
-                    {
-                        "name": t["function"]["name"],
-                        "description": t["function"]["description"],
-                        "input_schema": t["function"]["parameters"],
-                    }
-                    for t in TOOLS
-                ],
-                "metadata": {"user_id": json.dumps({"session_id": _SESSION})},
-                "max_tokens": 32000,
-                "thinking": {"type": "adaptive"},
-                "stream": True,
-            }
-        )[1:]
+    tail: bytes = request_tail(
+        {
+            "tools": [
+                {
+                    "name": t["function"]["name"],
+                    "description": t["function"]["description"],
+                    "input_schema": t["function"]["parameters"],
+                }
+                for t in TOOLS
+            ],
+            "metadata": {"user_id": json.dumps({"session_id": _SESSION})},
+            "max_tokens": 32000,
+            "thinking": {"type": "adaptive"},
+            "stream": True,
+        }
     )
 
     def headers(self, token: str) -> dict[str, str]:

@@ -338,17 +338,20 @@ class ClientWire(Protocol):
         ...
 
 
+def request_tail(fields: dict[str, Any]) -> bytes:
+    """What follows a request's history array: `],` and `fields` as the rest of the request's JSON object (written
+    once: only the history changes from turn to turn)."""
+    return b"]," + orjson.dumps(fields)[1:]
+
+
 @dataclass(frozen=True)
 class ChatClient:
     """Pi's wire (`openai-completions`): OpenAI chat completions."""
 
     name: str = "chat"
     route: str = "/chat/completions"
-    tail: bytes = (
-        b"],"
-        + orjson.dumps({"tools": TOOLS, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 4096})[
-            1:
-        ]
+    tail: bytes = request_tail(
+        {"tools": TOOLS, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 4096}
     )
 
     def headers(self, token: str) -> dict[str, str]:
